@@ -1,0 +1,396 @@
+"""Configuration: one dataclass per concern, named presets, one override mechanism.
+
+    TrainConfig
+      model     ModelConfig      which VLM, dtype, 4-bit, image size
+      lora      LoRAConfig       rank, alpha, targets
+      sampling  SamplingConfig   G, max_new_tokens, temperature, top-k/p
+      optim     OptimConfig      lr + schedule, clip, accumulation, the GRPO loss knobs
+      rewards   RewardConfig     which reward components, their weights, tolerance
+      phase     PhaseConfig      curriculum phase: stage mixture, init checkpoint, steps
+      run       RunConfig        run directory, seed, data, eval/checkpoint cadence
+
+Every knob that is set must be the knob that runs (R1-VL's trainer silently sampled at
+temperature 1 although configured 1.2): the trainer prints the resolved config at start
+and saves it as JSON in the run directory, and `override()` refuses keys it doesn't know.
+
+Overrides are ``--key value`` where key is ``section.field`` (``--sampling.G 4``) or a
+field name that is unique across sections (``--G 4``). Values are parsed by the field's
+type: ints, floats, bools (true/false/1/0/yes/no), strings, tuples (comma separated) and
+dicts (``name=value,name=value``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+PHASES = ("warmup", "A", "B", "C")
+
+# Verifier weights per phase, DESIGN.md section 4 (staged paper's initial weights).
+PHASE_WEIGHTS: dict[str, dict[str, float]] = {
+    "A": dict(format=1.0, parseable=1.0, finished=1.5, correctness=2.0, brevity=0.25, tolerance=0.0),
+    "B": dict(format=0.75, parseable=0.75, finished=1.0, correctness=4.0, brevity=0.20, tolerance=0.0),
+    "C": dict(format=0.5, parseable=0.5, finished=0.75, correctness=5.0, brevity=0.20, tolerance=1.0),
+}
+# Curriculum stage mixtures (stage -> probability) and the checkpoint each phase starts from.
+PHASE_MIXTURE: dict[str, dict[int, float]] = {
+    "warmup": {1: 0.5, 2: 0.3, 3: 0.2},
+    "A": {1: 1.0},
+    "B": {1: 0.7, 2: 0.3},
+    "C": {2: 0.6, 3: 0.4},
+}
+PHASE_INIT: dict[str, str] = {"warmup": "base", "A": "warmup:latest", "B": "A:best_structure", "C": "B:best_composite"}
+
+
+class ConfigError(ValueError):
+    """A bad configuration value or key; the message names it and says what to do."""
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny"
+    """'tiny' (the embedded model, built on first use), a local directory, or a hub id."""
+    dtype: str = "float32"
+    """Compute dtype of the base: float32 (CPU default) or bfloat16 (GPU)."""
+    load_in_4bit: bool = False
+    """Quantise the language model's linear layers to NF4 (bitsandbytes, double quant)."""
+    image_size: int = 112
+    """Side of the synthetic images in pixels (112 px = 16 visual tokens after merging)."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward to save memory (useful for the 7B)."""
+    device: str = "auto"
+    """'auto' (cuda if available, else cpu), 'cpu' or 'cuda[:i]'."""
+
+
+@dataclass
+class LoRAConfig:
+    rank: int = 8
+    """LoRA rank r."""
+    alpha: float = 8.0
+    """LoRA scale numerator: the update is (alpha / r) * B A x."""
+    dropout: float = 0.0
+    """Dropout on the LoRA input branch."""
+    targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    """Module-name suffixes to adapt in the language model (the vision tower is excluded)."""
+    dtype: str = "float32"
+    """Storage dtype of the LoRA weights: float32 or bfloat16."""
+
+
+@dataclass
+class SamplingConfig:
+    G: int = 8
+    """Group size: completions sampled per prompt (the 'G' in GRPO)."""
+    max_new_tokens: int = 48
+    """L: the completion budget; also the brevity/truncation reference length."""
+    temperature: float = 1.0
+    """Sampling temperature (the log-probs of the loss use the same temperature)."""
+    top_k: int = 0
+    """Keep the k most likely tokens (0 = off)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass (1.0 = off)."""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 2e-3
+    """Peak learning rate of AdamW on the LoRA parameters."""
+    schedule: str = "constant"
+    """Learning-rate schedule after warm-up: constant, linear or cosine (to 10% of lr)."""
+    warmup_steps: int = 0
+    """Linear learning-rate warm-up steps."""
+    weight_decay: float = 0.0
+    """AdamW weight decay on LoRA parameters."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value (0 = off)."""
+    accumulation: int = 1
+    """Micro-batches accumulated per optimiser step."""
+    beta: float = 0.0
+    """KL penalty coefficient (k3 estimator) against the reference (LoRA disabled)."""
+    eps_low: float = 0.2
+    """Lower clip range of the importance ratio: 1 - eps_low."""
+    eps_high: float = 0.2
+    """Upper clip range of the importance ratio: 1 + eps_high (DAPO's clip-higher uses .28)."""
+    loss_type: str = "grpo"
+    """Aggregation: grpo (per-sequence mean), bnpo (token mean), dr_grpo (sum/(N*L)), dapo."""
+    adv_scale: str = "group"
+    """Advantage scaling: group (per-group std), batch (batch std) or none (Dr. GRPO)."""
+    importance: str = "token"
+    """Importance ratio level: token (GRPO) or sequence (GSPO)."""
+
+
+@dataclass
+class RewardConfig:
+    weights: dict[str, float] = field(default_factory=lambda: dict(PHASE_WEIGHTS["A"]))
+    """Reward components and their weights; the controller changes them during training."""
+    tolerance: bool = False
+    """Credit near misses within the example's precision (phase C turns it on)."""
+    rubric_mode: str = "sequence"
+    """V-Rubrics credit: 'sequence' (one scalar) or 'prefix' (token-level, up to the evidence)."""
+    prefix_answer_weight: float = 0.5
+    """'a' in A_t = a*z(R_ans) + (1-a)*sum_j rho_j z(s_j) 1[t <= t_end_j] (prefix mode)."""
+
+
+@dataclass
+class PhaseConfig:
+    name: str = "B"
+    """Curriculum phase: warmup (SFT), A (structure), B (correctness), C (harder, tolerance)."""
+    steps: int = 60
+    """Optimiser steps in this phase."""
+    prompts_per_step: int = 4
+    """B: distinct prompts per step (each sampled G times)."""
+    mixture: dict[int, float] = field(default_factory=lambda: dict(PHASE_MIXTURE["B"]))
+    """Curriculum stage -> sampling probability."""
+    init: str = "auto"
+    """Start point: auto (the phase preset's alias), base, a selector like A:best_structure, or a path."""
+    controller: bool = True
+    """Run the metric-gated controller after each checkpoint eval."""
+
+
+@dataclass
+class RunConfig:
+    run_dir: str = "runs/default"
+    """Directory for checkpoints, logs, the resolved config and reports."""
+    seed: int = 0
+    """Seed for data order, sampling and initialisation."""
+    data: str = "synthetic"
+    """'synthetic' (built-in curriculum) or a directory of JSONL + images in MathVista schema."""
+    train_per_stage: int = 2000
+    """Synthetic training examples generated per curriculum stage."""
+    eval_size: int = 200
+    """Held-out examples for the checkpoint-side eval that feeds the controller gates."""
+    eval_every: int = 20
+    """Evaluate + checkpoint every this many steps (and at the end of the phase)."""
+    log_every: int = 10
+    """Print a one-line human summary every this many steps."""
+    run_prior_phases: bool = True
+    """If the phase's init checkpoint is missing, run the earlier phases first."""
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    rewards: RewardConfig = field(default_factory=RewardConfig)
+    phase: PhaseConfig = field(default_factory=PhaseConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=False)
+
+    def validate(self) -> "TrainConfig":
+        """Reject impossible values with one line that names the field and the fix."""
+        checks = [
+            (self.sampling.G >= 1, f"sampling.G={self.sampling.G}: the group size must be >= 1"),
+            (self.sampling.max_new_tokens >= 1, f"sampling.max_new_tokens={self.sampling.max_new_tokens}: must be >= 1"),
+            (self.sampling.temperature > 0, f"sampling.temperature={self.sampling.temperature}: must be > 0"),
+            (0 < self.sampling.top_p <= 1, f"sampling.top_p={self.sampling.top_p}: must be in (0, 1]"),
+            (self.sampling.top_k >= 0, f"sampling.top_k={self.sampling.top_k}: must be >= 0 (0 = off)"),
+            (self.lora.rank >= 1, f"lora.rank={self.lora.rank}: must be >= 1"),
+            (self.optim.lr > 0, f"optim.lr={self.optim.lr}: must be > 0"),
+            (self.optim.accumulation >= 1, f"optim.accumulation={self.optim.accumulation}: must be >= 1"),
+            (self.optim.beta >= 0, f"optim.beta={self.optim.beta}: must be >= 0"),
+            (self.optim.eps_low >= 0 and self.optim.eps_high >= 0, "optim.eps_low/eps_high must be >= 0"),
+            (self.optim.schedule in ("constant", "linear", "cosine"), f"optim.schedule={self.optim.schedule!r}: use constant, linear or cosine"),
+            (self.optim.loss_type in ("grpo", "bnpo", "dr_grpo", "dapo"), f"optim.loss_type={self.optim.loss_type!r}: use grpo, bnpo, dr_grpo or dapo"),
+            (self.optim.adv_scale in ("group", "batch", "none"), f"optim.adv_scale={self.optim.adv_scale!r}: use group, batch or none"),
+            (self.optim.importance in ("token", "sequence"), f"optim.importance={self.optim.importance!r}: use token or sequence"),
+            (self.model.dtype in ("float32", "bfloat16", "float16"), f"model.dtype={self.model.dtype!r}: use float32 or bfloat16"),
+            (self.model.image_size >= 28, f"model.image_size={self.model.image_size}: must be >= 28 (two 14-px patches)"),
+            (self.rewards.rubric_mode in ("sequence", "prefix"), f"rewards.rubric_mode={self.rewards.rubric_mode!r}: use sequence or prefix"),
+            (self.phase.name in PHASES, f"phase.name={self.phase.name!r}: use one of {', '.join(PHASES)}"),
+            (self.phase.steps >= 0, f"phase.steps={self.phase.steps}: must be >= 0"),
+            (self.phase.prompts_per_step >= 1, f"phase.prompts_per_step={self.phase.prompts_per_step}: must be >= 1"),
+            (bool(self.phase.mixture) and all(p >= 0 for p in self.phase.mixture.values()) and sum(self.phase.mixture.values()) > 0,
+             f"phase.mixture={self.phase.mixture}: needs at least one stage with positive probability"),
+            (set(self.phase.mixture) <= {1, 2, 3}, f"phase.mixture={self.phase.mixture}: stages are 1, 2 and 3"),
+            (self.run.eval_size >= 1, f"run.eval_size={self.run.eval_size}: must be >= 1"),
+            (self.run.eval_every >= 1, f"run.eval_every={self.run.eval_every}: must be >= 1"),
+            (self.run.train_per_stage >= 1, f"run.train_per_stage={self.run.train_per_stage}: must be >= 1"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ConfigError(msg)
+        bad = {k: v for k, v in self.rewards.weights.items() if not isinstance(v, (int, float))}
+        if bad:
+            raise ConfigError(f"rewards.weights has non-numeric values {bad}: give name=number pairs")
+        return self
+
+
+# ----------------------------------------------------------------------------- presets
+
+
+def phase_preset(phase: str) -> TrainConfig:
+    """The defaults of one curriculum phase on the embedded tiny model."""
+    if phase not in PHASES:
+        raise ConfigError(f"unknown phase {phase!r}: use one of {', '.join(PHASES)}")
+    cfg = TrainConfig()
+    cfg.phase.name = phase
+    cfg.phase.mixture = dict(PHASE_MIXTURE[phase])
+    if phase != "warmup":
+        cfg.rewards.weights = dict(PHASE_WEIGHTS[phase])
+        cfg.rewards.tolerance = phase == "C"
+    return cfg
+
+
+PRESETS = {
+    # The embedded default: tiny model, synthetic curriculum, CPU. (Phase-specific values
+    # are applied by phase_preset.)
+    "tiny": {},
+    # Qwen2.5-VL-7B-Instruct on one GPU, as in the staged paper: 4-bit base, rank-8 LoRA.
+    "qwen7b": {
+        "model.name": "Qwen/Qwen2.5-VL-7B-Instruct", "model.dtype": "bfloat16", "model.load_in_4bit": True,
+        "model.image_size": 448, "model.gradient_checkpointing": True, "model.device": "cuda",
+        "sampling.max_new_tokens": 256, "sampling.G": 8, "optim.lr": 1e-5, "phase.prompts_per_step": 8,
+    },
+}
+
+
+# ----------------------------------------------------------------------------- overrides
+
+
+def _fields(obj: Any) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(obj)}
+
+
+def _resolve_key(cfg: TrainConfig, key: str) -> tuple[Any, str]:
+    """Map 'section.field' or a unique 'field' to (section object, field name)."""
+    key = key.replace("-", "_")
+    sections = _fields(cfg)
+    if "." in key:
+        sec, name = key.split(".", 1)
+        if sec in sections and name in _fields(getattr(cfg, sec)):
+            return getattr(cfg, sec), name
+    else:
+        owners = [s for s in sections if key in _fields(getattr(cfg, s))]
+        if len(owners) == 1:
+            return getattr(cfg, owners[0]), key
+        if len(owners) > 1:
+            raise ConfigError(f"--{key} is ambiguous: write one of " + ", ".join(f"--{s}.{key}" for s in owners))
+    known = sorted(f"{s}.{n}" for s in sections for n in _fields(getattr(cfg, s)))
+    raise ConfigError(f"unknown config key --{key}; known keys: {', '.join(known)}")
+
+
+def _parse_value(text: str, typ: Any, key: str) -> Any:
+    origin = typing.get_origin(typ)
+    try:
+        if typ is bool:
+            low = text.strip().lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if typ is int:
+            return int(text)
+        if typ is float:
+            return float(text)
+        if typ is str:
+            return text
+        if origin is tuple:
+            return tuple(p.strip() for p in text.split(",") if p.strip())
+        if origin is dict:
+            ktyp, vtyp = typing.get_args(typ)
+            out = {}
+            for item in filter(None, (p.strip() for p in text.split(","))):
+                k, v = item.split("=", 1)
+                out[ktyp(k.strip())] = vtyp(v)
+            return out
+    except ValueError:
+        pass
+    hint = {bool: "true or false", int: "an integer", float: "a number"}.get(typ, "name=value,name=value" if origin is dict else str(typ))
+    raise ConfigError(f"--{key} {text!r}: expected {hint}")
+
+
+def override(cfg: TrainConfig, key: str, value: str | Any) -> None:
+    """Set one field from a CLI string (parsed by the field's type) or a Python value."""
+    section, name = _resolve_key(cfg, key)
+    hints = typing.get_type_hints(type(section))
+    typ = hints[name]
+    if isinstance(value, str) and typ is not str:
+        value = _parse_value(value, typ, key)
+    setattr(section, name, value)
+
+
+def apply_overrides(cfg: TrainConfig, pairs: dict[str, Any]) -> TrainConfig:
+    for k, v in pairs.items():
+        override(cfg, k, v)
+    return cfg
+
+
+def parse_override_args(argv: list[str]) -> dict[str, str]:
+    """['--sampling.G', '4', '--lr=1e-3'] -> {'sampling.G': '4', 'lr': '1e-3'}."""
+    out: dict[str, str] = {}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument {arg!r}: options are written --key value")
+        if "=" in arg:
+            k, v = arg[2:].split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(argv):
+                raise ConfigError(f"{arg} needs a value: write {arg} VALUE")
+            k, v = arg[2:], argv[i + 1]
+            i += 2
+        out[k] = v
+    return out
+
+
+def describe_fields() -> str:
+    """A help listing of every key, its default and its docstring (for --help)."""
+    import ast
+    import inspect
+
+    lines = []
+    cfg = TrainConfig()
+    for sec_name in _fields(cfg):
+        section = getattr(cfg, sec_name)
+        docs = _field_docs(type(section), ast, inspect)
+        lines.append(f"  [{sec_name}]")
+        for name in _fields(section):
+            default = getattr(section, name)
+            if isinstance(default, tuple):
+                default = ",".join(default)
+            elif isinstance(default, dict):
+                default = ",".join(f"{k}={v}" for k, v in default.items())
+            lines.append(f"    --{sec_name}.{name} (default {default})")
+            if docs.get(name):
+                lines.append(f"        {docs[name]}")
+    return "\n".join(lines)
+
+
+def _field_docs(cls: type, ast: Any, inspect: Any) -> dict[str, str]:
+    """Read the one-line docstring that follows each field in the class body."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(getattr(nxt, "value", None), ast.Constant):
+            docs[node.target.id] = str(nxt.value.value).strip()
+    return docs
+
+
+def from_json(text: str) -> TrainConfig:
+    """Rebuild a TrainConfig from its saved JSON (run directory compatibility checks)."""
+    raw = json.loads(text)
+    cfg = TrainConfig()
+    for sec_name, values in raw.items():
+        section = getattr(cfg, sec_name)
+        hints = typing.get_type_hints(type(section))
+        for name, value in values.items():
+            if typing.get_origin(hints[name]) is tuple:
+                value = tuple(value)
+            elif typing.get_origin(hints[name]) is dict:
+                ktyp = typing.get_args(hints[name])[0]
+                value = {ktyp(k): v for k, v in value.items()}
+            setattr(section, name, value)
+    return cfg
