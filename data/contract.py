@@ -50,9 +50,9 @@ INSTRUCTION = (
 _REASONING_RE = re.compile(r"<REASONING>(.*?)</REASONING>", re.DOTALL)
 _SOLUTION_RE = re.compile(r"<SOLUTION>(.*?)</SOLUTION>", re.DOTALL)
 # A plain ASCII decimal literal with optional sign, fraction and exponent.
-_NUMBER_RE = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?")
+_NUMBER_RE = re.compile(r"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?", re.ASCII)
 # Digits grouped in threes by commas, e.g. 1,000 or -12,345,678.25
-_THOUSANDS_RE = re.compile(r"[+-]?\d{1,3}(?:,\d{3})+(?:\.\d*)?(?:[eE][+-]?\d+)?")
+_THOUSANDS_RE = re.compile(r"[+-]?[0-9]{1,3}(?:,[0-9]{3})+(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?")
 
 
 def format_prompt(question: str) -> str:

@@ -1,0 +1,75 @@
+"""Config dataclasses, presets and the --key value override mechanism."""
+
+import pytest
+
+from grpo.config import (
+    PHASE_WEIGHTS,
+    ConfigError,
+    TrainConfig,
+    apply_overrides,
+    describe_fields,
+    from_json,
+    parse_override_args,
+    phase_preset,
+)
+
+
+def test_phase_presets_carry_the_design_weights():
+    for phase in ("A", "B", "C"):
+        cfg = phase_preset(phase)
+        assert cfg.rewards.weights == PHASE_WEIGHTS[phase]
+        assert cfg.rewards.tolerance is (phase == "C")
+    assert phase_preset("B").phase.mixture == {1: 0.7, 2: 0.3}
+    assert phase_preset("C").phase.mixture == {2: 0.6, 3: 0.4}
+
+
+def test_overrides_parse_by_field_type():
+    cfg = phase_preset("B")
+    args = parse_override_args(["--G", "4", "--optim.lr=1e-4", "--load_in_4bit", "yes",
+                                "--targets", "q_proj,v_proj", "--weights", "format=1,correctness=3.5",
+                                "--mixture", "1=0.5,2=0.5"])
+    apply_overrides(cfg, args)
+    assert cfg.sampling.G == 4 and cfg.optim.lr == 1e-4 and cfg.model.load_in_4bit is True
+    assert cfg.lora.targets == ("q_proj", "v_proj")
+    assert cfg.rewards.weights == {"format": 1.0, "correctness": 3.5}
+    assert cfg.phase.mixture == {1: 0.5, 2: 0.5}
+    cfg.validate()
+
+
+@pytest.mark.parametrize(
+    "argv,match",
+    [
+        (["--nonsense", "1"], "unknown config key --nonsense"),
+        (["--G", "four"], "expected an integer"),
+        (["--load_in_4bit", "maybe"], "expected true or false"),
+        (["--G"], "needs a value"),
+        (["G", "4"], "unexpected argument"),
+    ],
+)
+def test_bad_overrides_name_the_problem(argv, match):
+    with pytest.raises(ConfigError, match=match):
+        apply_overrides(TrainConfig(), parse_override_args(argv))
+
+
+@pytest.mark.parametrize(
+    "key,value,match",
+    [
+        ("G", 0, "group size must be >= 1"),
+        ("max_new_tokens", -3, "max_new_tokens=-3"),
+        ("rank", 0, "lora.rank=0"),
+        ("loss_type", "ppo", "use grpo, bnpo, dr_grpo or dapo"),
+        ("mixture", {4: 1.0}, "stages are 1, 2 and 3"),
+        ("temperature", 0.0, "temperature"),
+    ],
+)
+def test_impossible_values_are_refused(key, value, match):
+    cfg = apply_overrides(TrainConfig(), {key: value})
+    with pytest.raises(ConfigError, match=match):
+        cfg.validate()
+
+
+def test_json_round_trip_and_help():
+    cfg = apply_overrides(phase_preset("C"), {"G": 3, "targets": ("q_proj",)})
+    assert from_json(cfg.to_json()) == cfg
+    text = describe_fields()
+    assert "--sampling.G (default 8)" in text and "Group size" in text
