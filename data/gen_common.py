@@ -1,0 +1,130 @@
+"""What every synthetic family shares: the Family recipe and the supervision builders.
+
+A family is three pure functions:
+
+    sample(rng)            -> params      a small JSON-able dict, in unit coordinates,
+                                          that fixes the picture AND the question
+    annotate(params)       -> Annotation  question, gold answer and all the reward
+                                          supervision (reasoning, key steps, rubrics)
+    render(params, size)   -> PIL image
+
+Because the question and the image are functions of ``params`` alone, the canonical
+string of (family, params) is the example's *content key*: two examples with the same
+key are the same example. data/synthetic.py hashes that key into a split bucket, which
+is what makes train/val/test disjoint by construction.
+
+The worked reasoning texts are short fixed templates ("red circles: 3. blue squares: 2.
+3 + 2 = 5."): the embedded 2M-parameter model must learn to produce them in minutes, and
+R1-VL's StepRAR / RewardMap's detail reward then look for exactly these numbers in a
+policy's reasoning.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from PIL import Image
+
+from data.contract import normalize_number
+from data.schema import Intermediate, RubricItem
+
+_WORDS = ("zero one two three four five six seven eight nine ten eleven twelve thirteen "
+          "fourteen fifteen sixteen seventeen eighteen nineteen twenty").split()
+
+# V-Rubrics item weights (the paper's rubric rows use integer weights ~1..5).
+W_ESSENTIAL, W_IMPORTANT, W_OPTIONAL, W_PITFALL = 5.0, 3.0, 1.0, -4.0
+
+
+@dataclass
+class Annotation:
+    """Everything about an example that follows from its params (no pixels, no identity)."""
+
+    question: str
+    answer: str  # canonical (normalize_number) string
+    answer_type: str  # "integer" | "float"
+    precision: int | None
+    context: str  # MathVista vocabulary: "synthetic scene", "bar chart", ...
+    skills: list[str]
+    grade: str  # "elementary school" | "high school" | "college"
+    task: str  # MathVista task: "figure question answering", "geometry problem solving", ...
+    reasoning: str
+    key_steps: list[list[str]]
+    intermediates: list[Intermediate]
+    hops: int
+    rubrics: list[RubricItem] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str  # unique, part of the content key
+    stage: int
+    sample: Callable[[random.Random], dict[str, Any]]
+    annotate: Callable[[dict[str, Any]], Annotation]
+    render: Callable[[dict[str, Any], int], Image.Image]
+
+
+# ----------------------------------------------------------------------------- numbers
+
+
+def num(v: float | int) -> str:
+    """Canonical string of a number, as the contract normalises answers."""
+    s = normalize_number(repr(float(v)) if not isinstance(v, int) else str(v))
+    if s is None:
+        raise ValueError(f"not a finite number: {v!r}")
+    return s
+
+
+def alternatives(value: str) -> list[str]:
+    """Accepted spellings of an intermediate value for StepRAR: '3' -> ['3', 'three']."""
+    alts = [value]
+    if value.isdigit() and int(value) < len(_WORDS):
+        alts.append(_WORDS[int(value)])
+    return alts
+
+
+def expr_alternatives(a: str, op: str, b: str) -> list[str]:
+    """Spellings of one binary step, '3 + 2' and its spacing / commuted forms."""
+    forms = [f"{a} {op} {b}", f"{a}{op}{b}"]
+    if op in ("+", "x"):
+        forms += [f"{b} {op} {a}", f"{b}{op}{a}"]
+    if op == "x":
+        forms += [f.replace("x", "*") for f in forms]
+    return list(dict.fromkeys(forms))  # dedupe, keep order (a == b gives repeats)
+
+
+# ----------------------------------------------------------------------------- rubrics
+
+
+def rubric_read(text: str, value: str, weight: float = W_ESSENTIAL) -> RubricItem:
+    """Visual fidelity: the reasoning states a value read off the image."""
+    label = "ESSENTIAL" if weight >= W_ESSENTIAL else "IMPORTANT"
+    return RubricItem(text, "VF", label, weight, {"kind": "number", "value": value})
+
+
+def rubric_steps(text: str, values: list[str]) -> RubricItem:
+    """Reasoning correctness: the computation's numbers appear in order."""
+    return RubricItem(text, "RC", "IMPORTANT", W_IMPORTANT, {"kind": "ordered", "values": values})
+
+
+def rubric_answer(answer: str) -> RubricItem:
+    """Instruction following: the SOLUTION block holds just the gold number."""
+    return RubricItem(f"Gives {answer} as the final number", "IF", "OPTIONAL", W_OPTIONAL,
+                      {"kind": "answer", "value": answer})
+
+
+def rubric_pitfalls(answer: str, mistakes: list[tuple[str, str]]) -> list[RubricItem]:
+    """PITFALL items: the answer a typical mistake produces (dropped if it equals the gold).
+
+    Evidence is the *answer* (not a number in the reasoning), because a mistaken value
+    can also be a legitimate intermediate (3 + 4 = 7, while reading "7" off a bar is fine).
+    """
+    items, seen = [], {answer}
+    for text, wrong in mistakes:
+        if wrong in seen:
+            continue
+        seen.add(wrong)
+        items.append(RubricItem(text, "RC", "PITFALL", W_PITFALL, {"kind": "answer", "value": wrong}))
+    return items

@@ -1,0 +1,131 @@
+"""Pillow drawing helpers for the synthetic curriculum: bold shapes and seven-segment digits.
+
+Everything the generators draw goes through these few functions, in *unit coordinates*
+(0..1 across the image) scaled to pixels only here. A family's parameters therefore
+describe a picture independently of its size: the same example renders at 112 px for
+the tiny embedded model and at 224/336/448 px for a real Qwen2.5-VL, and its content key
+(which decides its split) does not change with the size.
+
+Why seven-segment digits instead of a font: at 112 px a tiny model sees 8x8 patches of
+14 px, so a digit must be a few thick strokes, not anti-aliased glyph detail. Segments
+are plain rectangles, so the pixels are identical on every machine and Pillow version
+(a FreeType font's rasterisation is not guaranteed to be), which is what makes "same
+seed -> same image bytes" a testable promise. Nothing is anti-aliased, for the same reason.
+"""
+
+from __future__ import annotations
+
+from PIL import Image, ImageDraw
+
+RGB = tuple[int, int, int]
+
+# Strong, mutually distinct colours that survive downscaling; the names are what the
+# questions say ("the red bar"), so every name must be an everyday colour word.
+COLOURS: dict[str, RGB] = {
+    "red": (220, 20, 20),
+    "blue": (20, 60, 220),
+    "green": (0, 150, 40),
+    "orange": (255, 140, 0),
+    "purple": (140, 30, 180),
+}
+BLACK: RGB = (0, 0, 0)
+WHITE: RGB = (255, 255, 255)
+GREY: RGB = (170, 170, 170)
+LIGHT_GREY: RGB = (215, 215, 215)
+
+SHAPES = ("circle", "square", "triangle")
+
+# Segments lit per character: a top, b upper right, c lower right, d bottom,
+# e lower left, f upper left, g middle.
+_SEGMENTS = {
+    "0": "abcdef", "1": "bc", "2": "abdeg", "3": "abcdg", "4": "bcfg",
+    "5": "acdfg", "6": "acdefg", "7": "abc", "8": "abcdefg", "9": "abcdfg", "-": "g",
+}
+_DIGIT_ASPECT = 0.55  # digit width / height
+_GAP = 0.25  # space between characters, in digit heights
+
+
+class Canvas:
+    """An RGB image plus a drawer that takes unit coordinates (x right, y down, 0..1)."""
+
+    def __init__(self, size: int, background: RGB = WHITE):
+        if not isinstance(size, int) or size < 32:
+            raise ValueError(f"image_size must be an int >= 32 pixels, got {size!r}")
+        self.size = size
+        self.image = Image.new("RGB", (size, size), background)
+        self.draw = ImageDraw.Draw(self.image)
+
+    def px(self, u: float) -> int:
+        return int(round(u * self.size))
+
+    def box(self, x0: float, y0: float, x1: float, y1: float, fill: RGB | None = None,
+            outline: RGB | None = None, width: float = 0.0) -> None:
+        """Axis-aligned rectangle; ``width`` is the outline thickness in unit coordinates."""
+        w = max(1, self.px(width)) if outline is not None else 0
+        self.draw.rectangle((self.px(x0), self.px(y0), self.px(x1) - 1, self.px(y1) - 1),
+                            fill=fill, outline=outline, width=w)
+
+    def line(self, points: list[tuple[float, float]], fill: RGB, width: float) -> None:
+        self.draw.line([(self.px(x), self.px(y)) for x, y in points], fill=fill,
+                       width=max(1, self.px(width)))
+
+    def polygon(self, points: list[tuple[float, float]], fill: RGB | None = None,
+                outline: RGB | None = None, width: float = 0.0) -> None:
+        self.draw.polygon([(self.px(x), self.px(y)) for x, y in points], fill=fill,
+                          outline=outline, width=max(1, self.px(width)) if outline else 1)
+
+    def disc(self, cx: float, cy: float, r: float, fill: RGB | None = None,
+             outline: RGB | None = None, width: float = 0.0) -> None:
+        self.draw.ellipse((self.px(cx - r), self.px(cy - r), self.px(cx + r), self.px(cy + r)),
+                          fill=fill, outline=outline,
+                          width=max(1, self.px(width)) if outline else 1)
+
+    def shape(self, kind: str, cx: float, cy: float, r: float, fill: RGB) -> None:
+        """A filled circle, square or triangle of 'radius' r centred on (cx, cy)."""
+        if kind == "circle":
+            self.disc(cx, cy, r, fill=fill)
+        elif kind == "square":
+            s = 0.85 * r  # same visual weight as the circle
+            self.box(cx - s, cy - s, cx + s, cy + s, fill=fill)
+        elif kind == "triangle":
+            self.polygon([(cx, cy - r), (cx + r, cy + 0.8 * r), (cx - r, cy + 0.8 * r)], fill=fill)
+        else:
+            raise ValueError(f"unknown shape {kind!r}; expected one of {SHAPES}")
+
+    def number(self, text: str, cx: float, cy: float, h: float, fill: RGB = BLACK) -> None:
+        """Seven-segment number (digits, '-', '.') of height h, centred on (cx, cy)."""
+        x = cx - text_width(text, h) / 2
+        y = cy - h / 2
+        for ch in text:
+            if ch == ".":
+                t = _stroke(h)
+                self.box(x, y + h - t, x + t, y + h, fill=fill)
+                x += t + _GAP * h * 0.6
+                continue
+            if ch not in _SEGMENTS:
+                raise ValueError(f"cannot draw character {ch!r}; only digits, '-' and '.'")
+            self._digit(_SEGMENTS[ch], x, y, h, fill)
+            x += _DIGIT_ASPECT * h + _GAP * h
+
+    def _digit(self, segments: str, x: float, y: float, h: float, fill: RGB) -> None:
+        w, t = _DIGIT_ASPECT * h, _stroke(h)
+        mid = y + (h - t) / 2
+        rects = {
+            "a": (x, y, x + w, y + t), "g": (x, mid, x + w, mid + t), "d": (x, y + h - t, x + w, y + h),
+            "f": (x, y, x + t, mid + t), "b": (x + w - t, y, x + w, mid + t),
+            "e": (x, mid, x + t, y + h), "c": (x + w - t, mid, x + w, y + h),
+        }
+        for s in segments:
+            self.box(*rects[s], fill=fill)
+
+
+def _stroke(h: float) -> float:
+    return 0.17 * h  # thick strokes: a 14 px digit still has 2-3 px segments
+
+
+def text_width(text: str, h: float) -> float:
+    """Width in unit coordinates of ``Canvas.number(text, ..., h)``."""
+    w = 0.0
+    for ch in text:
+        w += (_stroke(h) + _GAP * h * 0.6) if ch == "." else (_DIGIT_ASPECT * h + _GAP * h)
+    return max(0.0, w - _GAP * h)
