@@ -55,6 +55,7 @@ class Annotation:
     intermediates: list[Intermediate]
     hops: int
     rubrics: list[RubricItem] = field(default_factory=list)
+    unit: str | None = None  # e.g. "mL"; MathVista's `unit` field
 
 
 @dataclass(frozen=True)

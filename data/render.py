@@ -35,10 +35,10 @@ LIGHT_GREY: RGB = (215, 215, 215)
 
 SHAPES = ("circle", "square", "triangle")
 
-# Segments lit per character: a top, b upper right, c lower right, d bottom,
+# Segments lit per character ("1" is drawn as one centred stroke instead): a top, b upper right, c lower right, d bottom,
 # e lower left, f upper left, g middle.
 _SEGMENTS = {
-    "0": "abcdef", "1": "bc", "2": "abdeg", "3": "abcdg", "4": "bcfg",
+    "0": "abcdef", "2": "abdeg", "3": "abcdg", "4": "bcfg",
     "5": "acdfg", "6": "acdefg", "7": "abc", "8": "abcdefg", "9": "abcdfg", "-": "g",
 }
 _DIGIT_ASPECT = 0.55  # digit width / height
@@ -96,16 +96,17 @@ class Canvas:
         """Seven-segment number (digits, '-', '.') of height h, centred on (cx, cy)."""
         x = cx - text_width(text, h) / 2
         y = cy - h / 2
+        t = _stroke(h)
         for ch in text:
             if ch == ".":
-                t = _stroke(h)
                 self.box(x, y + h - t, x + t, y + h, fill=fill)
-                x += t + _GAP * h * 0.6
-                continue
-            if ch not in _SEGMENTS:
+            elif ch == "1":  # a lone centred stroke: a right-aligned "1" reads as " 1"
+                self.box(x, y, x + t, y + h, fill=fill)
+            elif ch in _SEGMENTS:
+                self._digit(_SEGMENTS[ch], x, y, h, fill)
+            else:
                 raise ValueError(f"cannot draw character {ch!r}; only digits, '-' and '.'")
-            self._digit(_SEGMENTS[ch], x, y, h, fill)
-            x += _DIGIT_ASPECT * h + _GAP * h
+            x += _char_width(ch, h) + _GAP * h
 
     def _digit(self, segments: str, x: float, y: float, h: float, fill: RGB) -> None:
         w, t = _DIGIT_ASPECT * h, _stroke(h)
@@ -123,9 +124,12 @@ def _stroke(h: float) -> float:
     return 0.17 * h  # thick strokes: a 14 px digit still has 2-3 px segments
 
 
+def _char_width(ch: str, h: float) -> float:
+    return _stroke(h) if ch in ".1" else _DIGIT_ASPECT * h
+
+
 def text_width(text: str, h: float) -> float:
     """Width in unit coordinates of ``Canvas.number(text, ..., h)``."""
-    w = 0.0
-    for ch in text:
-        w += (_stroke(h) + _GAP * h * 0.6) if ch == "." else (_DIGIT_ASPECT * h + _GAP * h)
-    return max(0.0, w - _GAP * h)
+    if not text:
+        return 0.0
+    return sum(_char_width(ch, h) for ch in text) + _GAP * h * (len(text) - 1)

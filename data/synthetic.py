@@ -40,25 +40,22 @@ from data.contract import INSTRUCTION, REASONING_CLOSE, REASONING_OPEN, SOLUTION
     SOLUTION_OPEN, format_prompt, format_response
 from data.gen_common import Annotation, Family
 from data.gen_stage1 import FAMILIES as STAGE1
+from data.gen_stage2 import FAMILIES as STAGE2
+from data.gen_stage3 import FAMILIES as STAGE3
 from data.schema import Example
 
 SPLITS = ("train", "val", "test")
 _BUCKET_EDGES = {"train": (0.0, 0.8), "val": (0.8, 0.9), "test": (0.9, 1.0)}
 DIFFICULTY = {1: "easy", 2: "middle", 3: "hard"}
+_FAMILIES = {1: STAGE1, 2: STAGE2, 3: STAGE3}
 MAX_ATTEMPTS = 1000  # a test-split example needs ~10 on average
 
 
 def families(stage: int) -> tuple[Family, ...]:
     """The families of one curriculum stage."""
-    if stage == 1:
-        return STAGE1
-    if stage == 2:
-        from data.gen_stage2 import FAMILIES
-        return FAMILIES
-    if stage == 3:
-        from data.gen_stage3 import FAMILIES
-        return FAMILIES
-    raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}")
+    if stage not in _FAMILIES:
+        raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}")
+    return _FAMILIES[stage]
 
 
 def content_key(family: str, params: dict[str, Any]) -> str:
@@ -116,7 +113,7 @@ def generate(split: str, stage: int, n: int, seed: int = 0, image_size: int = 11
         out.append(Example(
             pid=f"syn-{split}-s{stage}-{seed}-{i}", question=a.question, answer=a.answer,
             answer_type=a.answer_type, precision=a.precision, question_type="free_form",
-            metadata=metadata, image=image, reasoning=a.reasoning, key_steps=a.key_steps,
+            metadata=metadata, image=image, unit=a.unit, reasoning=a.reasoning, key_steps=a.key_steps,
             intermediates=a.intermediates, difficulty=DIFFICULTY[stage], hops=a.hops,
             rubrics=a.rubrics,
         ))
@@ -141,11 +138,7 @@ def tokenizer_corpus(n: int = 3000, seed: int = 0) -> list[str]:
     texts: list[str] = []
     for stage in (1, 2, 3):
         k = n // 3 + (1 if stage <= n % 3 else 0)
-        try:
-            drafts = list(_drafts("train", stage, k, seed))
-        except ModuleNotFoundError:  # stage not written yet (kept while families are added)
-            continue
-        for _, _, _, a in drafts:
+        for _, _, _, a in _drafts("train", stage, k, seed):
             texts.append(format_prompt(a.question))
             texts.append(format_response(a.reasoning, a.answer))
     texts.append("0 1 2 3 4 5 6 7 8 9 0123456789 . - + x = : ,")

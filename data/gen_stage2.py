@@ -1,0 +1,299 @@
+"""Stage 2 families: bar charts, line plots, two-digit tables and a measuring-cylinder figure.
+
+Middle difficulty, integer and float answers (float = the mean of two values, precision 1).
+Every value is printed on the figure (bar tops, point labels, cells): at 112 px a tiny
+model resolves ~14 px patches, so reading a bar's height off gridlines would test the
+eyesight of the vision encoder more than chart reasoning. The measuring cylinders are the
+exception on purpose: their level is read against a labelled tick scale (0..6, ~12 px per
+unit at 112 px), the one stage-2 skill that is genuinely "read a scale".
+
+Questions:
+    bar      value of the red bar / how much taller red than blue / mean of red and blue /
+             sum of all bars                                                 (bar chart)
+    line     value at x = 3 / highest minus lowest / mean at x = 1 and x = 4  (line plot)
+    table2   difference in a row / mean of a column (2 rows)                 (table)
+    cylinder level of one / how much more in left than right / poured together
+                                                                  (scientific figure, mL)
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from PIL import Image
+
+from data.gen_common import (
+    W_IMPORTANT, Annotation, Family, alternatives, expr_alternatives, num, rubric_answer,
+    rubric_pitfalls, rubric_read, rubric_steps,
+)
+from data.gen_stage1 import add_steps, draw_table
+from data.render import BLACK, COLOURS, GREY, LIGHT_GREY, Canvas
+from data.schema import Intermediate, RubricItem
+
+_CHART_COLOURS = ("red", "blue", "green", "orange", "purple")
+
+
+# ----------------------------------------------------------------------------- shared templates
+
+
+def read_one(name: str, value: str, decoys: list[tuple[str, str]]) -> tuple:
+    """(reasoning, key_steps, intermediates, hops, rubrics) of reading one value."""
+    rubrics = [rubric_read(f"Reads {name} as {value}", value)] + rubric_pitfalls(value, decoys)
+    return f"{name}: {value}.", [alternatives(value)], [Intermediate(name, value)], 1, rubrics
+
+
+def difference(na: str, a: int, nb: str, b: int) -> tuple:
+    """a - b with a > b: 'red bar: 7. blue bar: 3. 7 - 3 = 4.'"""
+    sa, sb, d = num(a), num(b), num(a - b)
+    reasoning = f"{na}: {sa}. {nb}: {sb}. {sa} - {sb} = {d}."
+    key_steps = [alternatives(sa), alternatives(sb), expr_alternatives(sa, "-", sb)]
+    inter = [Intermediate(na, sa), Intermediate(nb, sb)]
+    rubrics = [rubric_read(f"Reads {na} as {sa}", sa, W_IMPORTANT),
+               rubric_read(f"Reads {nb} as {sb}", sb, W_IMPORTANT),
+               rubric_steps("Subtracts the smaller value from the larger", [sa, sb, d])]
+    rubrics += rubric_pitfalls(d, [(f"Adds instead of subtracting ({sa} + {sb})", num(a + b)),
+                                   (f"Reports {na} instead of the difference", sa)])
+    return reasoning, key_steps, inter, 1, rubrics
+
+
+def mean_of_two(na: str, a: int, nb: str, b: int) -> tuple:
+    """(a + b) / 2, written as two equations so the sum is a checkable intermediate."""
+    sa, sb, s, m = num(a), num(b), num(a + b), num((a + b) / 2)
+    reasoning = f"{na}: {sa}. {nb}: {sb}. {sa} + {sb} = {s}. {s} / 2 = {m}."
+    key_steps = [alternatives(sa), alternatives(sb), expr_alternatives(sa, "+", sb),
+                 [f"{s} / 2", f"{s}/2"]]
+    inter = [Intermediate(na, sa), Intermediate(nb, sb), Intermediate("sum", s)]
+    rubrics = [rubric_read(f"Reads {na} as {sa}", sa, W_IMPORTANT),
+               rubric_read(f"Reads {nb} as {sb}", sb, W_IMPORTANT),
+               rubric_steps("Adds the two values, then divides by 2", [sa, sb, s, m])]
+    rubrics += rubric_pitfalls(m, [(f"Forgets to divide the sum {s} by 2", s)])
+    return reasoning, key_steps, inter, 2, rubrics
+
+
+def _annotation(question: str, parts: tuple, answer: str, float_answer: bool, context: str,
+                skills: list[str], task: str = "figure question answering") -> Annotation:
+    reasoning, key_steps, inter, hops, rubrics = parts
+    rubrics = list(rubrics) + [rubric_answer(answer)]
+    return Annotation(question, answer, "float" if float_answer else "integer",
+                      1 if float_answer else None, context, skills, "high school" if float_answer
+                      else "elementary school", task, reasoning, key_steps, inter, hops, rubrics)
+
+
+
+
+# ----------------------------------------------------------------------------- bar chart
+
+
+def sample_bar(rng: random.Random) -> dict[str, Any]:
+    n = rng.choice((3, 4))
+    colours = rng.sample(_CHART_COLOURS, n)
+    values = rng.sample(range(1, 10), n)  # distinct: "taller" is never a tie
+    ask = rng.choice(("value", "diff", "mean", "sum"))
+    a, b = rng.sample(range(n), 2)
+    if values[a] < values[b]:
+        a, b = b, a
+    return {"colours": colours, "values": values, "ask": ask, "a": a, "b": b}
+
+
+def annotate_bar(p: dict[str, Any]) -> Annotation:
+    cols, vals, ask, a, b = p["colours"], p["values"], p["ask"], p["a"], p["b"]
+    names = [f"{c} bar" for c in cols]
+    skills = ["statistical reasoning"]
+    if ask == "value":
+        answer = num(vals[a])
+        tallest = num(max(vals))
+        parts = read_one(names[a], answer, [("Reads the tallest bar instead", tallest)])
+        question = f"What is the value of the {names[a]}?"
+    elif ask == "diff":
+        answer = num(vals[a] - vals[b])
+        parts = difference(names[a], vals[a], names[b], vals[b])
+        question = f"How much taller is the {names[a]} than the {names[b]}?"
+        skills = ["arithmetic reasoning", "statistical reasoning"]
+    elif ask == "mean":
+        answer = num((vals[a] + vals[b]) / 2)
+        parts = mean_of_two(names[a], vals[a], names[b], vals[b])
+        question = f"What is the mean of the {names[a]} and the {names[b]}?"
+        return _annotation(question, parts, answer, True, "bar chart", skills)
+    else:
+        answer = num(sum(vals))
+        reasoning, key_steps, inter = add_steps(names, [num(v) for v in vals])
+        rubrics = [rubric_steps("Adds every bar's value", [num(v) for v in vals] + [answer])]
+        rubrics += rubric_pitfalls(answer, [("Leaves out the last bar", num(sum(vals[:-1])))])
+        parts = (reasoning, key_steps, inter, len(vals) - 1, rubrics)
+        question = "What is the sum of all the bars?"
+        skills = ["arithmetic reasoning", "statistical reasoning"]
+    return _annotation(question, parts, answer, False, "bar chart", skills)
+
+
+def draw_plot_frame(cv: Canvas, x0: float, y0: float, x1: float, y1: float, vmax: int) -> None:
+    """Axes with a light gridline at every integer value from 0 to vmax."""
+    for v in range(1, vmax + 1):
+        y = y1 - (y1 - y0) * v / vmax
+        cv.line([(x0, y), (x1, y)], LIGHT_GREY, 0.008)
+    cv.line([(x0, y0), (x0, y1), (x1, y1)], BLACK, 0.018)
+
+
+def render_bar(p: dict[str, Any], size: int) -> Image.Image:
+    cv = Canvas(size)
+    x0, y0, x1, y1, vmax = 0.08, 0.16, 0.96, 0.94, 9
+    draw_plot_frame(cv, x0, y0, x1, y1, vmax)
+    n = len(p["values"])
+    slot = (x1 - x0) / n
+    for i, (c, v) in enumerate(zip(p["colours"], p["values"])):
+        bx = x0 + (i + 0.5) * slot
+        top = y1 - (y1 - y0) * v / vmax
+        cv.box(bx - 0.32 * slot, top, bx + 0.32 * slot, y1, fill=COLOURS[c])
+        cv.number(str(v), bx, top - 0.07, 0.1)
+    return cv.image
+
+
+# ----------------------------------------------------------------------------- line plot
+
+
+def sample_line(rng: random.Random) -> dict[str, Any]:
+    n = rng.choice((4, 5))
+    values = [rng.randint(1, 8) for _ in range(n)]
+    while max(values) == min(values):
+        values[rng.randrange(n)] = rng.randint(1, 8)
+    ask = rng.choice(("value", "range", "mean"))
+    a, b = sorted(rng.sample(range(n), 2))
+    return {"values": values, "ask": ask, "a": a, "b": b}
+
+
+def annotate_line(p: dict[str, Any]) -> Annotation:
+    vals, ask, a, b = p["values"], p["ask"], p["a"], p["b"]
+    skills = ["statistical reasoning"]
+    if ask == "value":
+        answer = num(vals[a])
+        parts = read_one(f"value at x = {a + 1}", answer,
+                         [(f"Reads the value at x = {b + 1} instead", num(vals[b]))])
+        question = f"What is the value at x = {a + 1}?"
+    elif ask == "range":
+        hi, lo = max(vals), min(vals)
+        answer = num(hi - lo)
+        parts = difference("highest", hi, "lowest", lo)
+        question = "What is the highest value minus the lowest value?"
+        skills = ["arithmetic reasoning", "statistical reasoning"]
+    else:
+        answer = num((vals[a] + vals[b]) / 2)
+        parts = mean_of_two(f"x = {a + 1}", vals[a], f"x = {b + 1}", vals[b])
+        question = f"What is the mean of the values at x = {a + 1} and x = {b + 1}?"
+        return _annotation(question, parts, answer, True, "line plot", skills)
+    return _annotation(question, parts, answer, False, "line plot", skills)
+
+
+def render_line(p: dict[str, Any], size: int) -> Image.Image:
+    cv = Canvas(size)
+    x0, y0, x1, y1, vmax = 0.06, 0.14, 0.96, 0.82, 9
+    draw_plot_frame(cv, x0, y0, x1, y1, vmax)
+    n = len(p["values"])
+    slot = (x1 - x0) / n
+    pts = [(x0 + (i + 0.5) * slot, y1 - (y1 - y0) * v / vmax) for i, v in enumerate(p["values"])]
+    cv.line(pts, COLOURS["blue"], 0.025)
+    for i, ((x, y), v) in enumerate(zip(pts, p["values"])):
+        cv.disc(x, y, 0.035, fill=COLOURS["blue"])
+        cv.number(str(v), x, y - 0.085, 0.09)
+        cv.number(str(i + 1), x, 0.91, 0.09, fill=GREY)  # x-axis label
+    return cv.image
+
+
+# ----------------------------------------------------------------------------- two-digit table
+
+
+def sample_table2(rng: random.Random) -> dict[str, Any]:
+    rows, cols = rng.choice(((2, 2), (2, 3)))
+    values = [[rng.randint(10, 40) for _ in range(cols)] for _ in range(rows)]
+    ask = rng.choice(("diff", "mean"))
+    i, j = rng.randrange(rows), rng.randrange(cols)
+    if ask == "diff" and max(values[i]) == min(values[i]):
+        values[i][0] += 1  # a row of equal values has no "largest minus smallest"
+    return {"values": values, "ask": ask, "i": i, "j": j}
+
+
+def annotate_table2(p: dict[str, Any]) -> Annotation:
+    vals, ask, i, j = p["values"], p["ask"], p["i"], p["j"]
+    skills = ["arithmetic reasoning", "statistical reasoning"]
+    if ask == "diff":
+        hi, lo = max(vals[i]), min(vals[i])
+        answer = num(hi - lo)
+        parts = difference(f"largest in row {i + 1}", hi, f"smallest in row {i + 1}", lo)
+        question = f"What is the largest number in row {i + 1} minus the smallest?"
+        return _annotation(question, parts, answer, False, "table", skills, "math word problem")
+    a, b = vals[0][j], vals[1][j]
+    answer = num((a + b) / 2)
+    parts = mean_of_two(f"row 1", a, f"row 2", b)
+    question = f"What is the mean of the numbers in column {j + 1}?"
+    return _annotation(question, parts, answer, True, "table", skills, "math word problem")
+
+
+def render_table2(p: dict[str, Any], size: int) -> Image.Image:
+    cv = Canvas(size)
+    draw_table(cv, [[str(v) for v in row] for row in p["values"]], 0.04, 0.14, 0.96, 0.86)
+    return cv.image
+
+
+# ----------------------------------------------------------------------------- measuring cylinders
+
+CYL_MAX = 6  # scale 0..CYL_MAX mL; one unit is ~12 px at 112 px
+
+
+def sample_cylinder(rng: random.Random) -> dict[str, Any]:
+    left, right = rng.sample(range(1, CYL_MAX + 1), 2)
+    colour = rng.choice(("blue", "green", "orange"))
+    return {"levels": [left, right], "colour": colour, "ask": rng.choice(("one", "more", "both")),
+            "side": rng.randrange(2)}
+
+
+def annotate_cylinder(p: dict[str, Any]) -> Annotation:
+    (left, right), ask, side = p["levels"], p["ask"], p["side"]
+    names = ["left cylinder", "right cylinder"]
+    skills = ["scientific reasoning"]
+    if ask == "one":
+        answer = num(p["levels"][side])
+        other = num(p["levels"][1 - side])
+        parts = read_one(names[side], answer, [(f"Reads the {names[1 - side]} instead", other)])
+        question = f"How many mL of liquid are in the {names[side]}?"
+    elif ask == "more":
+        a, b = (0, 1) if left > right else (1, 0)
+        answer = num(abs(left - right))
+        parts = difference(names[a], p["levels"][a], names[b], p["levels"][b])
+        question = f"How many more mL are in the {names[a]} than in the {names[b]}?"
+        skills = ["scientific reasoning", "arithmetic reasoning"]
+    else:
+        answer = num(left + right)
+        reasoning, key_steps, inter = add_steps(names, [num(left), num(right)])
+        rubrics: list[RubricItem] = [rubric_read(f"Reads the left cylinder as {left}", num(left), W_IMPORTANT),
+                                     rubric_read(f"Reads the right cylinder as {right}", num(right), W_IMPORTANT)]
+        rubrics += rubric_pitfalls(answer, [("Subtracts instead of adding", num(abs(left - right)))])
+        parts = (reasoning, key_steps, inter, 1, rubrics)
+        question = "If both cylinders are poured together, how many mL are there?"
+        skills = ["scientific reasoning", "arithmetic reasoning"]
+    ann = _annotation(question, parts, answer, False, "scientific figure", skills,
+                      "textbook question answering")
+    ann.unit = "mL"
+    return ann
+
+
+def render_cylinder(p: dict[str, Any], size: int) -> Image.Image:
+    cv = Canvas(size)
+    y0, y1 = 0.1, 0.92  # scale top (CYL_MAX) and bottom (0)
+    unit = (y1 - y0) / CYL_MAX
+    for v in range(0, CYL_MAX + 1, 2):  # labelled scale on the far left
+        cv.number(str(v), 0.08, y1 - v * unit, 0.08)
+    for k, level in enumerate(p["levels"]):
+        cx0, cx1 = 0.2 + k * 0.42, 0.2 + k * 0.42 + 0.3
+        cv.box(cx0, y1 - level * unit, cx1, y1, fill=COLOURS[p["colour"]])
+        for v in range(CYL_MAX + 1):  # a tick at every mL, long ticks at even values
+            y = y1 - v * unit
+            cv.line([(cx0, y), (cx0 + (0.12 if v % 2 == 0 else 0.07), y)], BLACK, 0.012)
+        cv.line([(cx0, y0 - 0.04), (cx0, y1), (cx1, y1), (cx1, y0 - 0.04)], BLACK, 0.022)
+    return cv.image
+
+
+FAMILIES = (
+    Family("bar_chart", 2, sample_bar, annotate_bar, render_bar),
+    Family("line_plot", 2, sample_line, annotate_line, render_line),
+    Family("table_stats", 2, sample_table2, annotate_table2, render_table2),
+    Family("cylinders", 2, sample_cylinder, annotate_cylinder, render_cylinder),
+)
