@@ -1,0 +1,314 @@
+"""MathVista: load a local copy (or the hub through `datasets`), enrich, select eval subsets.
+
+Sources, all giving the same ``Example`` rows (data/schema.py):
+
+    path/to/file.parquet            one parquet file in the hub's layout
+    path/to/dir                     a directory holding ``{split}-*.parquet`` (the hub's
+                                    ``data/`` folder) or ``{split}/*.parquet``, or else
+                                    ``annot_{split}.json`` / ``{split}.json`` plus the
+                                    image files it names (the original release)
+    hub:AI4Math/MathVista           the hub, through the optional ``datasets`` package
+
+The hub's parquet columns (checked against the dataset card): pid, question, image (the
+image's relative path, str), decoded_image (struct {bytes, path}), choices (list[str]),
+unit, precision (float64, NaN/None when absent), answer (str), question_type
+(free_form | multi_choice), answer_type (integer | float | text | list), metadata
+(struct: split, language, img_width, img_height, source, category, task, context,
+grade, skills), query (the question with MathVista's answer-format hint).
+
+Bad rows are skipped and counted, never a crash; ``load_mathvista`` returns the counts
+so reports can show them:
+
+    missing_image        no image bytes and no readable file at the row's image path
+    corrupt_image        bytes that PIL cannot identify / verify
+    unknown_answer_type  not one of integer, float, text, list
+    unknown_language     not one of english, chinese, persian
+    non_numeric_answer   a non-empty gold answer that is not a number under an
+                         integer/float answer type (an empty answer is kept: it means
+                         "no gold", and training refuses it loudly, see below)
+
+Images are checked with PIL's ``verify`` (headers and, for PNG, chunk CRCs) and kept as
+lazily-decoded PIL images, so 1000 testmini rows cost their compressed bytes, not their
+pixels. A JPEG whose header is fine but whose body is cut short passes ``verify`` and
+fails later, when the processor decodes it: that is the one case not caught here.
+
+Enrichment (``enrich``) lower-cases the metadata vocabulary, records the context family
+(``Example.context_family``: '* chart' -> chart, '* plot' -> plot) and the answer mode
+(numeric_free_form / multi_choice / other) in ``metadata``.
+
+``eval_overall_numeric`` is the staged paper's headline subset: free_form, english,
+answer_type integer or float, and a gold answer that parses as a number. On the real
+testmini it has 456 rows. Check from the anchor's dataset analysis of testmini
+(1000 rows): free_form 460 = integer 418 + float 40 + list 2; languages english 936,
+chinese 62, persian 2; the 62 Chinese rows are all multi-choice (GeoQA+), the 2 Persian
+rows are free-form numeric (ParsVQA-Caps), so 418 + 40 - 2 = 456, matching its recorded
+``eval_overall_numeric`` size. The same analysis records the stage filters' sizes on
+testmini: stage1 195, stage2 287, stage3 119 (data/stages.py is the one place that
+defines them; ``stage_subsets`` uses it). These counts are marginals from the anchor's
+logs; the joint table needed to recount the subsets offline is not available here.
+
+Training on MathVista ``test`` must be refused: its 5141 gold answers are empty. The
+staged paper trained on it, so its correctness reward was 0 on every step, silently.
+``require_gold_answers`` is the check the trainer runs on any training set.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+from data.contract import normalize_number
+from data.schema import ANSWER_TYPES, Example
+from data.stages import is_numeric_free_form, select_stage
+
+LANGUAGES = ("english", "chinese", "persian")
+NUMERIC_ANSWER_TYPES = ("integer", "float")
+SKIP_REASONS = ("missing_image", "corrupt_image", "unknown_answer_type", "unknown_language", "non_numeric_answer")
+HUB_PREFIX = "hub:"
+
+
+class SkipRow(Exception):
+    """A row that cannot become an Example; ``reason`` is one of SKIP_REASONS."""
+
+    def __init__(self, reason: str, pid: str = "?"):
+        super().__init__(f"pid {pid}: {reason}")
+        self.reason = reason
+
+
+# ----------------------------------------------------------------------------- rows -> Example
+
+
+def _open_image(data: bytes, pid: str) -> Any:
+    """A lazily-decoded PIL image after an integrity check, or SkipRow('corrupt_image')."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(data)) as probe:
+            probe.verify()  # reads headers / chunk CRCs without decoding all pixels
+        return Image.open(io.BytesIO(data))  # verify() invalidates its image: reopen
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as err:
+        raise SkipRow("corrupt_image", pid) from err
+
+
+def _row_image(row: dict[str, Any], base_dir: Path | None, pid: str) -> Any:
+    """The row's image from embedded bytes, a decoded PIL image, or a file next to the data."""
+    decoded = row.get("decoded_image")
+    if decoded is not None and hasattr(decoded, "size") and hasattr(decoded, "mode"):
+        return decoded  # `datasets` already decoded it into a PIL image
+    if isinstance(decoded, dict) and decoded.get("bytes"):
+        return _open_image(decoded["bytes"], pid)
+    if isinstance(decoded, (bytes, bytearray)) and decoded:
+        return _open_image(bytes(decoded), pid)
+    rel = row.get("image") or (decoded.get("path") if isinstance(decoded, dict) else None)
+    if rel and base_dir is not None and (base_dir / rel).is_file():
+        return _open_image((base_dir / rel).read_bytes(), pid)
+    raise SkipRow("missing_image", pid)
+
+
+def _precision(value: Any) -> int | None:
+    """MathVista stores precision as float64 with NaN/None when absent."""
+    if value is None:
+        return None
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        return None
+    return None if math.isnan(v) else int(round(v))
+
+
+def _metadata(raw: Any) -> dict[str, Any]:
+    meta = dict(raw) if isinstance(raw, dict) else {}
+    for key in ("language", "context", "grade", "category", "task", "source", "split"):
+        if isinstance(meta.get(key), str):
+            meta[key] = meta[key].strip().lower()
+    skills = meta.get("skills")
+    meta["skills"] = [str(s).strip().lower() for s in skills] if isinstance(skills, (list, tuple)) else []
+    return meta
+
+
+def example_from_row(row: dict[str, Any], base_dir: Path | None = None, with_image: bool = True) -> Example:
+    """One MathVista row (a dict of the columns above) -> Example, or raise SkipRow."""
+    pid = str(row.get("pid", "?"))
+    meta = _metadata(row.get("metadata"))
+    answer_type = str(row.get("answer_type") or "").strip().lower()
+    if answer_type not in ANSWER_TYPES:
+        raise SkipRow("unknown_answer_type", pid)
+    if meta.get("language", "english") not in LANGUAGES:
+        raise SkipRow("unknown_language", pid)
+    answer = "" if row.get("answer") is None else str(row["answer"]).strip()
+    if answer and answer_type in NUMERIC_ANSWER_TYPES and normalize_number(answer) is None:
+        raise SkipRow("non_numeric_answer", pid)
+    if row.get("query"):
+        meta["query"] = str(row["query"])
+    choices = row.get("choices")
+    ex = Example(
+        pid=pid,
+        question=str(row.get("question") or ""),
+        answer=answer,
+        answer_type=answer_type,
+        precision=_precision(row.get("precision")),
+        question_type=str(row.get("question_type") or "free_form").strip().lower(),
+        metadata=meta,
+        image=_row_image(row, base_dir, pid) if with_image else None,
+        image_path=row.get("image") or None,
+        choices=[str(c) for c in choices] if choices is not None and len(choices) else None,
+        unit=str(row["unit"]) if row.get("unit") else None,
+    )
+    return enrich(ex)
+
+
+def answer_mode(ex: Example) -> str:
+    """numeric_free_form | multi_choice | other (free-form text or list answers)."""
+    if ex.question_type == "multi_choice":
+        return "multi_choice"
+    if ex.question_type == "free_form" and ex.answer_type in NUMERIC_ANSWER_TYPES:
+        return "numeric_free_form"
+    return "other"
+
+
+def enrich(ex: Example) -> Example:
+    """Record derived fields in metadata: context_family and answer_mode."""
+    ex.metadata["context_family"] = ex.context_family
+    ex.metadata["answer_mode"] = answer_mode(ex)
+    ex.metadata.setdefault("dataset", "mathvista")
+    return ex
+
+
+# ----------------------------------------------------------------------------- sources
+
+
+def _parquet_files(root: Path, split: str) -> list[Path]:
+    if root.is_file():
+        return [root]
+    files = sorted(p for p in root.rglob("*.parquet") if p.name.startswith(f"{split}-") or p.stem == split)
+    # refs/convert/parquet layout: default/<split>/0000.parquet
+    files += sorted(p for p in root.rglob("*.parquet") if p.parent.name == split and p not in files)
+    return files
+
+
+def _json_rows(root: Path, split: str) -> list[dict[str, Any]] | None:
+    for name in (f"annot_{split}.json", f"{split}.json", f"data/{split}.json"):
+        path = root / name
+        if path.is_file():
+            raw = json.loads(path.read_text(encoding="utf-8"))
+            # the original release is {pid: record}; a list of records works too
+            return [dict(r, pid=r.get("pid", k)) for k, r in raw.items()] if isinstance(raw, dict) else list(raw)
+    return None
+
+
+def _iter_parquet(files: list[Path], batch_size: int = 64) -> Iterator[dict[str, Any]]:
+    """Rows one batch at a time, so only kept rows' image bytes stay in memory."""
+    import pyarrow.parquet as pq
+
+    for path in files:
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=batch_size):
+            yield from batch.to_pylist()
+
+
+def _iter_hub(name: str, split: str) -> Iterator[dict[str, Any]]:
+    try:
+        import datasets  # optional extra: pip install .[mathvista]
+    except ImportError as err:
+        raise ImportError(
+            f"loading {HUB_PREFIX}{name} needs the optional `datasets` package "
+            "(pip install 'vlgrpo[mathvista]'), or pass a local directory of the hub's parquet files"
+        ) from err
+    yield from datasets.load_dataset(name, split=split)
+
+
+def iter_rows(source: str | Path, split: str) -> tuple[Iterable[dict[str, Any]], Path | None]:
+    """(rows, base directory for relative image paths) of one split of a source."""
+    text = str(source)
+    if text.startswith(HUB_PREFIX):
+        return _iter_hub(text[len(HUB_PREFIX):], split), None
+    root = Path(source)
+    if not root.exists():
+        raise FileNotFoundError(
+            f"MathVista source {text!r} does not exist: give a parquet file, a directory with "
+            f"{split}-*.parquet or annot_{split}.json + images, or {HUB_PREFIX}AI4Math/MathVista"
+        )
+    base = root.parent if root.is_file() else root
+    files = _parquet_files(root, split)
+    if files:
+        return _iter_parquet(files), base
+    rows = _json_rows(root, split)
+    if rows is not None:
+        return rows, base
+    raise FileNotFoundError(
+        f"no MathVista split {split!r} under {text}: expected {split}-*.parquet, {split}/*.parquet, "
+        f"annot_{split}.json or {split}.json"
+    )
+
+
+def load_mathvista(
+    source: str | Path,
+    split: str = "testmini",
+    where: Callable[[Example], bool] | None = None,
+    limit: int | None = None,
+) -> tuple[list[Example], dict[str, int]]:
+    """Load one split as enriched Examples; returns (examples, skipped counts by reason).
+
+    ``where`` filters on everything but the image, *before* the image bytes are checked
+    and kept, so loading a subset of `test` (744 MB of images) holds only that subset.
+    Image problems are therefore counted only for rows that pass ``where``.
+    """
+    rows, base = iter_rows(source, split)
+    examples: list[Example] = []
+    skipped: Counter[str] = Counter()
+    for row in rows:
+        try:
+            probe = example_from_row(row, base, with_image=False)
+            if where is not None and not where(probe):
+                continue
+            probe.image = _row_image(row, base, probe.pid)
+        except SkipRow as skip:
+            skipped[skip.reason] += 1
+            continue
+        examples.append(probe)
+        if limit is not None and len(examples) >= limit:
+            break
+    return examples, {r: skipped[r] for r in SKIP_REASONS if skipped[r]}
+
+
+# ----------------------------------------------------------------------------- subsets
+
+
+def is_overall_numeric(ex: Example) -> bool:
+    """Membership of eval_overall_numeric: free_form, english, integer/float, numeric gold.
+
+    The same predicate every curriculum stage starts from (data/stages.py), so a stage
+    subset is always a subset of the headline subset.
+    """
+    return is_numeric_free_form(ex)
+
+
+def eval_overall_numeric(examples: Iterable[Example]) -> list[Example]:
+    """The staged paper's headline subset (456 rows of testmini)."""
+    return [ex for ex in examples if is_overall_numeric(ex)]
+
+
+def stage_subsets(examples: list[Example]) -> dict[int, list[Example]]:
+    """{1: [...], 2: [...], 3: [...]} through the curriculum's stage filters (data/stages.py)."""
+    return {stage: list(select_stage(examples, stage)) for stage in (1, 2, 3)}
+
+
+def require_gold_answers(examples: list[Example], name: str) -> None:
+    """Refuse a training set with missing gold answers, with the reason and the fix."""
+    if not examples:
+        raise ValueError(f"training set {name!r} is empty: check the data path, split and stage filters")
+    missing = [ex.pid for ex in examples if normalize_number(ex.answer) is None]
+    if missing:
+        shown = ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else "")
+        raise ValueError(
+            f"training set {name!r}: {len(missing)} of {len(examples)} examples have no numeric gold answer "
+            f"(pids {shown}). A correctness reward on them is 0 for every completion, so training would "
+            "run and learn nothing about correctness. MathVista's `test` split ships with empty answers; "
+            "the staged paper trained on it and its correctness reward was silently 0 on every step. "
+            "Train on data with gold answers (the synthetic curriculum or a JSONL set) and keep MathVista "
+            "testmini for evaluation."
+        )

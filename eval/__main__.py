@@ -1,0 +1,5 @@
+"""``python -m eval``: the evaluation CLI (eval/evaluate.py)."""
+
+from eval.evaluate import main
+
+raise SystemExit(main())

@@ -1,0 +1,375 @@
+"""Evaluation engine: one protocol, many models, one report.
+
+Two entry points share every line that turns text into numbers:
+
+    evaluate_completions(examples, completions, token_counts, max_new_tokens) -> EvalResult
+        pure Python over texts: per-completion metrics (eval/metrics.py), aggregates with
+        95% intervals, Structure / Correctness / Composite (eval/scores.py), the failure-
+        mode breakdown, and the same again on each curriculum stage subset.
+    evaluate_model(bundle, examples, protocol) -> EvalResult
+        samples completions with grpo.sampler under an EvalProtocol, then calls the above.
+
+The trainer's checkpoint-side eval (which feeds the controller gates) calls these same
+functions, so a gate and a final report can never disagree about what "parseable" means.
+
+Comparing models fairly means changing nothing but the weights: an ``EvalProtocol`` fixes
+the prompts (the example list), sampling settings, seed, token budget and samples per
+prompt, and the report prints it next to the numbers. The staged paper's final protocol
+was one sample per prompt on its 456-row subset; that is the default here (greedy).
+
+Rows that cannot be scored are skipped and counted (``EvalResult.skipped``), never a
+crash: a gold answer that is not a number, a prompt with no completions, an image the
+sampler could not encode.
+
+CLI (``python -m eval``; ``python -m eval --help`` lists every option):
+
+    python -m eval base A:best_structure B:best_composite --run-dir runs/tiny --out reports/
+    python -m eval --data path/to/MathVista --completions mine=completions.jsonl
+
+The second form scores completions produced elsewhere (JSONL lines
+{"pid": ..., "completions": [...], "token_counts": [...]}) under the same metrics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from data.contract import normalize_number
+from data.schema import Example
+from data.stages import stage_filter
+from eval.metrics import CompletionMetrics, Summary, completion_metrics, mean_interval, summarize
+from eval.scores import SCORE_KEYS, SCORE_WEIGHTS, all_scores
+
+STAGES = (1, 2, 3)
+
+
+@dataclass(frozen=True)
+class EvalProtocol:
+    """Everything that must be identical across the models of one comparison."""
+
+    samples_per_prompt: int = 1
+    """Completions per prompt (the paper's final eval: 1). Rates average over all of them."""
+    max_new_tokens: int = 48
+    """L: the completion budget; truncation is tok >= L without a complete answer."""
+    temperature: float = 0.0
+    """0 = greedy decoding; > 0 samples at that temperature."""
+    top_k: int = 0
+    """Keep the k most likely tokens when sampling (0 = off)."""
+    top_p: float = 1.0
+    """Nucleus mass when sampling (1.0 = off)."""
+    seed: int = 0
+    """Seed of the sampler's generator (same seed + same model -> same completions)."""
+    batch_size: int = 8
+    """Prompts per sampler call (memory only; results do not depend on it)."""
+
+    def validate(self) -> EvalProtocol:
+        checks = [
+            (self.samples_per_prompt >= 1, f"samples_per_prompt={self.samples_per_prompt}: must be >= 1"),
+            (self.max_new_tokens >= 1, f"max_new_tokens={self.max_new_tokens}: must be >= 1"),
+            (self.temperature >= 0, f"temperature={self.temperature}: must be >= 0 (0 = greedy)"),
+            (self.top_k >= 0, f"top_k={self.top_k}: must be >= 0 (0 = off)"),
+            (0 < self.top_p <= 1, f"top_p={self.top_p}: must be in (0, 1]"),
+            (self.batch_size >= 1, f"batch_size={self.batch_size}: must be >= 1"),
+            (self.temperature > 0 or self.samples_per_prompt == 1,
+             f"samples_per_prompt={self.samples_per_prompt} with greedy decoding gives identical copies; "
+             "set temperature > 0 or samples_per_prompt 1"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ValueError(f"EvalProtocol: {msg}")
+        return self
+
+
+@dataclass
+class SubsetResult:
+    """Metrics, scores, intervals and failure modes of one subset (overall or a stage)."""
+
+    n_prompts: int
+    n_completions: int
+    metrics: dict[str, float]
+    scores: dict[str, float]
+    intervals: dict[str, tuple[float, float]]  # 95%, for every metric and score key
+    failure_modes: dict[str, int]
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["intervals"] = {k: list(v) for k, v in self.intervals.items()}
+        return d
+
+
+@dataclass
+class EvalResult:
+    """What an evaluation returns: the overall subset, each stage subset, what was skipped."""
+
+    overall: SubsetResult
+    stages: dict[str, SubsetResult]  # "stage1", "stage2", "stage3"
+    skipped: dict[str, int]  # reason -> rows not scored
+    records: list[dict[str, Any]] = field(default_factory=list)  # one per completion
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        return self.overall.metrics
+
+    @property
+    def scores(self) -> dict[str, float]:
+        return self.overall.scores
+
+    def flat(self) -> dict[str, float]:
+        """Overall metrics and scores in one dict: the trainer's "eval" log line and the gates."""
+        return {**self.overall.metrics, **self.overall.scores, "n": float(self.overall.n_prompts)}
+
+    def to_dict(self, with_records: bool = False) -> dict[str, Any]:
+        d = {
+            "overall": self.overall.to_dict(),
+            "stages": {k: v.to_dict() for k, v in self.stages.items()},
+            "skipped": dict(self.skipped),
+        }
+        if with_records:
+            d["records"] = self.records
+        return d
+
+
+# ----------------------------------------------------------------------------- text -> EvalResult
+
+
+def _subset_result(groups: Sequence[Sequence[CompletionMetrics]]) -> SubsetResult:
+    summary: Summary = summarize(groups)
+    groups = [g for g in groups if g]
+    scores = all_scores(summary.metrics) if summary.n_completions else {k: math.nan for k in SCORE_KEYS}
+    intervals = dict(summary.intervals)
+    # Scores are linear in the rates, so a score = the mean of per-completion scores: its
+    # interval is the normal interval of per-prompt mean scores (see eval/scores.py).
+    per_completion = [[all_scores(c.as_rates()) for c in g] for g in groups]
+    for key in SCORE_KEYS:
+        w = SCORE_WEIGHTS[key].values()  # a score lies in [sum of negative, sum of positive weights]
+        intervals[key] = mean_interval([sum(s[key] for s in g) / len(g) for g in per_completion],
+                                       lo=sum(x for x in w if x < 0), hi=sum(x for x in w if x > 0))
+    return SubsetResult(
+        n_prompts=summary.n_prompts,
+        n_completions=summary.n_completions,
+        metrics=summary.metrics,
+        scores=scores,
+        intervals=intervals,
+        failure_modes=summary.failure_modes,
+    )
+
+
+def _check_shapes(examples: Sequence[Example], completions: Sequence[Sequence[str]], token_counts) -> None:
+    if len(completions) != len(examples) or len(token_counts) != len(examples):
+        raise ValueError(
+            f"evaluate_completions: {len(examples)} examples but {len(completions)} completion lists and "
+            f"{len(token_counts)} token-count lists; pass one list of each per example"
+        )
+    for i, (texts, counts) in enumerate(zip(completions, token_counts)):
+        if len(texts) != len(counts):
+            raise ValueError(
+                f"evaluate_completions: example {i} (pid {examples[i].pid}) has {len(texts)} completions but "
+                f"{len(counts)} token counts; count every completion with the tokenizer that produced it"
+            )
+
+
+def evaluate_completions(
+    examples: Sequence[Example],
+    completions: Sequence[Sequence[str]],
+    token_counts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+) -> EvalResult:
+    """Score completions[i][j] (with token_counts[i][j]) against examples[i]."""
+    _check_shapes(examples, completions, token_counts)
+    predicates = {s: stage_filter(s) for s in STAGES}  # the curriculum's own filters (overlapping)
+    skipped: dict[str, int] = {}
+    overall: list[list[CompletionMetrics]] = []
+    by_stage: dict[int, list[list[CompletionMetrics]]] = {s: [] for s in STAGES}
+    records: list[dict[str, Any]] = []
+    for ex, texts, counts in zip(examples, completions, token_counts):
+        if normalize_number(ex.answer) is None:
+            skipped["no_numeric_gold"] = skipped.get("no_numeric_gold", 0) + 1
+            continue
+        if not texts:
+            skipped["no_completions"] = skipped.get("no_completions", 0) + 1
+            continue
+        group = [completion_metrics(t, ex.answer, ex.precision, int(n), max_new_tokens) for t, n in zip(texts, counts)]
+        stages = [s for s in STAGES if predicates[s](ex)]
+        overall.append(group)
+        for s in stages:
+            by_stage[s].append(group)
+        for j, (text, cm) in enumerate(zip(texts, group)):
+            records.append({"pid": ex.pid, "sample": j, "gold": ex.answer, "stages": stages, "text": text, **cm.to_dict()})
+    return EvalResult(
+        overall=_subset_result(overall),
+        stages={f"stage{s}": _subset_result(by_stage[s]) for s in STAGES},
+        skipped=skipped,
+        records=records,
+    )
+
+
+# ----------------------------------------------------------------------------- model -> EvalResult
+
+
+def evaluate_model(bundle: Any, examples: Sequence[Example], protocol: EvalProtocol) -> EvalResult:
+    """Sample ``protocol.samples_per_prompt`` completions per example with grpo.sampler, score them.
+
+    The sampler is imported here, not at module top: eval/ sits below grpo/ in the layer
+    order and must stay importable (and testable) without torch models.
+    """
+    protocol.validate()
+    from grpo.sampler import sample_completions  # lazy: see docstring
+
+    completions: list[list[str]] = []
+    token_counts: list[list[int]] = []
+    failed = 0
+    for start in range(0, len(examples), protocol.batch_size):
+        batch = list(examples[start : start + protocol.batch_size])
+        out = sample_completions(
+            bundle,
+            batch,
+            G=protocol.samples_per_prompt,
+            max_new_tokens=protocol.max_new_tokens,
+            temperature=protocol.temperature,
+            top_k=protocol.top_k,
+            top_p=protocol.top_p,
+            seed=protocol.seed + start,  # per-batch seed: results independent of batch order
+        )
+        # out.texts[i] / out.token_counts[i]: the G completions of batch[i] ([] if skipped)
+        completions.extend(out.texts)
+        token_counts.extend(out.token_counts)
+        failed += sum(1 for texts in out.texts if not texts)
+    result = evaluate_completions(examples, completions, token_counts, protocol.max_new_tokens)
+    if failed:  # an image the processor could not encode: counted under its own reason
+        result.skipped["sampler_skipped"] = failed
+        result.skipped.pop("no_completions", None)
+    return result
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def _load_examples(args: argparse.Namespace) -> tuple[list[Example], str, dict[str, int]]:
+    """The evaluation prompts named by --data / --split / --subset / --limit."""
+    if args.data == "synthetic":
+        from data.synthetic import generate
+
+        per_stage = max(1, args.limit // len(STAGES)) if args.limit else 100
+        examples = [ex for s in STAGES for ex in generate("test", s, per_stage, args.seed)]
+        return examples, f"synthetic test split, {per_stage} per stage, seed {args.seed}", {}
+    from data.mathvista import eval_overall_numeric, is_overall_numeric, load_mathvista
+
+    where = is_overall_numeric if args.subset == "eval_overall_numeric" else None
+    examples, skipped = load_mathvista(args.data, args.split, where=where, limit=args.limit)
+    if args.subset == "eval_overall_numeric":
+        examples = eval_overall_numeric(examples)
+    return examples, f"MathVista {args.split} ({args.subset}) from {args.data}", skipped
+
+
+def _read_completions(path: str, examples: list[Example]) -> tuple[list[list[str]], list[list[int]]]:
+    """JSONL {"pid", "completions", "token_counts"} aligned to the examples (missing -> [])."""
+    by_pid: dict[str, dict[str, Any]] = {}
+    for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            by_pid[str(row["pid"])] = row
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise ValueError(f"{path}:{n}: expected a JSON object with pid, completions, token_counts") from None
+    texts = [list(by_pid.get(ex.pid, {}).get("completions", [])) for ex in examples]
+    counts = [list(by_pid.get(ex.pid, {}).get("token_counts", [])) for ex in examples]
+    return texts, counts
+
+
+def _selector_bundle(selector: str, args: argparse.Namespace) -> Any:
+    """'base' -> the base model; anything else -> grpo.checkpoint.resolve(run_dir, selector)."""
+    from grpo.model import load_bundle
+
+    if selector == "base":
+        return load_bundle(args.model, device=args.device)
+    if not args.run_dir:
+        raise SystemExit(f"selector {selector!r} needs --run-dir (the training run that holds its checkpoints)")
+    from grpo import checkpoint  # lazy: eval sits below grpo
+
+    # resolve() raises a ValueError that lists the phases/aliases that exist when the
+    # selector names nothing; let it reach the user as it is.
+    path = checkpoint.resolve(args.run_dir, selector)
+    return checkpoint.load_policy(path, base=args.model, device=args.device)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m eval",
+        description="Evaluate the base model and checkpoints under one fixed protocol; write Markdown + JSON reports.",
+    )
+    p.add_argument("selectors", nargs="*", help="'base' and/or checkpoint selectors such as A:best_structure")
+    p.add_argument("--run-dir", default=None, help="training run directory the selectors refer to")
+    p.add_argument("--model", default="tiny", help="base model: 'tiny', a local directory or a hub id")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
+    p.add_argument("--data", default="synthetic", help="'synthetic', a MathVista parquet/dir, or hub:AI4Math/MathVista")
+    p.add_argument("--split", default="testmini", help="MathVista split (testmini has gold answers; test does not)")
+    p.add_argument("--subset", default="eval_overall_numeric", choices=("eval_overall_numeric", "all"))
+    p.add_argument("--limit", type=int, default=None, help="evaluate at most this many prompts")
+    p.add_argument("--completions", action="append", default=[], metavar="NAME=FILE",
+                   help="score pre-generated completions (JSONL) instead of sampling; repeatable")
+    p.add_argument("--samples", type=int, default=1, help="completions per prompt")
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--out", default="reports", help="directory for report.md, report.json, samples")
+    p.add_argument("--title", default="Evaluation report")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from eval.report import write_report
+
+    if not args.selectors and not args.completions:
+        args.selectors = ["base"]
+    protocol = EvalProtocol(
+        samples_per_prompt=args.samples, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+        top_k=args.top_k, top_p=args.top_p, seed=args.seed, batch_size=args.batch_size,
+    )
+    try:
+        protocol.validate()
+        examples, data_desc, load_skipped = _load_examples(args)
+    except (ValueError, FileNotFoundError, ImportError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if not examples:
+        print(f"error: no examples to evaluate in {data_desc}", file=sys.stderr)
+        return 2
+    print(f"evaluating {len(examples)} prompts: {data_desc}")
+    results: dict[str, EvalResult] = {}
+    for spec in args.completions:
+        name, _, path = spec.partition("=")
+        if not path:
+            print(f"error: --completions {spec!r}: write NAME=FILE.jsonl", file=sys.stderr)
+            return 2
+        texts, counts = _read_completions(path, examples)
+        results[name] = evaluate_completions(examples, texts, counts, protocol.max_new_tokens)
+    for selector in args.selectors:
+        try:
+            bundle = _selector_bundle(selector, args)
+        except ValueError as err:  # the resolver's "names nothing; these exist: ..." message
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        results[selector] = evaluate_model(bundle, examples, protocol)
+        print(f"  {selector}: " + ", ".join(f"{k} {v:.3f}" for k, v in results[selector].flat().items() if k != "n"))
+    for res in results.values():
+        for reason, n in load_skipped.items():  # rows the loader dropped, shown with each model
+            res.skipped[f"load:{reason}"] = n
+    md, js = write_report(results, asdict(protocol), Path(args.out), title=args.title, data=data_desc)
+    print(f"wrote {md} and {js}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
