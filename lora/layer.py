@@ -1,0 +1,115 @@
+"""LoRALinear: a low-rank adapter around a frozen linear layer (plain or 4-bit).
+
+Implemented (LoRA, Hu et al. 2021; QLoRA, Dettmers et al. 2023, for the 4-bit base):
+
+    y = base(x) + (dropout(x) @ A^T @ B^T) * (alpha / r)
+
+    W : [out, in]   the frozen base weight (bf16/fp32, or NF4 inside a bnb Linear4bit)
+    A : [r, in]     Kaiming-uniform init (nn.Linear's default), trainable
+    B : [out, r]    zero init, trainable -> the adapted model starts *exactly* equal to the base
+
+Only A and B are trained: 8 * (in + out) numbers per adapted layer instead of in * out.
+
+Dtypes. The LoRA weights are stored in `lora_dtype` (fp32 by default: the optimizer's small
+updates to a zero-initialised B would round away in bf16), but the LoRA matmuls run in the
+*base's compute dtype* (bf16 for the 4-bit base): A and B are cast on the fly, which is
+cheap because they are tiny, and gradients flow back through the cast to the fp32 masters.
+
+Simplified on purpose (PEFT has all of these; we need none): one adapter per layer (no
+adapter names), no DoRA / rsLoRA / bias training / fan_in_fan_out, no in-place merge. In
+particular we never merge into 4-bit weights: W_nf4 + B A would be re-quantised and drift;
+`lora.adapter_io.export_merged` dequantises and merges in bf16 instead.
+
+`disabled` turns the adapter off so the same module computes the base model: GRPO's
+reference log-probs come from the policy with LoRA off, with no second copy of the base
+(see `lora.inject.disable_adapters`).
+"""
+from __future__ import annotations
+
+import math
+import sys
+
+import torch
+import torch.nn as nn
+
+
+def is_linear4bit(module: nn.Module) -> bool:
+    """True for a bitsandbytes Linear4bit. bitsandbytes takes seconds to import, so we only
+    look at it if someone already imported it (no module can be a Linear4bit otherwise)."""
+    bnb = sys.modules.get("bitsandbytes")
+    return bnb is not None and isinstance(module, bnb.nn.Linear4bit)
+
+
+class LoRALinear(nn.Module):
+    """Wraps `base_layer` (an nn.Linear or bnb Linear4bit, which subclasses nn.Linear).
+
+    The base is kept as the child `base_layer`, like PEFT, so its parameters stay reachable
+    (and frozen); the adapter is the two parameters `lora_A` [r, in] and `lora_B` [out, r].
+    """
+
+    def __init__(
+        self,
+        base_layer: nn.Linear,
+        r: int,
+        alpha: float,
+        dropout: float = 0.0,
+        lora_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        if not isinstance(base_layer, nn.Linear):
+            raise TypeError(
+                f"LoRALinear wraps an nn.Linear or bitsandbytes Linear4bit, got "
+                f"{type(base_layer).__name__}; target only linear layers"
+            )
+        if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
+            raise ValueError(f"LoRA rank r must be a positive int, got r={r!r}")
+        if not alpha > 0:
+            raise ValueError(f"LoRA alpha must be > 0, got alpha={alpha!r}")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"LoRA dropout must be in [0, 1), got dropout={dropout!r}")
+        if lora_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"lora_dtype must be float32, bfloat16 or float16, got {lora_dtype}")
+
+        self.base_layer = base_layer
+        self.in_features = base_layer.in_features
+        self.out_features = base_layer.out_features
+        self.r = r
+        self.alpha = float(alpha)
+        self.scaling = self.alpha / r  # alpha / r: rank-independent update size (LoRA §4.1)
+        self.disabled = False
+
+        device = base_layer.weight.device
+        self.lora_A = nn.Parameter(torch.empty(r, self.in_features, dtype=lora_dtype, device=device))
+        self.lora_B = nn.Parameter(torch.zeros(self.out_features, r, dtype=lora_dtype, device=device))
+        # nn.Linear's default init for A (what PEFT uses too); B = 0 makes B A = 0 exactly.
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
+        self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+
+    def compute_dtype(self, x: torch.Tensor) -> torch.dtype:
+        """The dtype the base layer multiplies in: Linear4bit's compute_dtype (bf16 for
+        QLoRA), else the base weight's dtype; LoRA computes in the same."""
+        if is_linear4bit(self.base_layer):
+            return self.base_layer.compute_dtype or x.dtype
+        return self.base_layer.weight.dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., in] -> y: [..., out]
+        y = self.base_layer(x)
+        if self.disabled:
+            return y  # reference model: LoRA off costs nothing extra
+        dtype = self.compute_dtype(x)
+        h = self.lora_dropout(x).to(dtype) @ self.lora_A.to(dtype).t()  # [..., r]
+        delta = (h @ self.lora_B.to(dtype).t()) * self.scaling  # [..., out]
+        return y + delta.to(y.dtype)
+
+    @torch.no_grad()
+    def delta_weight(self) -> torch.Tensor:
+        """scaling * B @ A in fp32, [out, in]: what merging adds to the (dequantised) W."""
+        return (self.lora_B.float() @ self.lora_A.float()) * self.scaling
+
+    def extra_repr(self) -> str:
+        p = self.lora_dropout.p if isinstance(self.lora_dropout, nn.Dropout) else 0.0
+        return (
+            f"r={self.r}, alpha={self.alpha:g}, dropout={p:g}, "
+            f"lora_dtype={self.lora_A.dtype}, disabled={self.disabled}"
+        )
