@@ -112,8 +112,10 @@ def annotate_scene(p: dict[str, Any]) -> Annotation:
         hops = 1
         rubrics = [rubric_read(f"Counts {counts[i]} {names[i]}", counts[i], W_IMPORTANT),
                    rubric_read(f"Counts {counts[j]} {names[j]}", counts[j], W_IMPORTANT),
-                   rubric_steps("Subtracts the smaller count from the larger", [counts[i], counts[j], answer])]
-        mistakes = [(f"Adds the two counts ({counts[i]} + {counts[j]})", num(int(counts[i]) + int(counts[j]))),
+                   rubric_steps("Subtracts the smaller count from the larger",
+                                [counts[i], counts[j], answer])]
+        both = num(int(counts[i]) + int(counts[j]))
+        mistakes = [(f"Adds the two counts ({counts[i]} + {counts[j]})", both),
                     (f"Reports the number of {names[i]} instead of the difference", counts[i])]
     rubrics += [rubric_answer(answer)] + rubric_pitfalls(answer, mistakes)
     return Annotation(question, answer, "integer", None, "synthetic scene", ["arithmetic reasoning"],

@@ -222,7 +222,7 @@ def annotate_table2(p: dict[str, Any]) -> Annotation:
         return _annotation(question, parts, answer, False, "table", skills, "math word problem")
     a, b = vals[0][j], vals[1][j]
     answer = num((a + b) / 2)
-    parts = mean_of_two(f"row 1", a, f"row 2", b)
+    parts = mean_of_two("row 1", a, "row 2", b)
     question = f"What is the mean of the numbers in column {j + 1}?"
     return _annotation(question, parts, answer, True, "table", skills, "math word problem")
 
@@ -263,8 +263,9 @@ def annotate_cylinder(p: dict[str, Any]) -> Annotation:
     else:
         answer = num(left + right)
         reasoning, key_steps, inter = add_steps(names, [num(left), num(right)])
-        rubrics: list[RubricItem] = [rubric_read(f"Reads the left cylinder as {left}", num(left), W_IMPORTANT),
-                                     rubric_read(f"Reads the right cylinder as {right}", num(right), W_IMPORTANT)]
+        rubrics: list[RubricItem] = [
+            rubric_read(f"Reads the left cylinder as {left}", num(left), W_IMPORTANT),
+            rubric_read(f"Reads the right cylinder as {right}", num(right), W_IMPORTANT)]
         rubrics += rubric_pitfalls(answer, [("Subtracts instead of adding", num(abs(left - right)))])
         parts = (reasoning, key_steps, inter, 1, rubrics)
         question = "If both cylinders are poured together, how many mL are there?"

@@ -155,9 +155,11 @@ def render_geometry(p: dict[str, Any], size: int) -> Image.Image:
     g0, cell = 0.06, 0.88 / GRID
     pts = [(g0 + gx * cell, g0 + gy * cell) for gx, gy in _geometry_polygon(p)]
     cv.polygon(pts, fill=_FILL)
+    end = g0 + GRID * cell
     for k in range(GRID + 1):  # grid over the fill, so units inside the shape stay countable
-        cv.line([(g0 + k * cell, g0), (g0 + k * cell, g0 + GRID * cell)], LIGHT_GREY if k % GRID else BLACK, 0.008)
-        cv.line([(g0, g0 + k * cell), (g0 + GRID * cell, g0 + k * cell)], LIGHT_GREY if k % GRID else BLACK, 0.008)
+        at, colour = g0 + k * cell, LIGHT_GREY if k % GRID else BLACK
+        cv.line([(at, g0), (at, end)], colour, 0.008)
+        cv.line([(g0, at), (end, at)], colour, 0.008)
     cv.line(pts + [pts[0]], COLOURS["blue"], 0.025)
     return cv.image
 

@@ -35,8 +35,8 @@ LIGHT_GREY: RGB = (215, 215, 215)
 
 SHAPES = ("circle", "square", "triangle")
 
-# Segments lit per character ("1" is drawn as one centred stroke instead): a top, b upper right, c lower right, d bottom,
-# e lower left, f upper left, g middle.
+# Segments lit per character ("1" is drawn as one centred stroke instead): a top,
+# b upper right, c lower right, d bottom, e lower left, f upper left, g middle.
 _SEGMENTS = {
     "0": "abcdef", "2": "abdeg", "3": "abcdg", "4": "bcfg",
     "5": "acdfg", "6": "acdefg", "7": "abc", "8": "abcdefg", "9": "abcdfg", "-": "g",

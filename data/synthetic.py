@@ -105,7 +105,8 @@ def generate(split: str, stage: int, n: int, seed: int = 0, image_size: int = 11
         image = family.render(params, image_size)
         metadata = {
             "context": a.context, "skills": list(a.skills), "grade": a.grade,
-            "language": "english", "source": "synthetic", "category": "math-targeted-vqa",
+            "language": "english", "source": "synthetic", "dataset": "synthetic",
+            "category": "math-targeted-vqa",
             "task": a.task, "img_width": image_size, "img_height": image_size,
             "stage": stage, "split": split, "family": family.name, "seed": seed, "index": i,
             "content_key": hashlib.blake2b(key.encode(), digest_size=8).hexdigest(),
@@ -120,7 +121,8 @@ def generate(split: str, stage: int, n: int, seed: int = 0, image_size: int = 11
     return out
 
 
-def curriculum(split: str, n_per_stage: int, seed: int = 0, image_size: int = 112) -> dict[int, list[Example]]:
+def curriculum(split: str, n_per_stage: int, seed: int = 0,
+               image_size: int = 112) -> dict[int, list[Example]]:
     """All three stages of one split: {stage: examples}."""
     return {s: generate(split, s, n_per_stage, seed, image_size) for s in (1, 2, 3)}
 

@@ -1,0 +1,146 @@
+"""Save / load a dataset as one JSONL file plus a folder of PNG images.
+
+Format (a directory):
+
+    data.jsonl          one JSON object per line, one line per example
+    images/<pid>.png    the example's image (characters other than A-Z a-z 0-9 . _ - in
+                        the pid become "_" in the file name)
+
+Each line is a MathVista row plus the supervision fields of data/schema.py:
+
+    pid, question, answer (str), answer_type, precision (int or null), question_type,
+    choices, unit, metadata {context, skills, grade, language, source, ...},
+    image          the image's path relative to the directory ("images/<pid>.png"),
+                   exactly as MathVista's own JSON release names its images
+    reasoning      worked solution text, or null
+    key_steps      [[alternative, ...], ...]
+    intermediates  [{"name": ..., "value": ...}, ...]
+    difficulty     "easy" | "middle" | "hard" | null
+    hops           int
+    rubrics        [{"text", "dimension", "label", "weight", "evidence"}, ...]
+
+so a MathVista JSON row (no supervision fields) loads too, and the MathVista columns are
+parsed by the MathVista loader's own ``example_from_row`` (one parser for both).
+
+Loading is eager for the file list and lazy for pixels: each image file is read and its
+integrity checked with PIL's ``verify`` at load time, and decoded on first use.
+Loading also records the derived metadata keys context_family and answer_mode
+(``data.mathvista.enrich``).
+
+Bad rows are skipped and counted, never a crash (``load_jsonl(..., return_skipped=True)``):
+
+    bad_json            the line is not a JSON object
+    bad_row             a required field (pid, question, answer) is missing, or a
+                        supervision field has the wrong shape
+    missing_image       the image file named by the row does not exist
+    corrupt_image       the file is not an image PIL can read
+    unknown_answer_type / unknown_language / non_numeric_answer
+                        as in data/mathvista.py (a non-numeric gold answer under an
+                        integer/float answer type; an empty answer is kept as "no gold")
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from data.mathvista import SkipRow, example_from_row
+from data.schema import Example, Intermediate, RubricItem
+
+DATA_FILE = "data.jsonl"
+IMAGE_DIR = "images"
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
+
+
+def image_name(pid: str) -> str:
+    return f"{IMAGE_DIR}/{_UNSAFE.sub('_', pid)}.png"
+
+
+def to_row(ex: Example, image: str | None) -> dict[str, Any]:
+    """The JSON object of one example; ``image`` is its relative image path (or None)."""
+    return {
+        "pid": ex.pid, "question": ex.question, "answer": ex.answer,
+        "answer_type": ex.answer_type, "precision": ex.precision,
+        "question_type": ex.question_type, "choices": ex.choices, "unit": ex.unit,
+        "metadata": ex.metadata, "image": image,
+        "reasoning": ex.reasoning, "key_steps": ex.key_steps,
+        "intermediates": [asdict(i) for i in ex.intermediates],
+        "difficulty": ex.difficulty, "hops": ex.hops,
+        "rubrics": [asdict(r) for r in ex.rubrics],
+    }
+
+
+def save_jsonl(examples: Iterable[Example], directory: str | os.PathLike) -> Path:
+    """Write ``directory``/data.jsonl and ``directory``/images/*.png; returns the JSONL path."""
+    root = Path(directory)
+    (root / IMAGE_DIR).mkdir(parents=True, exist_ok=True)
+    seen: dict[str, str] = {}
+    lines = []
+    for ex in examples:
+        name = image_name(ex.pid) if ex.image is not None else None
+        if name is not None:
+            if name in seen:
+                raise ValueError(f"pids {seen[name]!r} and {ex.pid!r} map to the same image file "
+                                 f"{name}; pids must be unique (after replacing unsafe characters)")
+            seen[name] = ex.pid
+            ex.image.convert("RGB").save(root / name, format="PNG")
+        try:
+            lines.append(json.dumps(to_row(ex, name), ensure_ascii=False))
+        except TypeError as err:
+            raise ValueError(f"example {ex.pid!r} has a field JSON cannot store: {err}") from err
+    path = root / DATA_FILE
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("\n".join(lines) + ("\n" if lines else ""), encoding="utf-8")
+    tmp.replace(path)  # a reader never sees a half-written file
+    return path
+
+
+def _supervision(ex: Example, row: dict[str, Any]) -> Example:
+    """Attach the reward supervision fields of a row (TypeError/KeyError/ValueError if malformed)."""
+    ex.reasoning = None if row.get("reasoning") is None else str(row["reasoning"])
+    ex.key_steps = [[str(a) for a in group] for group in row.get("key_steps") or []]
+    ex.intermediates = [Intermediate(str(i["name"]), str(i["value"])) for i in row.get("intermediates") or []]
+    ex.difficulty = row.get("difficulty")
+    ex.hops = int(row.get("hops", 1))
+    ex.rubrics = [RubricItem(str(r["text"]), str(r["dimension"]), str(r["label"]), float(r["weight"]),
+                             dict(r.get("evidence") or {})) for r in row.get("rubrics") or []]
+    return ex
+
+
+def load_jsonl(directory: str | os.PathLike, return_skipped: bool = False
+               ) -> list[Example] | tuple[list[Example], dict[str, int]]:
+    """Read a directory written by ``save_jsonl`` (or any MathVista-format JSONL + images).
+
+    Returns the examples, or ``(examples, skipped)`` with ``skipped`` = {reason: count}
+    for the reasons that occurred (see the module docstring).
+    """
+    root = Path(directory)
+    path = root / DATA_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"no {DATA_FILE} in {root}; write one with data.jsonl.save_jsonl")
+    examples: list[Example] = []
+    skipped: Counter[str] = Counter()
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            skipped["bad_json"] += 1
+            continue
+        if not isinstance(row, dict) or any(k not in row for k in ("pid", "question", "answer")):
+            skipped["bad_json" if not isinstance(row, dict) else "bad_row"] += 1
+            continue
+        try:
+            examples.append(_supervision(example_from_row(row, base_dir=root), row))
+        except SkipRow as skip:
+            skipped[skip.reason] += 1
+        except (TypeError, KeyError, ValueError, AttributeError):
+            skipped["bad_row"] += 1
+    return (examples, dict(skipped)) if return_skipped else examples
