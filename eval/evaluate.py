@@ -67,7 +67,8 @@ class EvalProtocol:
     seed: int = 0
     """Seed of the sampler's generator (same seed + same model -> same completions)."""
     batch_size: int = 8
-    """Prompts per sampler call (memory only; results do not depend on it)."""
+    """Prompts per sampler call. Part of the protocol when sampling: each batch has its
+    own generator seeded by seed + batch start, so a different batch size draws differently."""
 
     def validate(self) -> EvalProtocol:
         checks = [
@@ -213,38 +214,46 @@ def evaluate_completions(
 # ----------------------------------------------------------------------------- model -> EvalResult
 
 
+def _content_tokens(out: Any) -> list[int]:
+    """Completion tokens without the stop token: a row that stopped after L-1 tokens did
+    not hit the budget, one that produced L tokens without stopping did."""
+    return (out.lengths - out.finished.long()).tolist()
+
+
 def evaluate_model(bundle: Any, examples: Sequence[Example], protocol: EvalProtocol) -> EvalResult:
     """Sample ``protocol.samples_per_prompt`` completions per example with grpo.sampler, score them.
 
-    The sampler is imported here, not at module top: eval/ sits below grpo/ in the layer
-    order and must stay importable (and testable) without torch models.
+    grpo is imported here, not at module top: eval/ sits below grpo/ in the layer order and
+    must stay importable (and testable) without a model. An example whose image the
+    processor cannot encode gets no completions and is counted as ``sampler_skipped``.
     """
     protocol.validate()
-    from grpo.sampler import sample_completions  # lazy: see docstring
+    from grpo.model import encode_prompts  # lazy: see docstring
+    from grpo.sampler import sample
 
-    completions: list[list[str]] = []
-    token_counts: list[list[int]] = []
-    failed = 0
+    G = protocol.samples_per_prompt
+    completions: list[list[str]] = [[] for _ in examples]
+    token_counts: list[list[int]] = [[] for _ in examples]
     for start in range(0, len(examples), protocol.batch_size):
         batch = list(examples[start : start + protocol.batch_size])
-        out = sample_completions(
-            bundle,
-            batch,
-            G=protocol.samples_per_prompt,
-            max_new_tokens=protocol.max_new_tokens,
-            temperature=protocol.temperature,
-            top_k=protocol.top_k,
-            top_p=protocol.top_p,
-            seed=protocol.seed + start,  # per-batch seed: results independent of batch order
-        )
-        # out.texts[i] / out.token_counts[i]: the G completions of batch[i] ([] if skipped)
-        completions.extend(out.texts)
-        token_counts.extend(out.token_counts)
-        failed += sum(1 for texts in out.texts if not texts)
+        try:
+            prompts = encode_prompts(bundle, batch, on_bad_image="skip").to(bundle.device)
+        except ValueError:  # every image of the batch failed: all of them stay empty
+            continue
+        # One generator per batch, seeded from the protocol seed and the batch's position:
+        # the same protocol (batch_size included) always draws the same completions.
+        out = sample(bundle, prompts, G=G, max_new_tokens=protocol.max_new_tokens,
+                     temperature=protocol.temperature, top_k=protocol.top_k, top_p=protocol.top_p,
+                     seed=protocol.seed + start)
+        ntok = _content_tokens(out)
+        for n, text in enumerate(out.texts):  # row n belongs to kept prompt n // G
+            i = start + prompts.kept[n // G]
+            completions[i].append(text)
+            token_counts[i].append(int(ntok[n]))
     result = evaluate_completions(examples, completions, token_counts, protocol.max_new_tokens)
-    if failed:  # an image the processor could not encode: counted under its own reason
-        result.skipped["sampler_skipped"] = failed
-        result.skipped.pop("no_completions", None)
+    lost = result.skipped.pop("no_completions", 0)
+    if lost:
+        result.skipped["sampler_skipped"] = lost
     return result
 
 
@@ -284,20 +293,48 @@ def _read_completions(path: str, examples: list[Example]) -> tuple[list[list[str
     return texts, counts
 
 
+def _checkpoint_bundle(path: Path, args: argparse.Namespace) -> Any:
+    """Rebuild a checkpoint's policy: its base model (as configured when it was saved), 4-bit
+    if it was trained 4-bit, LoRA injected with its rank/targets, the saved A/B loaded."""
+    import torch
+
+    from grpo.checkpoint import load_checkpoint
+    from grpo.config import from_json
+    from grpo.model import load_bundle
+    from lora import LoRAConfig, inject_lora, load_lora_state_dict
+
+    ckpt = load_checkpoint(path, device="cpu")
+    cfg = from_json(ckpt.config_json)
+    dtype = getattr(torch, cfg.model.dtype)
+    bundle = load_bundle(cfg.model.name, dtype=dtype, device=args.device)
+    if cfg.model.load_in_4bit:
+        from lora import quantize_model_4bit
+
+        quantize_model_4bit(bundle.model, compute_dtype=dtype, device=args.device, verbose=False)
+    lcfg = LoRAConfig(r=cfg.lora.rank, alpha=cfg.lora.alpha, target_modules=tuple(cfg.lora.targets),
+                      lora_dtype=getattr(torch, cfg.lora.dtype))
+    inject_lora(bundle.model, lcfg, verbose=False)
+    lora_keys = {k: v for k, v in ckpt.tensors.items() if k.endswith((".lora_A", ".lora_B"))}
+    load_lora_state_dict(bundle.model, lora_keys)
+    bundle.model.to(args.device).eval()
+    return bundle
+
+
 def _selector_bundle(selector: str, args: argparse.Namespace) -> Any:
     """'base' -> the base model; anything else -> grpo.checkpoint.resolve(run_dir, selector)."""
-    from grpo.model import load_bundle
+    from grpo.checkpoint import CheckpointError, resolve  # lazy: eval sits below grpo
+    from grpo.model import ModelLoadError, load_bundle
 
-    if selector == "base":
-        return load_bundle(args.model, device=args.device)
-    if not args.run_dir:
-        raise SystemExit(f"selector {selector!r} needs --run-dir (the training run that holds its checkpoints)")
-    from grpo import checkpoint  # lazy: eval sits below grpo
-
-    # resolve() raises a ValueError that lists the phases/aliases that exist when the
-    # selector names nothing; let it reach the user as it is.
-    path = checkpoint.resolve(args.run_dir, selector)
-    return checkpoint.load_policy(path, base=args.model, device=args.device)
+    try:
+        if selector == "base":
+            return load_bundle(args.model, device=args.device)
+        if not args.run_dir:
+            raise ValueError(f"selector {selector!r} needs --run-dir (the training run that holds its checkpoints)")
+        # resolve() raises SelectorError (a ValueError) listing the phases, steps and
+        # aliases that exist when the selector names nothing; main() prints it as it is.
+        return _checkpoint_bundle(resolve(args.run_dir, selector), args)
+    except (CheckpointError, ModelLoadError) as err:
+        raise ValueError(f"{selector}: {err}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
