@@ -1,0 +1,272 @@
+"""R1-VL's step-wise rewards, StepRAR and StepRVR, and the soft matcher they (and others) use.
+
+StepRAR (step-wise reasoning accuracy, R1-VL eq. 2) gives dense credit for the key
+intermediate steps a solution needs:
+
+    r_rar = 1[answer correct] + alpha * k     k = matched key-step groups / groups
+    r_rar = 0                                 when no answer parses (R1-VL: ans = null)
+
+with alpha = 0.1 (R1-VL section 4.1). A *group* is one key step with its accepted
+spellings (R1-VL augments "\\frac{6}{3} = 2" into "6/3 = 2", "6 divided by 3 equals 2";
+our generator writes "3" / "three", "3 + 2" / "2+3"); a group matches if any alternative
+matches. Key steps are searched in the text *before* the SOLUTION block, so repeating the
+answer inside SOLUTION earns no step credit. "Correct" is exact match (data.contract).
+
+StepRVR (step-wise reasoning validity) is 1 iff the reasoning is complete and ordered,
+which R1-VL judges as "background before steps, answer only after the steps". Under this
+project's contract that reads:
+
+    exactly one REASONING block, closed before the single SOLUTION block opens;
+    the reasoning is non-empty and the answer parses (a complete path has a final answer);
+    the key steps that are present appear in their listed order;
+    nothing but whitespace after </SOLUTION>.
+
+Text before <REASONING> or between the two blocks is tolerated (the format reward and
+the metrics already count tags; StepRVR judges the order of what is there).
+
+Soft matching (R1-VL's "soft key-step matching"; our own rules, since the paper gives
+none): both the key step and the response are turned into canonical tokens and the key
+step must appear as a contiguous token run. Canonical tokens:
+
+    case and unicode width folded (NFKC + casefold); whitespace ignored ("3+4" == "3 + 4");
+    numbers through data.contract.normalize_number ("1,000", "1000.0" -> "1000");
+    unicode minus / dashes -> "-"; x (between numbers), ×, ·, \\times, \\cdot -> "*";
+    ÷, \\div -> "/"; \\frac{a}{b} and a/b are the same; LaTeX $ { } \\left \\right dropped;
+    a fraction of two integers whose value is NOT an integer becomes its value
+    ("3/4", "\\frac{3}{4}" -> "0.75"): it denotes a number. One with an integer value
+    ("6/3", "14 / 2") stays "6 / 3": it is a division step, and folding it to "2" would
+    let a key step like "14 / 2" match any "7" in the text.
+
+Token boundaries make "7" not match inside "17" or "0.75". Number words ("three") are
+matched as words: the data lists them as alternatives, as R1-VL's augmentation does.
+Simplified: no equation algebra ("3 + 4" does not match "4 + 3" unless listed) and no
+fuzzy string matching.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import unicodedata
+from typing import NamedTuple
+
+from data.contract import REASONING_CLOSE, REASONING_OPEN, SOLUTION_CLOSE, SOLUTION_OPEN, ParsedResponse, \
+    is_exact, normalize_number
+
+STEP_ALPHA = 0.1  # R1-VL: "we set the coefficient of match score alpha to 0.1"
+
+# ----------------------------------------------------------------------------- soft matching
+
+_NUM = r"(?:[0-9]{1,3}(?:,[0-9]{3})+(?![0-9])(?:\.[0-9]+)?|[0-9]+(?:\.[0-9]+)?|\.[0-9]+)"
+_TOKEN_RE = re.compile(
+    rf"(?P<frac>\\[dt]?frac\s*\{{\s*(?P<fa>{_NUM})\s*\}}\s*\{{\s*(?P<fb>{_NUM})\s*\}})"
+    rf"|(?P<num>{_NUM})"
+    r"|(?P<cmd>\\[A-Za-z]+)"
+    r"|(?P<word>[^\W\d_]+)"
+    r"|(?P<sym>[^\s\w])"
+)
+_SYMBOLS = {"−": "-", "‒": "-", "–": "-", "—": "-", "﹣": "-", "×": "*", "·": "*", "∙": "*",
+            "⋅": "*", "÷": "/", "∕": "/"}
+_DROP_SYMBOLS = {"$", "{", "}", "\\"}
+_COMMANDS = {"times": "*", "cdot": "*", "ast": "*", "div": "/"}
+_DROP_COMMANDS = {"left", "right", "displaystyle", "text", "mathrm", "quad", "qquad", "big", "bigg"}
+
+
+class Tok(NamedTuple):
+    """One canonical token and the character span [start, end) it came from."""
+
+    text: str
+    start: int
+    end: int
+    is_num: bool
+    parts: tuple[str, ...] = ()  # a folded fraction's numerator and denominator
+
+
+def _canon_number(s: str) -> str:
+    # normalize_number gives None only for values that overflow float; keep the digits then.
+    return normalize_number(s) or s.replace(",", "").lstrip("0") or "0"
+
+
+def _fraction(a: str, b: str) -> str | None:
+    """The value of a/b as a canonical number if it is a non-integer rational, else None."""
+    if "." in a + b:  # 2.5/5 is a division step, not a fraction
+        return None
+    fa, fb = float(a), float(b)
+    v = fa / fb if fb != 0 else math.nan
+    if not math.isfinite(v) or v == int(v):
+        return None
+    return normalize_number(f"{v:.12g}")
+
+
+def canonical_tokens(text: str) -> list[Tok]:
+    """The soft-matching view of ``text`` (see the module docstring). Never raises."""
+    toks: list[Tok] = []
+    for m in _TOKEN_RE.finditer(text):
+        s, e = m.span()
+        kind = m.lastgroup
+        if kind == "frac":
+            a, b = _canon_number(m["fa"]), _canon_number(m["fb"])
+            v = _fraction(a, b)
+            if v is not None:
+                toks.append(Tok(v, s, e, True, (a, b)))
+            else:  # \frac{6}{3} reads as 6 / 3
+                toks += [Tok(a, m.start("fa"), m.end("fa"), True), Tok("/", s, e, False),
+                         Tok(b, m.start("fb"), m.end("fb"), True)]
+        elif kind == "num":
+            toks.append(Tok(_canon_number(m[0]), s, e, True))
+        elif kind == "cmd":
+            name = m[0][1:]
+            if name not in _DROP_COMMANDS:
+                toks.append(Tok(_COMMANDS.get(name, name.casefold()), s, e, False))
+        elif kind == "word":
+            toks.append(Tok(unicodedata.normalize("NFKC", m[0]).casefold(), s, e, False))
+        else:
+            ch = unicodedata.normalize("NFKC", m[0])
+            if ch not in _DROP_SYMBOLS:
+                toks.append(Tok(_SYMBOLS.get(ch, ch), s, e, False))
+    return _fold(toks)
+
+
+def _fold(toks: list[Tok]) -> list[Tok]:
+    """'x' between numbers -> '*'; plain non-integer fractions a/b -> their value."""
+    out: list[Tok] = []
+    i, n = 0, len(toks)
+    while i < n:
+        t = toks[i]
+        if t.text == "x" and 0 < i < n - 1 and toks[i - 1].is_num and toks[i + 1].is_num:
+            out.append(t._replace(text="*"))
+            i += 1
+            continue
+        # a / b, not part of a longer chain like 1/2/2020
+        if (t.is_num and not t.parts and i + 2 < n and toks[i + 1].text == "/" and toks[i + 2].is_num
+                and not toks[i + 2].parts and (i + 3 >= n or toks[i + 3].text != "/")
+                and (i == 0 or toks[i - 1].text != "/")):
+            v = _fraction(t.text, toks[i + 2].text)
+            if v is not None:
+                out.append(Tok(v, t.start, toks[i + 2].end, True, (t.text, toks[i + 2].text)))
+                i += 3
+                continue
+        out.append(t)
+        i += 1
+    return out
+
+
+class SoftText:
+    """A text in canonical tokens, with a first-token index for fast phrase search."""
+
+    def __init__(self, text: str):
+        self.text = text
+        self.toks = canonical_tokens(text)
+        self._at: dict[str, list[int]] = {}
+        for i, t in enumerate(self.toks):
+            self._at.setdefault(t.text, []).append(i)
+
+    def find(self, phrase: str | list[str], start: int = 0) -> int:
+        """Index of the first token of the first run equal to ``phrase`` at or after ``start``; -1 if none."""
+        needle = [t.text for t in canonical_tokens(phrase)] if isinstance(phrase, str) else phrase
+        if not needle:
+            return -1  # a phrase with no content matches nothing (validation reports it)
+        m = len(needle)
+        for i in self._at.get(needle[0], ()):
+            if i >= start and [t.text for t in self.toks[i:i + m]] == needle:
+                return i
+        return -1
+
+    def find_any(self, alternatives: list[str], start: int = 0) -> int:
+        """Earliest match of any alternative at or after ``start``; -1 if none."""
+        hits = [i for i in (self.find(a, start) for a in alternatives) if i >= 0]
+        return min(hits) if hits else -1
+
+    def numbers(self) -> list[tuple[str, int]]:
+        """(canonical value, token index) of every number, a folded fraction also by its parts."""
+        out = []
+        for i, t in enumerate(self.toks):
+            if t.is_num:
+                out += [(t.text, i)] + [(p, i) for p in t.parts]
+        return out
+
+    def char_span(self, i: int) -> tuple[int, int]:
+        return self.toks[i].start, self.toks[i].end
+
+
+def has_content(phrase: str) -> bool:
+    """Whether a key step / phrase has any canonical token (else it could never match)."""
+    return bool(canonical_tokens(phrase))
+
+
+# ----------------------------------------------------------------------------- regions
+
+
+def before_solution(text: str, parsed: ParsedResponse) -> str:
+    """The completion up to the single SOLUTION block ('' if there is not exactly one).
+
+    With exactly one complete block, the regex's leftmost match starts at the first
+    <SOLUTION>, so a plain find gives its start.
+    """
+    if parsed.n_solution != 1:
+        return ""
+    return text[: text.find(SOLUTION_OPEN)]
+
+
+def through_solution(text: str, parsed: ParsedResponse) -> str:
+    """The completion up to and including the single SOLUTION block ('' if not exactly one)."""
+    if parsed.n_solution != 1:
+        return ""
+    close = text.find(SOLUTION_CLOSE, text.find(SOLUTION_OPEN))
+    return text[: close + len(SOLUTION_CLOSE)]
+
+
+# ----------------------------------------------------------------------------- StepRAR
+
+
+def matched_groups(soft: SoftText, key_steps: list[list[str]]) -> int:
+    """How many key-step groups have at least one alternative in ``soft``."""
+    return sum(soft.find_any(group) >= 0 for group in key_steps)
+
+
+def step_rar(text: str, parsed: ParsedResponse, key_steps: list[list[str]], gold: str,
+             alpha: float = STEP_ALPHA) -> float:
+    """R1-VL StepRAR in [0, 1 + alpha]: 1[correct] + alpha * (matched groups / groups)."""
+    if parsed.answer is None or not key_steps:
+        return 0.0
+    k = matched_groups(SoftText(before_solution(text, parsed)), key_steps) / len(key_steps)
+    return float(is_exact(parsed.answer, gold)) + alpha * k
+
+
+# ----------------------------------------------------------------------------- StepRVR
+
+
+def steps_in_order(soft: SoftText, key_steps: list[list[str]]) -> bool:
+    """The groups that are present appear in their listed order (absent groups are skipped).
+
+    Greedy: each present group must match at or after the previous group's match start
+    + 1, so chained steps that share a token ("3 + 4 = 7", "7 * 2 = 14") are in order.
+    """
+    pos = 0
+    for group in key_steps:
+        if soft.find_any(group) < 0:
+            continue  # absent: StepRAR's business, not an ordering error
+        i = soft.find_any(group, pos)
+        if i < 0:
+            return False  # present, but only before an earlier step
+        pos = i + 1
+    return True
+
+
+def step_rvr(text: str, parsed: ParsedResponse, key_steps: list[list[str]]) -> float:
+    """R1-VL StepRVR in {0, 1}: reasoning complete and ordered under our contract."""
+    if parsed.n_reasoning != 1 or parsed.n_solution != 1 or parsed.answer is None:
+        return 0.0
+    if not (parsed.reasoning or "").strip():
+        return 0.0
+    sol_open = text.find(SOLUTION_OPEN)
+    # the single reasoning block must close before the solution block opens
+    r_close = text.find(REASONING_CLOSE, text.find(REASONING_OPEN))
+    if r_close < 0 or r_close + len(REASONING_CLOSE) > sol_open:
+        return 0.0
+    end = text.find(SOLUTION_CLOSE, sol_open) + len(SOLUTION_CLOSE)
+    if text[end:].strip():
+        return 0.0
+    if key_steps and not steps_in_order(SoftText(parsed.reasoning or ""), key_steps):
+        return 0.0
+    return 1.0
