@@ -69,12 +69,19 @@ def sample_scene(rng: random.Random) -> dict[str, Any]:
     for colour, kind, c in zip(colours, kinds, counts):
         groups.append({"colour": colour, "kind": kind, "cells": sorted(cells[at:at + c])})
         at += c
-    ask = rng.choice(("one", "total", "more"))
-    if ask == "more" and counts[0] == counts[1]:
-        ask = "total"  # "how many more" needs a strict difference
-    # Target group(s): for "more", the larger group first so the answer is positive.
-    a, b = (0, 1) if counts[0] > counts[1] else (1, 0)
-    target = [rng.randrange(n_groups)] if ask == "one" else [a, b]
+    # Canonical group order (the picture has none): the content key must not depend on it,
+    # and the "total" reasoning always lists colours in the same order.
+    groups.sort(key=lambda g: _SCENE_COLOURS.index(g["colour"]))
+    ask, target = rng.choice(("one", "total", "more")), []
+    if ask == "one":
+        target = [rng.randrange(n_groups)]
+    elif ask == "more":
+        a, b = rng.sample(range(n_groups), 2)
+        na, nb = len(groups[a]["cells"]), len(groups[b]["cells"])
+        if na == nb:
+            ask = "total"  # "how many more" needs a strict difference
+        else:
+            target = [a, b] if na > nb else [b, a]  # larger first: the answer is positive
     return {"groups": groups, "ask": ask, "target": target}
 
 
@@ -141,7 +148,9 @@ def sample_table(rng: random.Random) -> dict[str, Any]:
     rows, cols = rng.choice(((2, 2), (2, 3), (3, 2)))
     values = [[rng.randint(1, 9) for _ in range(cols)] for _ in range(rows)]
     ask = rng.choice(("cell", "row", "col"))
-    return {"values": values, "ask": ask, "i": rng.randrange(rows), "j": rng.randrange(cols)}
+    i, j = rng.randrange(rows), rng.randrange(cols)
+    # Only what the question names enters the params (and so the content key).
+    return {"values": values, "ask": ask, "i": None if ask == "col" else i, "j": None if ask == "row" else j}
 
 
 def annotate_table(p: dict[str, Any]) -> Annotation:
@@ -174,10 +183,12 @@ def annotate_table(p: dict[str, Any]) -> Annotation:
         hops = len(cells) - 1
         rubrics = [rubric_read(f"Reads the {label} values {', '.join(cells)}", cells[0], W_IMPORTANT),
                    rubric_steps(f"Adds the {label} values in order", cells + [answer])]
-        other = (f"column {j + 1}", sum(values[r][j] for r in range(rows))) if ask == "row" else \
-            (f"row {i + 1}", sum(values[i]))
-        mistakes = [(f"Adds {other[0]} instead of {label}", num(other[1])),
-                    (f"Leaves out the last value of {label}", num(sum(line[:-1])))]
+        mistakes = [(f"Leaves out the last value of {label}", num(sum(line[:-1])))]
+        k = i if ask == "row" else j  # swapping row and column: the line with the same number
+        if ask == "row" and k < cols:
+            mistakes.append((f"Adds column {k + 1} instead of {label}", num(sum(values[r][k] for r in range(rows)))))
+        elif ask == "col" and k < rows:
+            mistakes.append((f"Adds row {k + 1} instead of {label}", num(sum(values[k]))))
     rubrics += [rubric_answer(answer)] + rubric_pitfalls(answer, mistakes)
     return Annotation(question, answer, "integer", None, "table", skills, "elementary school",
                       "math word problem", reasoning, key_steps, inter, hops, rubrics)

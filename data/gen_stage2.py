@@ -93,7 +93,9 @@ def sample_bar(rng: random.Random) -> dict[str, Any]:
     a, b = rng.sample(range(n), 2)
     if values[a] < values[b]:
         a, b = b, a
-    return {"colours": colours, "values": values, "ask": ask, "a": a, "b": b}
+    # Only the bars the question names enter the params (and so the content key).
+    return {"colours": colours, "values": values, "ask": ask,
+            "a": None if ask == "sum" else a, "b": b if ask in ("diff", "mean") else None}
 
 
 def annotate_bar(p: dict[str, Any]) -> Annotation:
@@ -158,7 +160,8 @@ def sample_line(rng: random.Random) -> dict[str, Any]:
         values[rng.randrange(n)] = rng.randint(1, 8)
     ask = rng.choice(("value", "range", "mean"))
     a, b = sorted(rng.sample(range(n), 2))
-    return {"values": values, "ask": ask, "a": a, "b": b}
+    return {"values": values, "ask": ask, "a": None if ask == "range" else a,
+            "b": b if ask == "mean" else None}
 
 
 def annotate_line(p: dict[str, Any]) -> Annotation:
@@ -166,8 +169,9 @@ def annotate_line(p: dict[str, Any]) -> Annotation:
     skills = ["statistical reasoning"]
     if ask == "value":
         answer = num(vals[a])
+        nb = a + 1 if a + 1 < len(vals) else a - 1  # the neighbour: the likeliest misread
         parts = read_one(f"value at x = {a + 1}", answer,
-                         [(f"Reads the value at x = {b + 1} instead", num(vals[b]))])
+                         [(f"Reads the value at x = {nb + 1} instead", num(vals[nb]))])
         question = f"What is the value at x = {a + 1}?"
     elif ask == "range":
         hi, lo = max(vals), min(vals)
@@ -208,7 +212,8 @@ def sample_table2(rng: random.Random) -> dict[str, Any]:
     i, j = rng.randrange(rows), rng.randrange(cols)
     if ask == "diff" and max(values[i]) == min(values[i]):
         values[i][0] += 1  # a row of equal values has no "largest minus smallest"
-    return {"values": values, "ask": ask, "i": i, "j": j}
+    return {"values": values, "ask": ask, "i": i if ask == "diff" else None,
+            "j": j if ask == "mean" else None}
 
 
 def annotate_table2(p: dict[str, Any]) -> Annotation:
@@ -241,8 +246,8 @@ CYL_MAX = 6  # scale 0..CYL_MAX mL; one unit is ~12 px at 112 px
 def sample_cylinder(rng: random.Random) -> dict[str, Any]:
     left, right = rng.sample(range(1, CYL_MAX + 1), 2)
     colour = rng.choice(("blue", "green", "orange"))
-    return {"levels": [left, right], "colour": colour, "ask": rng.choice(("one", "more", "both")),
-            "side": rng.randrange(2)}
+    ask, side = rng.choice(("one", "more", "both")), rng.randrange(2)
+    return {"levels": [left, right], "colour": colour, "ask": ask, "side": side if ask == "one" else None}
 
 
 def annotate_cylinder(p: dict[str, Any]) -> Annotation:

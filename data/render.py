@@ -62,8 +62,10 @@ class Canvas:
             outline: RGB | None = None, width: float = 0.0) -> None:
         """Axis-aligned rectangle; ``width`` is the outline thickness in unit coordinates."""
         w = max(1, self.px(width)) if outline is not None else 0
-        self.draw.rectangle((self.px(x0), self.px(y0), self.px(x1) - 1, self.px(y1) - 1),
-                            fill=fill, outline=outline, width=w)
+        px0, py0 = self.px(x0), self.px(y0)
+        # Half-open pixel box, but never thinner than 1 px (thin rules at small sizes).
+        px1, py1 = max(px0, self.px(x1) - 1), max(py0, self.px(y1) - 1)
+        self.draw.rectangle((px0, py0, px1, py1), fill=fill, outline=outline, width=w)
 
     def line(self, points: list[tuple[float, float]], fill: RGB, width: float) -> None:
         self.draw.line([(self.px(x), self.px(y)) for x, y in points], fill=fill,

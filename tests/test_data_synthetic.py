@@ -204,6 +204,34 @@ def test_splits_are_disjoint_by_construction(pools):
     assert not {e.metadata["content_key"] for e in other_seed} & keys["train"]
 
 
+@pytest.mark.parametrize("name", ["cylinders", "grid_geometry", "line_plot", "region_sums"])
+def test_content_key_is_canonical(name):
+    """Same picture + same question => same key, else one (image, question) could land in two
+    splits. Small-space families collide often enough in 400 draws to exercise this."""
+    import random
+
+    family = next(f for s in STAGES for f in families(s) if f.name == name)
+    keys: dict[tuple, str] = {}
+    collisions = 0
+    for i in range(400):
+        p = family.sample(random.Random(i))
+        seen = (family.render(p, 32).tobytes(), family.annotate(p).question)
+        key = content_key(name, p)
+        collisions += seen in keys
+        assert keys.setdefault(seen, key) == key, p
+    assert collisions > 0
+
+
+def test_scene_groups_in_canonical_colour_order():
+    import random
+
+    from data.gen_stage1 import _SCENE_COLOURS, sample_scene
+
+    for i in range(50):
+        order = [_SCENE_COLOURS.index(g["colour"]) for g in sample_scene(random.Random(i))["groups"]]
+        assert order == sorted(order)
+
+
 def test_curriculum_has_all_stages():
     cur = curriculum("val", 3, seed=1)
     assert sorted(cur) == [1, 2, 3] and all(len(v) == 3 for v in cur.values())
