@@ -2,8 +2,10 @@
 
 A family is three pure functions:
 
-    sample(rng)            -> params      a small JSON-able dict, in unit coordinates,
-                                          that fixes the picture AND the question
+    sample(rng)            -> params      a small JSON-able dict in size-independent units
+                                          (lattice cells, grid squares, values) that
+                                          fixes the picture AND the question, and holds
+                                          nothing else (no unused choices)
     annotate(params)       -> Annotation  question, gold answer and all the reward
                                           supervision (reasoning, key steps, rubrics)
     render(params, size)   -> PIL image
@@ -16,7 +18,15 @@ is what makes train/val/test disjoint by construction.
 The worked reasoning texts are short fixed templates ("red circles: 3. blue squares: 2.
 3 + 2 = 5."): the embedded 2M-parameter model must learn to produce them in minutes, and
 R1-VL's StepRAR / RewardMap's detail reward then look for exactly these numbers in a
-policy's reasoning.
+policy's reasoning. Conventions every family follows (tests check them):
+
+    key_steps      one group per intermediate result, in the order the reasoning states
+                   them; a group lists accepted spellings ("3", "three"; "3 + 2", "2+3")
+    hops           arithmetic operations in the worked solution, at least 1 (a plain read
+                   is 1); RewardMap's multi-hop bonus applies when hops > 1
+    rubrics        VF reads (ESSENTIAL/IMPORTANT), an RC "steps in order" item, an IF item
+                   for the final number, and PITFALLs whose evidence is the *answer* a
+                   typical mistake gives (every multi-step example has at least one)
 """
 
 from __future__ import annotations
@@ -53,7 +63,7 @@ class Annotation:
     reasoning: str
     key_steps: list[list[str]]
     intermediates: list[Intermediate]
-    hops: int
+    hops: int  # arithmetic operations, >= 1
     rubrics: list[RubricItem] = field(default_factory=list)
     unit: str | None = None  # e.g. "mL"; MathVista's `unit` field
 

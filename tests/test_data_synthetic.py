@@ -17,6 +17,7 @@ from data.synthetic import SPLITS, content_key, curriculum, families, generate, 
 
 STAGES = (1, 2, 3)
 NUM_RE = re.compile(r"\d+(?:\.\d+)?")
+OP_RE = re.compile(r"(?<=\d) [x+\-/] (?=\d)")  # one arithmetic operation: "3 + 2", "12 / 2"
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +51,29 @@ def test_different_seed_different_examples(stage):
     b = generate("train", stage, 12, seed=1)
     differ = sum(x.image.tobytes() != y.image.tobytes() or x.question != y.question for x, y in zip(a, b))
     assert differ >= 10
+
+
+def test_same_pixels_in_a_fresh_process_with_another_hash_seed():
+    """Nothing may depend on str hashing or set order: a subprocess must agree bit for bit."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import hashlib; from data.synthetic import generate; h = hashlib.sha256()\n"
+            "for s in (1, 2, 3):\n"
+            "    for ex in generate('test', s, 4, seed=11):\n"
+            "        h.update(ex.image.tobytes()); h.update(repr((ex.question, ex.reasoning, ex.rubrics)).encode())\n"
+            "print(h.hexdigest())")
+    env = dict(os.environ, PYTHONHASHSEED="12345")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, check=True)
+    h = hashlib.sha256()
+    for s in STAGES:
+        for ex in generate("test", s, 4, seed=11):
+            h.update(ex.image.tobytes())
+            h.update(repr((ex.question, ex.reasoning, ex.rubrics)).encode())
+    assert out.stdout.strip() == h.hexdigest()
 
 
 def test_example_regenerates_alone_and_prefixes_agree():
@@ -91,10 +115,15 @@ def _check_example(ex, split: str, stage: int) -> None:
     assert _numbers(ex.reasoning)[-1] == ex.answer and ex.reasoning.endswith(f"{ex.answer}.")
     parsed = parse_response(format_response(ex.reasoning, ex.answer))
     assert parsed.answer == ex.answer and parsed.reasoning == ex.reasoning
-    # Key steps: every group has an alternative the worked reasoning contains.
+    # Key steps: every group has an alternative the worked reasoning contains, in order.
     assert ex.key_steps
+    at = 0
     for group in ex.key_steps:
-        assert group and any(alt in ex.reasoning for alt in group), (group, ex.reasoning)
+        hits = [i for i in (ex.reasoning.find(alt, at) for alt in group) if i >= 0]
+        assert group and hits, (group, ex.reasoning)
+        at = min(hits)
+    # hops = arithmetic operations in the worked solution (a plain read counts as 1).
+    assert ex.hops == max(1, len(OP_RE.findall(ex.reasoning))), (ex.hops, ex.reasoning)
     for inter in ex.intermediates:
         assert normalize_number(inter.value) == inter.value and inter.value in _numbers(ex.reasoning)
     # Rubrics: valid labels; rule evidence consistent with the worked reasoning.
