@@ -205,6 +205,10 @@ class _Check:
         return f"{self.key}={self.value:.4g}{ci} {self.op} {self.threshold:.4g}{label}"
 
 
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
 def _normalise_keys(d: Mapping[str, Any], what: str) -> dict[str, Any]:
     """Map eval/metrics.py names to the controller's; refuse a metric given twice."""
     out: dict[str, Any] = {}
@@ -230,7 +234,7 @@ def check_metrics(metrics: Mapping[str, float]) -> dict[str, float]:
         if k not in m or m[k] is None:
             continue
         v = m[k]
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        if not _is_number(v):
             raise ValueError(f"controller metric {k}={v!r}: expected a finite number")
         if k != "mean_tokens" and not 0.0 <= v <= 1.0:
             raise ValueError(f"controller metric {k}={v}: rates must lie in [0, 1] (pass fractions, not percent)")
@@ -280,7 +284,7 @@ class Controller:
         temperature: float = 1.0,
         phase: str | None = None,
     ):
-        bad = {k: v for k, v in weights.items() if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)}
+        bad = {k: v for k, v in weights.items() if not _is_number(v)}
         if bad:
             raise ValueError(f"controller weights {bad}: every weight must be a finite number")
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -298,10 +302,13 @@ class Controller:
         self.history: list[dict[str, Any]] = []  # one entry per update (JSON-ready)
 
     @classmethod
-    def for_phase(cls, phase: str, max_new_tokens: int, thresholds: GateThresholds = GateThresholds(), temperature: float = 1.0) -> "Controller":
+    def for_phase(
+        cls, phase: str, max_new_tokens: int, thresholds: GateThresholds = GateThresholds(), temperature: float = 1.0
+    ) -> "Controller":
         """A new phase starts from its preset weights (PHASE_WEIGHTS), with no exact-match history."""
         if phase not in PHASE_WEIGHTS:
-            raise ValueError(f"phase {phase!r} has no reward weights (the warm-up is SFT); use one of {', '.join(PHASE_WEIGHTS)}")
+            raise ValueError(
+                f"phase {phase!r} has no reward weights (the warm-up is SFT); use one of {', '.join(PHASE_WEIGHTS)}")
         return cls(dict(PHASE_WEIGHTS[phase]), max_new_tokens, thresholds, temperature, phase=phase)
 
     # ------------------------------------------------------------------ the gates
@@ -336,7 +343,9 @@ class Controller:
     def _check(self, m: dict, ci: dict, key: str, op: str, threshold: float, label: str = "") -> _Check:
         return _Check(key, op, threshold, m[key], ci.get(key), label)
 
-    def _decide(self, rule: str, checks: list[_Check], target: str, new: float, extra: dict | None = None) -> list[Decision]:
+    def _decide(
+        self, rule: str, checks: list[_Check], target: str, new: float, extra: dict | None = None
+    ) -> list[Decision]:
         """Set weight `target` to `new` (if the component exists) and describe why."""
         if target == "temperature":
             old = self.temperature
@@ -350,7 +359,8 @@ class Controller:
         values = {c.key: c.value for c in checks} | (extra or {})
         cis = {c.key: c.interval for c in checks if c.interval is not None}
         borderline = any(c.holds() and not c.clear() for c in checks)
-        cond = " or ".join(c.text() for c in checks) if rule in ("format", "finished") else " and ".join(c.text() for c in checks)
+        joiner = " or " if rule in ("format", "finished") else " and "  # any-of gates vs all-of gates
+        cond = joiner.join(c.text() for c in checks)
         return [Decision(rule, cond, target, old, new, values, cis, borderline)]
 
     def _fired(self, checks: list[_Check]) -> list[_Check]:
@@ -380,7 +390,8 @@ class Controller:
         th = self.thresholds
         fired = self._fired([
             self._check(m, ci, "truncation", ">", th.truncation_max),
-            self._check(m, ci, "mean_tokens", ">", th.mean_tokens_frac_max * self.L, f"{th.mean_tokens_frac_max:g} L, L={self.L}"),
+            self._check(m, ci, "mean_tokens", ">", th.mean_tokens_frac_max * self.L,
+                        f"{th.mean_tokens_frac_max:g} L, L={self.L}"),
         ])
         if not fired:
             return []
@@ -400,7 +411,8 @@ class Controller:
             return []  # first checkpoint of the phase: no gain to judge yet
         gain = m["exact"] - self.prev_exact
         # The plateau is judged on point estimates only (see the module docstring).
-        plateau = _Check("exact_gain", "<", th.plateau_gain, gain, None, f"exact {m['exact']:.4g} vs previous {self.prev_exact:.4g}")
+        plateau = _Check("exact_gain", "<", th.plateau_gain, gain, None,
+                         f"exact {m['exact']:.4g} vs previous {self.prev_exact:.4g}")
         if not plateau.holds():
             return []
         w = self.weights.get("correctness", 0.0)
