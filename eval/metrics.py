@@ -45,6 +45,7 @@ a Wilson interval spans most of [0, 1]: the report prints the interval so that i
 from __future__ import annotations
 
 import math
+import numbers
 import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -138,8 +139,8 @@ def completion_metrics(
     text: str, gold: str, precision: int | None, tokens: int, max_new_tokens: int
 ) -> CompletionMetrics:
     """Score one completion against its gold answer under the response contract."""
-    if tokens < 0:
-        raise ValueError(f"tokens={tokens}: a completion has a non-negative token count")
+    if not isinstance(tokens, numbers.Integral) or tokens < 0:
+        raise ValueError(f"tokens={tokens!r}: pass the completion's token count (an int >= 0) from its tokenizer")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens}: the completion budget L must be >= 1")
     p = parse_response(text)
