@@ -358,9 +358,11 @@ class Controller:
             return []
         values = {c.key: c.value for c in checks} | (extra or {})
         cis = {c.key: c.interval for c in checks if c.interval is not None}
-        borderline = any(c.holds() and not c.clear() for c in checks)
-        joiner = " or " if rule in ("format", "finished") else " and "  # any-of gates vs all-of gates
-        cond = joiner.join(c.text() for c in checks)
+        any_of = rule in ("format", "finished")  # fire on any check; the rest need all checks
+        # Borderline: the gate would not have fired on the intervals alone.
+        clear = [c.clear() for c in checks]
+        borderline = not (any(clear) if any_of else all(clear))
+        cond = (" or " if any_of else " and ").join(c.text() for c in checks)
         return [Decision(rule, cond, target, old, new, values, cis, borderline)]
 
     def _fired(self, checks: list[_Check]) -> list[_Check]:

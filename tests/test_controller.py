@@ -131,6 +131,11 @@ def test_decision_records_values_intervals_and_borderline():
     assert "0.5 -> 0.75" in str(d[0])
     d = Controller(C, L).update({**HEALTHY, "parseable": 0.50}, n=200)
     assert not d[0].borderline
+    # An any-of gate is borderline only if none of the checks that fired is clear.
+    d = Controller(C, L).update({**HEALTHY, "solution_tag": 0.89, "malformed": 0.16}, n=200)
+    assert d[0].rule == "format" and "solution_tag" in d[0].condition and not d[0].borderline
+    d = Controller(C, L).update({**HEALTHY, "solution_tag": 0.89, "malformed": 0.11}, n=200)
+    assert d[0].borderline
     # Every metric carries its interval in the history, fired or not.
     assert set(ctl.history[-1]["intervals"]) >= {"parseable", "solution_tag", "exact"}
 
