@@ -255,7 +255,8 @@ def load_mathvista(
 
     ``where`` filters on everything but the image, *before* the image bytes are checked
     and kept, so loading a subset of `test` (744 MB of images) holds only that subset.
-    Image problems are therefore counted only for rows that pass ``where``.
+    Row-level problems (answer type, language, gold) are counted for every row; image
+    problems only for rows that pass ``where``.
     """
     rows, base = iter_rows(source, split)
     examples: list[Example] = []
@@ -298,17 +299,29 @@ def stage_subsets(examples: list[Example]) -> dict[int, list[Example]]:
 
 
 def require_gold_answers(examples: list[Example], name: str) -> None:
-    """Refuse a training set with missing gold answers, with the reason and the fix."""
+    """Refuse a training set whose gold answers are missing or not numbers, saying why and what to do."""
     if not examples:
         raise ValueError(f"training set {name!r} is empty: check the data path, split and stage filters")
-    missing = [ex.pid for ex in examples if normalize_number(ex.answer) is None]
-    if missing:
-        shown = ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else "")
-        raise ValueError(
-            f"training set {name!r}: {len(missing)} of {len(examples)} examples have no numeric gold answer "
-            f"(pids {shown}). A correctness reward on them is 0 for every completion, so training would "
-            "run and learn nothing about correctness. MathVista's `test` split ships with empty answers; "
-            "the staged paper trained on it and its correctness reward was silently 0 on every step. "
-            "Train on data with gold answers (the synthetic curriculum or a JSONL set) and keep MathVista "
-            "testmini for evaluation."
+    empty = [ex.pid for ex in examples if not str(ex.answer).strip()]
+    non_numeric = [ex.pid for ex in examples if str(ex.answer).strip() and normalize_number(ex.answer) is None]
+    if not (empty or non_numeric):
+        return
+
+    def pids(xs: list[str]) -> str:
+        return ", ".join(xs[:5]) + (", ..." if len(xs) > 5 else "")
+
+    parts = []
+    if empty:
+        parts.append(
+            f"{len(empty)} of {len(examples)} examples have an empty gold answer (pids {pids(empty)}). "
+            "MathVista's `test` split ships with empty answers; the staged paper trained on it, so its "
+            "correctness reward was 0 on every step, silently. Train on data with gold answers (the "
+            "synthetic curriculum or a JSONL set) and keep MathVista testmini for evaluation."
         )
+    if non_numeric:
+        parts.append(
+            f"{len(non_numeric)} of {len(examples)} examples have a gold answer that is not a number "
+            f"(pids {pids(non_numeric)}; multi-choice or text rows): the numeric rewards can never pay them. "
+            "Select numeric free-form rows first (data.stages / data.mathvista.eval_overall_numeric)."
+        )
+    raise ValueError(f"training set {name!r}: " + " Also, ".join(parts))
