@@ -93,3 +93,31 @@ def compile_for_gpu(
     src = ASTSource(fn=fn, signature=signature,
                     constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
+
+
+def import_interpreted(module: str) -> object:
+    """Import kernel module ``module`` with its kernels under the Triton interpreter (CPU tests).
+
+    Sets TRITON_INTERPRET=1 for the rest of the process (it cannot be undone: the
+    interpreter consults it while kernels run). If triton was already imported in compiled
+    mode, e.g. by bitsandbytes in an earlier test file, triton's own ``tl.max``/``tl.sum``
+    are compiled-only functions the interpreter cannot call, so the Python parts of triton
+    and our ``kernels.*`` modules are dropped from sys.modules and imported afresh (the C
+    extension ``triton._C`` is kept). Earlier importers keep their old module objects.
+    """
+    import importlib
+    import sys
+
+    os.environ["TRITON_INTERPRET"] = "1"
+    triton_lang = sys.modules.get("triton.language.standard")
+    stale = triton_lang is not None and not is_interpreted(triton_lang.max)
+    loaded = sys.modules.get(module)
+    if loaded is not None and not any(is_interpreted(v) for v in vars(loaded).values()):
+        stale = True
+    if stale:
+        for name in list(sys.modules):
+            if (name == "triton" or name.startswith("triton.")) and not name.startswith("triton._C"):
+                del sys.modules[name]
+            elif name.startswith("kernels.") and name != __name__:
+                del sys.modules[name]
+    return importlib.import_module(module)

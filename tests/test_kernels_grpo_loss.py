@@ -1,0 +1,340 @@
+"""Fused GRPO loss: Triton kernel (interpreter on CPU) vs PyTorch reference vs autograd.
+
+Tolerance table. The kernel reads bf16 inputs and computes in fp32, so the bf16 "gold" is
+the fp32 reference on the upcast *same* bf16 values: what remains is summation order and,
+for bf16, the rounding of the returned gradient to bf16 (relative 2^-9).
+
+    quantity        fp32 (atol, rtol)     bf16 vs fp32 gold (atol, rtol)
+    loss            1e-6, 1e-5            1e-6, 1e-5
+    d loss / d logp 1e-7, 1e-5            1e-7, 8e-3
+    stats           1e-6, 1e-5            1e-6, 1e-5
+"""
+
+import importlib
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kernels._dispatch import import_interpreted, resolve_backend
+
+ON_GPU = torch.cuda.is_available()
+# On a CPU the kernels must be defined under the Triton interpreter (see import_interpreted).
+gl = importlib.import_module("kernels.grpo_loss") if ON_GPU else import_interpreted("kernels.grpo_loss")
+DEVICE = "cuda" if ON_GPU else "cpu"
+TOL = {torch.float32: dict(loss=(1e-6, 1e-5), grad=(1e-7, 1e-5), stats=(1e-6, 1e-5)),
+       torch.bfloat16: dict(loss=(1e-6, 1e-5), grad=(1e-7, 8e-3), stats=(1e-6, 1e-5))}
+
+
+def make_inputs(N: int, T: int, G: int, seed: int = 0, dtype=torch.float32) -> dict:
+    """Awkward on purpose: a fully masked row, a full row, a constant-reward group, ratios
+    both below 1 - eps_low and above 1 + eps_high, and -inf/NaN padding under the mask."""
+    g = torch.Generator().manual_seed(seed)
+    logp = -3 * torch.rand(N, T, generator=g)
+    old = logp + 0.3 * torch.randn(N, T, generator=g)
+    ref = logp + 0.3 * torch.randn(N, T, generator=g)
+    mask = torch.rand(N, T, generator=g) > 0.25
+    mask[0] = False
+    mask[-1] = True
+    rewards = torch.randint(0, 3, (N,), generator=g).float()
+    rewards[:G] = 1.0  # group 0 has zero spread
+    logp[~mask] = -torch.inf  # padding garbage must never reach the loss
+    old[~mask] = torch.nan
+    out = dict(logp=logp, old=old, ref=ref, mask=mask, rewards=rewards)
+    return {k: (v.to(dtype) if v.is_floating_point() and k in ("logp", "old", "ref") else v).to(DEVICE)
+            for k, v in out.items()}
+
+
+def make_prefix(N: int, T: int, J: int, seed: int = 1, per_row_rho: bool = False) -> "gl.PrefixRubrics":
+    g = torch.Generator().manual_seed(seed)
+    scored = torch.rand(N, J, generator=g) > 0.3
+    s = torch.randint(0, 2, (N, J), generator=g).float()
+    s[~scored] = torch.nan  # unscored placeholders are ignored
+    rho_shape = (N, J) if per_row_rho else (J,)
+    return gl.PrefixRubrics(
+        R_ans=torch.randint(0, 2, (N,), generator=g).float().to(DEVICE), s=s.to(DEVICE),
+        scored=scored.to(DEVICE), rho=torch.rand(rho_shape, generator=g).to(DEVICE),
+        t_end=torch.randint(-2, T + 3, (N, J), generator=g).to(DEVICE), a=0.4)
+
+
+def run_both(inp: dict, dtype=torch.float32, **kw) -> tuple:
+    """(kernel loss, grad, stats) on inp's dtype; (reference ...) on the fp32 copy."""
+    results = []
+    for backend, dt in (("triton", dtype), ("torch", torch.float32)):
+        logp = inp["logp"].to(dt).clone().requires_grad_()
+        loss, stats = gl.grpo_loss(logp, inp["mask"], **kw, backend=backend)
+        loss.backward()
+        results.append((loss.detach(), logp.grad, stats.to_dict()))
+    return results
+
+
+def assert_match(kernel, gold, dtype=torch.float32) -> None:
+    tol = TOL[dtype]
+    torch.testing.assert_close(kernel[0], gold[0], atol=tol["loss"][0], rtol=tol["loss"][1])
+    assert kernel[1].dtype == dtype
+    torch.testing.assert_close(kernel[1].float(), gold[1], atol=tol["grad"][0], rtol=tol["grad"][1])
+    for name in gold[2]:
+        torch.testing.assert_close(kernel[2][name], gold[2][name].float(), atol=tol["stats"][0],
+                                   rtol=tol["stats"][1], msg=name)
+    assert torch.isfinite(kernel[1]).all()
+
+
+# (N, T, G, loss_type, importance, scale, beta, eps_low, eps_high, use_old, source)
+CASES = [
+    (6, 37, 3, "grpo", "token", "group", 0.0, 0.2, 0.2, True, "rewards"),
+    (9, 20, 3, "bnpo", "token", "batch", 0.04, 0.2, 0.28, True, "rewards"),
+    (8, 13, 8, "dr_grpo", "sequence", "none", 0.04, 0.1, 0.3, True, "rewards"),
+    (5, 17, 1, "dapo", "token", "group", 0.0, 0.2, 0.28, False, "rewards"),
+    (10, 19, 2, "grpo", "sequence", "group", 0.1, 0.2, 0.28, True, "components"),
+    (12, 37, 3, "dapo", "sequence", "batch", 0.0, 0.2, 0.2, False, "prefix"),
+    (8, 29, 2, "bnpo", "token", "group", 0.04, 0.2, 0.28, True, "prefix_rows"),
+    (6, 23, 3, "grpo", "token", "none", 0.04, 0.3, 0.1, True, "token_adv"),
+    (15, 11, 3, "dr_grpo", "token", "group", 0.0, 0.2, 0.28, True, "components"),
+    (16, 9, 8, "grpo", "sequence", "group", 0.0, 0.2, 0.28, False, "token_adv"),
+]
+
+
+def source_kwargs(source: str, inp: dict, N: int, T: int) -> dict:
+    g = torch.Generator().manual_seed(7)
+    if source == "rewards":
+        return dict(rewards=inp["rewards"])
+    if source == "components":
+        comps = torch.randint(0, 2, (N, 3), generator=g).float()
+        comps[:, 2] = 5.0  # a constant component contributes 0 everywhere
+        return dict(reward_components=comps.to(DEVICE),
+                    component_weights=torch.tensor([1.0, 0.5, 2.0], device=DEVICE))
+    if source.startswith("prefix"):
+        return dict(prefix=make_prefix(N, T, J=3, per_row_rho=source == "prefix_rows"))
+    adv = torch.randn(N, T, generator=g)
+    adv[1] = 0.0  # with G=3 group 0 is rows 0-2: row 0 masked, row 1 zero, row 2 not
+    adv[~inp["mask"].cpu()] = torch.nan  # ignored under the mask
+    return dict(token_adv=adv.to(DEVICE))
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"N{c[0]}T{c[1]}G{c[2]}-{c[3]}-{c[4]}-{c[10]}")
+def test_kernel_matches_reference(case):
+    N, T, G, loss_type, importance, scale, beta, eps_low, eps_high, use_old, source = case
+    inp = make_inputs(N, T, G, seed=N * T)
+    kw = dict(G=G, old_logp=inp["old"] if use_old else None, ref_logp=inp["ref"] if beta or N % 2 else None,
+              beta=beta, eps_low=eps_low, eps_high=eps_high, loss_type=loss_type,
+              importance=importance, scale=scale, max_len=T + 5 if loss_type == "dr_grpo" else None,
+              **source_kwargs(source, inp, N, T))
+    kernel, gold = run_both(inp, **kw)
+    assert_match(kernel, gold)
+    assert gold[1][~inp["mask"]].abs().max() == 0  # padding gets no gradient
+    if use_old and importance == "token" and source == "rewards":
+        assert gold[2]["clip_low_frac"] > 0 and gold[2]["clip_high_frac"] > 0  # clipping exercised
+
+
+@pytest.mark.parametrize("loss_type,importance", [("grpo", "token"), ("dapo", "sequence")])
+def test_bf16_against_fp32_gold(loss_type, importance):
+    inp = make_inputs(9, 37, 3, seed=3, dtype=torch.bfloat16)
+    kw = dict(G=3, old_logp=inp["old"], ref_logp=inp["ref"], beta=0.04, eps_high=0.28,
+              loss_type=loss_type, importance=importance, rewards=inp["rewards"])
+    kernel, gold = run_both(inp, dtype=torch.bfloat16, **kw)
+    assert_match(kernel, gold, dtype=torch.bfloat16)
+
+
+def test_dapo_normaliser_number_and_tensor_agree():
+    inp = make_inputs(6, 16, 2, seed=5)
+    out = []
+    for norm in (123.0, torch.tensor(123.0, device=DEVICE)):
+        for backend in ("triton", "torch"):
+            logp = inp["logp"].clone().requires_grad_()
+            loss, _ = gl.grpo_loss(logp, inp["mask"], inp["rewards"], G=2, old_logp=inp["old"],
+                                   loss_type="dapo", num_active_tokens=norm, backend=backend)
+            loss.backward()
+            out.append((loss.detach(), logp.grad))
+    bnpo, _ = gl.grpo_loss(inp["logp"], inp["mask"], inp["rewards"], G=2, old_logp=inp["old"],
+                           loss_type="bnpo", backend="torch")
+    M = inp["mask"].sum().item()
+    for loss, grad in out[1:]:
+        torch.testing.assert_close(loss, out[0][0])
+        torch.testing.assert_close(grad, out[0][1])
+    torch.testing.assert_close(out[0][0] * 123.0, bnpo * M)  # same sum, other divisor
+
+
+def test_backward_scales_with_upstream_gradient():
+    inp = make_inputs(4, 10, 2, seed=9)
+    grads = []
+    for scale in (1.0, 0.25):
+        logp = inp["logp"].clone().requires_grad_()
+        loss, _ = gl.grpo_loss(logp, inp["mask"], inp["rewards"], G=2, old_logp=inp["old"],
+                               loss_type="bnpo", backend="triton")
+        (loss * scale).backward()
+        grads.append(logp.grad)
+    torch.testing.assert_close(grads[1], 0.25 * grads[0])
+
+
+# --- the reference itself, against independent hand computations --------------------------
+
+
+def test_group_advantages_follow_trl_convention():
+    r = torch.tensor([1.0, 0.0, 0.0, 2.0, 2.0, 2.0, 0.1, 0.1, 0.1 + 1e-7])
+    adv, zero = gl.grpo_advantages_reference(r, G=3)
+    for b in range(3):
+        g = r[3 * b:3 * b + 3]
+        expect = (g - g.mean()) / (torch.std(g) + 1e-4)  # torch.std: unbiased, as TRL
+        if b == 1:
+            expect = torch.zeros(3)  # constant group: exactly 0, not (x - mean)/eps noise
+        torch.testing.assert_close(adv[3 * b:3 * b + 3], expect)
+    assert zero.tolist() == [False, True, False]
+    adv1, zero1 = gl.grpo_advantages_reference(r, G=1)  # std undefined -> 0, zero-spread
+    assert adv1.abs().max() == 0 and zero1.all()
+    adv_b, _ = gl.grpo_advantages_reference(r, G=3, scale="batch")
+    torch.testing.assert_close(adv_b[:3], (r[:3] - r[:3].mean()) / (r.std() + 1e-4))
+
+
+def test_multi_component_advantages_are_weighted_sums_of_zscores():
+    comps = torch.tensor([[1.0, 0.0], [0.0, 0.0], [1.0, 3.0], [1.0, 1.0]])
+    w = torch.tensor([2.0, 0.5])
+    adv, zero = gl.grpo_advantages_reference(comps, G=2, weights=w)
+    z0, _ = gl.grpo_advantages_reference(comps[:, 0], G=2)
+    z1, _ = gl.grpo_advantages_reference(comps[:, 1], G=2)
+    torch.testing.assert_close(adv, 2.0 * z0 + 0.5 * z1)
+    assert zero.tolist() == [False, False]  # group 1: component 0 constant, component 1 not
+
+
+def test_prefix_advantages_match_a_plain_loop():
+    N, T, J, G = 6, 7, 3, 3
+    p = make_prefix(N, T, J, per_row_rho=True)
+    p.t_end = p.t_end.cpu()
+    adv, zero = gl.prefix_advantages_reference(p, T, G)
+    z_ans, _ = gl.grpo_advantages_reference(p.R_ans.cpu(), G)
+    for i in range(N):
+        b = i // G
+        for t in range(T):
+            total = p.a * z_ans[i].item()
+            for j in range(J):
+                rows = [k for k in range(b * G, b * G + G) if p.scored[k, j]]
+                vals = torch.tensor([p.s[k, j].item() for k in rows])
+                if not p.scored[i, j] or len(rows) < 2 or vals.max() == vals.min():
+                    continue  # unscored here, or constant item: 0
+                z = (p.s[i, j].item() - vals.mean().item()) / (vals.std().item() + 1e-4)
+                if t <= p.t_end[i, j]:
+                    total += (1 - p.a) * p.rho[i, j].item() * z
+            assert math.isclose(adv[i, t].item(), total, rel_tol=1e-5, abs_tol=1e-6), (i, t)
+
+
+def test_ratio_one_gradient_is_minus_advantage_over_tokens():
+    """old = detached logp (ratio = 1, the two min() branches tie): grad = -A m / (N n_i)."""
+    inp = make_inputs(4, 9, 2, seed=11)
+    adv, _ = gl.grpo_advantages_reference(inp["rewards"].cpu(), G=2)
+    n = inp["mask"].sum(1).clamp(min=1).cpu()
+    expect = -adv[:, None] * inp["mask"].cpu() / (4 * n[:, None])
+    for backend in ("torch", "triton"):
+        logp = inp["logp"].clone().requires_grad_()
+        loss, stats = gl.grpo_loss(logp, inp["mask"], inp["rewards"], G=2, backend=backend)
+        loss.backward()
+        torch.testing.assert_close(logp.grad.cpu(), expect.float())
+        assert abs(loss.item()) < 1e-6  # sum_i A_i = 0 within each group
+        assert stats.clip_low_frac == 0 and stats.clip_high_frac == 0
+
+
+def test_sequence_ratio_and_k3_kl_by_hand():
+    logp = torch.tensor([[-1.0, -2.0, -0.5]], requires_grad=True)
+    old = torch.tensor([[-1.1, -1.8, -0.5]])
+    ref = torch.tensor([[-0.9, -2.2, -0.7]])
+    mask = torch.tensor([[1, 1, 0]])
+    A = torch.tensor([0.7])
+    loss, st = gl.grpo_loss_reference(logp, mask, A, old_logp=old, ref_logp=ref, beta=0.1,
+                                      importance="sequence", eps_high=0.28)
+    s = math.exp(((-1.0 + 1.1) + (-2.0 + 1.8)) / 2)
+    d = [0.1, -0.2]
+    kl = [math.exp(x) - x - 1 for x in d]
+    expect = sum(-min(s * 0.7, min(max(s, 0.8), 1.28) * 0.7) + 0.1 * k for k in kl) / 2
+    assert math.isclose(loss.item(), expect, rel_tol=1e-5)
+    assert math.isclose(st["kl_mean"].item(), sum(kl) / 2, rel_tol=1e-5)
+
+
+# --- bad input: one clear error ----------------------------------------------------------
+
+
+def test_bad_inputs_raise_clear_errors():
+    inp = make_inputs(6, 8, 3)
+    logp, mask, r = inp["logp"], inp["mask"], inp["rewards"]
+    with pytest.raises(ValueError, match="not divisible by G = 4"):
+        gl.grpo_loss(logp, mask, r, G=4)
+    with pytest.raises(ValueError, match=r"mask has shape \(6, 7\)"):
+        gl.grpo_loss(logp, mask[:, :7], r, G=3)
+    with pytest.raises(ValueError, match=r"rewards has shape \(5,\)"):
+        gl.grpo_loss(logp, mask, r[:5], G=3)
+    with pytest.raises(TypeError, match="logp must be a floating-point"):
+        gl.grpo_loss(logp.long(), mask, r, G=3)
+    bad = r.clone()
+    bad[[1, 4]] = torch.nan
+    with pytest.raises(ValueError, match=r"rewards has NaN/inf in rows \[1, 4\]"):
+        gl.grpo_loss(logp, mask, bad, G=3, backend="triton")
+    with pytest.raises(ValueError, match="needs ref_logp"):
+        gl.grpo_loss(logp, mask, r, G=3, beta=0.1)
+    with pytest.raises(ValueError, match="exactly one advantage source"):
+        gl.grpo_loss(logp, mask, r, G=3, token_adv=torch.zeros_like(logp))
+    with pytest.raises(ValueError, match="loss_type must be one of"):
+        gl.grpo_loss(logp, mask, r, G=3, loss_type="ppo")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        gl.grpo_loss(logp, mask, r, G=3, backend="cuda")
+    adv = torch.zeros_like(logp)
+    adv[2, 0] = torch.inf
+    with pytest.raises(ValueError, match=r"token_adv has NaN/inf in rows \[2\]"):
+        gl.grpo_loss(logp, torch.ones_like(mask), G=3, token_adv=adv)
+    p = make_prefix(6, 8, 2)
+    p.t_end = p.t_end.float()
+    with pytest.raises(TypeError, match="t_end must be an integer"):
+        gl.grpo_loss(logp, mask, G=3, prefix=p)
+
+
+def test_backend_switch(monkeypatch):
+    cpu = torch.device("cpu")
+    assert resolve_backend("auto", cpu) == "torch"
+    assert resolve_backend("auto", torch.device("cuda")) == "triton"
+    monkeypatch.setenv("KERNELS_BACKEND", "triton")
+    assert resolve_backend("auto", cpu) == "triton"
+    assert resolve_backend("torch", cpu) == "torch"  # an explicit argument wins
+    monkeypatch.setenv("KERNELS_BACKEND", "fast")
+    with pytest.raises(ValueError, match="KERNELS_BACKEND"):
+        resolve_backend("auto", cpu)
+
+
+def test_compiled_kernel_on_cpu_tensors_gives_clear_error():
+    from kernels._dispatch import check_launchable
+
+    class JITFunction:  # stands in for a kernel defined without the interpreter
+        pass
+
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        check_launchable(JITFunction(), torch.device("cpu"), "kernels.grpo_loss")
+
+
+# The non-trivial constexpr branches, in few variants: each compile costs ~1 s of CPU.
+COMPILE_SCRIPT = r"""
+import kernels.grpo_loss as gl
+from kernels._dispatch import compile_for_gpu
+types = {"beta": "fp32", "eps_low": "fp32", "eps_high": "fp32", "eps": "fp32", "norm_value": "fp32",
+         "logp_ptr": "*bf16", "mask_ptr": "*u8", "valid_ptr": "*u8", "tend_ptr": "*i32"}
+# (ADV_MODE, SEQ, HAS_OLD, HAS_REF, KL_IN_LOSS, ROW_MEAN)
+for mode, seq, old, ref, kl, row_mean in [(0, False, True, True, True, True), (1, True, True, True, False, False),
+                                         (2, True, False, False, False, True)]:
+    compile_for_gpu(gl._grpo_loss_fwd_kernel, dict(ADV_MODE=mode, SEQ=seq, HAS_OLD=old, HAS_REF=ref,
+                    KL_IN_LOSS=kl, ROW_MEAN=row_mean, BLOCK_T=1024, C_PAD=4), types)
+for scale, valid in ((0, False), (1, True), (2, True)):
+    compile_for_gpu(gl._group_zscore_kernel, dict(SCALE=scale, HAS_VALID=valid, G_PAD=8, BLOCK_N=64), types)
+for loss_type, norm_mode, token_adv in ((1, 0, False), (3, 2, True)):
+    compile_for_gpu(gl._grpo_finalize_kernel, dict(LOSS_TYPE=loss_type, NORM_MODE=norm_mode,
+                    TOKEN_ADV=token_adv, BLOCK_N=64, G_PAD=8, C_PAD=4), types)
+print("compiled")
+"""
+
+
+def test_kernels_compile_for_a_gpu_without_one():
+    """The interpreter runs Python the compiler would reject: compile every variant for
+    sm_90 with triton's bundled ptxas, in a process without TRITON_INTERPRET."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_DEFAULT_FP_FUSION="1", PYTHONPATH=os.pathsep.join(sys.path))
+    res = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], env=env, capture_output=True,
+                         text=True, timeout=300)
+    if res.returncode != 0 and "ptxas" in res.stderr and "No such file" in res.stderr:
+        pytest.skip("triton's bundled ptxas is not available on this platform")
+    assert res.returncode == 0 and "compiled" in res.stdout, res.stderr[-3000:]
