@@ -1,0 +1,122 @@
+"""Per-token log-probs of sampled completions: the policy's (with grad) and the reference's.
+
+GRPO's loss needs, for every completion token o_t of every rollout,
+
+    logp_t     = log pi_theta(o_t | q, image, o_<t)     policy, LoRA on, with grad
+    ref_logp_t = log pi_ref(o_t | q, image, o_<t)       reference, LoRA off, no grad
+
+(and old_logp_t, which the sampler returned). One forward over prompt + completion gives
+all T of them. What this file does to make that cheap:
+
+- The vision tower is NOT rerun: the merged visual tokens computed once per prompt for
+  sampling (grpo/prompt_context.PromptContext, frozen tower, no grad) are scattered into
+  the B prompt embeddings, which are then indexed to serve the B*G rows. A rerun would
+  cost 2G vision passes per prompt per step (policy + reference).
+- Logits only at completion positions: the transformer runs on all L + T positions, but
+  the LM head runs only on the T hidden states that predict completion tokens
+  (positions L-1 .. L+T-2), in row chunks.
+- The log-softmax goes through ``kernels.logprob.token_logprobs`` (Triton on CUDA, the
+  PyTorch reference on CPU): log p(target) without an fp32 [N, T, V] copy.
+
+Temperature: the logits are divided by the sampler's temperature (pass the same value),
+so this is the same function as the sampler's ``logprobs``; temperature 0 (greedy
+sampling) is scored at 1.
+
+Chunking caveat: without grad (reference pass) a chunk's logits are freed before the next
+chunk, so peak memory is one chunk of [rows, T, V]. With grad, autograd keeps every
+chunk's logits for backward; chunking then only bounds the transient fp32 copies.
+A fused lm_head + log-softmax (never materialising logits) is the next step and is left out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import ContextManager
+
+import torch
+
+from grpo.prompt_context import PromptContext, completion_position_ids, group_rows, prompt_embeds
+from kernels.logprob import token_logprobs
+
+
+def _check_shapes(ctx: PromptContext, completion_ids: torch.Tensor, completion_mask: torch.Tensor, G: int) -> None:
+    if not isinstance(G, int) or G < 1:
+        raise ValueError(f"G={G!r}: the group size must be an integer >= 1")
+    N = ctx.B * G
+    if completion_ids.dim() != 2 or completion_ids.shape[0] != N:
+        raise ValueError(f"completion_ids has shape {tuple(completion_ids.shape)}; expected [B*G, T] = [{N}, T] "
+                         f"for B={ctx.B} prompts and G={G}")
+    if completion_mask.shape != completion_ids.shape:
+        raise ValueError(f"completion_mask {tuple(completion_mask.shape)} != completion_ids "
+                         f"{tuple(completion_ids.shape)}")
+
+
+def completion_hidden_states(
+    model, ctx: PromptContext, completion_ids: torch.Tensor, completion_mask: torch.Tensor, G: int,
+) -> torch.Tensor:
+    """Final hidden states at the T positions that predict completion tokens: [N, T, d]."""
+    rows = group_rows(ctx.B, G, completion_ids.device)
+    T = completion_ids.shape[1]
+    # [N, L + T, d]: prompt embeddings (visual tokens in) per row, then completion tokens.
+    embeds = torch.cat([prompt_embeds(model, ctx)[rows], model.get_input_embeddings()(completion_ids)], 1)
+    attention_mask = torch.cat([ctx.attention_mask[rows], completion_mask.to(ctx.attention_mask.dtype)], 1)
+    position_ids = torch.cat([ctx.position_ids[:, rows], completion_position_ids(ctx, rows, T)], 2)
+    out = model.model(inputs_embeds=embeds, attention_mask=attention_mask, position_ids=position_ids,
+                      use_cache=False)
+    # The token at position L + t is predicted by the hidden state at L + t - 1.
+    return out.last_hidden_state[:, ctx.L - 1 : ctx.L + T - 1]
+
+
+def completion_logprobs(
+    model,
+    ctx: PromptContext,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    G: int,
+    *,
+    temperature: float = 1.0,
+    chunk_rows: int = 8,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """log softmax(lm_head(h) / temperature)[o_t] for B*G completions: [N, T] fp32, 0 where masked.
+
+    Runs under the caller's grad mode and adapter state: call it plainly for the policy,
+    or use ``reference_logprobs`` for the reference.
+    """
+    _check_shapes(ctx, completion_ids, completion_mask, G)
+    if chunk_rows < 1:
+        raise ValueError(f"chunk_rows={chunk_rows!r}: must be >= 1")
+    temperature = 1.0 if temperature == 0 else float(temperature)
+    hidden = completion_hidden_states(model, ctx, completion_ids, completion_mask, G)  # [N, T, d]
+    lm_head = model.get_output_embeddings()
+    out = []
+    for start in range(0, hidden.shape[0], chunk_rows):
+        h = hidden[start : start + chunk_rows]
+        logits = lm_head(h)  # [rows, T, V]: the only place logits exist
+        out.append(token_logprobs(logits, completion_ids[start : start + chunk_rows],
+                                  temperature=temperature, backend=backend))
+    return torch.cat(out, 0) * completion_mask.to(torch.float32)
+
+
+def reference_logprobs(
+    model,
+    ctx: PromptContext,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    G: int,
+    *,
+    ref_context: Callable[[], ContextManager] | None = None,
+    temperature: float = 1.0,
+    chunk_rows: int = 8,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """The reference policy's log-probs: no grad, inside ``ref_context()``.
+
+    With LoRA the reference is the same model with adapters off; pass
+    ``ref_context=lambda: lora.inject.disable_adapters(model)``. None = the model as is
+    (e.g. a separate frozen reference model).
+    """
+    with torch.no_grad(), (ref_context() if ref_context is not None else contextlib.nullcontext()):
+        return completion_logprobs(model, ctx, completion_ids, completion_mask, G,
+                                   temperature=temperature, chunk_rows=chunk_rows, backend=backend)

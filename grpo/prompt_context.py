@@ -1,0 +1,119 @@
+"""What a GRPO step computes once per prompt and shares across its G completions.
+
+A VLM prompt is expensive in two ways the text is not: the vision tower (a ViT over every
+14x14 patch) and the multimodal rotary positions (M-RoPE), which Qwen2.5-VL computes with
+a Python loop over the batch. Both depend only on the prompt. ``PromptContext`` holds
+them, computed ONCE per prompt per step and reused by
+
+    the sampler      (prefill of B prompts, then the KV cache is copied G times),
+    the policy pass  (log-probs of the B*G completions, LoRA on, with grad),
+    the reference    (same, LoRA off, no grad).
+
+Generating with repeated prompts (what TRL does, and the only way transformers' generate
+works with Qwen2.5-VL images here) runs the vision tower G times per prompt for sampling
+and again 2G times for the two log-prob passes: 3G vision passes instead of 1.
+
+Assumption, checked nowhere else: the vision tower is frozen (LoRA adapts the language
+model only, grpo/config LoRAConfig.targets), so its features are computed under
+``torch.no_grad`` and are the same for policy and reference.
+
+M-RoPE recap (Qwen2.5-VL, transformers 5): every token has 3 position ids (t, h, w).
+Text tokens have t = h = w = running index; the n visual tokens of an image get a grid of
+(t, h, w) ids starting at the running index, and the running index then advances by
+max(h, w) grid cells, not by n. So a prompt of n_real tokens ends at position
+n_real - 1 + delta with delta = max(h, w) - n <= 0 (``rope delta``), and a token k
+steps after the prompt sits at ``next_position + k`` with next_position = n_real + delta,
+on all three axes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from grpo.model import PromptBatch
+
+
+@dataclass
+class PromptContext:
+    """Per-prompt tensors reused by sampling and both log-prob passes (B = prompts)."""
+
+    input_ids: torch.Tensor  # [B, L] long, left-padded
+    attention_mask: torch.Tensor  # [B, L] long
+    position_ids: torch.Tensor  # [3, B, L] long, M-RoPE (t, h, w); 0 on padding
+    next_position: torch.Tensor  # [B] long, position of the first completion token
+    image_embeds: torch.Tensor  # [n_vis_total, d] merged visual tokens, rows in prompt order, no grad
+    image_mask: torch.Tensor  # [B, L] bool, where image_embeds go
+
+    @property
+    def B(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def L(self) -> int:
+        return self.input_ids.shape[1]
+
+
+def mrope_positions(model, prompts: PromptBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(position_ids [3, B, L], next_position [B]) from transformers' own get_rope_index."""
+    position_ids, rope_deltas = model.model.get_rope_index(
+        prompts.input_ids,
+        mm_token_type_ids=prompts.mm_token_type_ids,
+        image_grid_thw=prompts.image_grid_thw,
+        attention_mask=prompts.attention_mask,
+    )
+    n_real = prompts.attention_mask.sum(1)
+    next_position = n_real + rope_deltas.view(-1).to(n_real.device)  # = max position + 1
+    return position_ids, next_position
+
+
+@torch.no_grad()
+def vision_features(model, prompts: PromptBatch) -> torch.Tensor:
+    """Run the (frozen) vision tower once: [sum_i n_vis_i, d] merged visual tokens."""
+    out = model.model.get_image_features(prompts.pixel_values, prompts.image_grid_thw, return_dict=True)
+    return torch.cat(out.pooler_output, 0)  # pooler_output: one [n_vis_i, d] per image
+
+
+def build_prompt_context(model, prompts: PromptBatch) -> PromptContext:
+    """Vision features + M-RoPE positions for B prompts (the once-per-prompt work)."""
+    if prompts.input_ids.device != model.device:
+        prompts = prompts.to(model.device)
+    position_ids, next_position = mrope_positions(model, prompts)
+    image_embeds = vision_features(model, prompts)
+    image_mask = prompts.input_ids == model.config.image_token_id
+    n_tokens, n_feats = int(image_mask.sum()), image_embeds.shape[0]
+    if n_tokens != n_feats:
+        raise ValueError(f"prompts have {n_tokens} <|image_pad|> tokens but the images give {n_feats} "
+                         "visual tokens; encode prompts with grpo.model.encode_prompts")
+    return PromptContext(
+        input_ids=prompts.input_ids,
+        attention_mask=prompts.attention_mask,
+        position_ids=position_ids,
+        next_position=next_position,
+        image_embeds=image_embeds,
+        image_mask=image_mask,
+    )
+
+
+def prompt_embeds(model, ctx: PromptContext) -> torch.Tensor:
+    """[B, L, d] input embeddings of the prompts with the visual tokens scattered in.
+
+    Cheap (an embedding lookup and a copy); recomputed per pass so it follows the
+    embedding table's grad mode. Index the result with a row map to serve B*G rows.
+    """
+    embeds = model.get_input_embeddings()(ctx.input_ids)
+    feats = ctx.image_embeds.to(embeds.dtype)
+    return embeds.masked_scatter(ctx.image_mask[..., None], feats)
+
+
+def group_rows(B: int, G: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[B*G] prompt index of every completion row: rows b*G .. b*G+G-1 belong to prompt b."""
+    return torch.arange(B, device=device).repeat_interleave(G)
+
+
+def completion_position_ids(ctx: PromptContext, rows: torch.Tensor, T: int) -> torch.Tensor:
+    """[3, N, T] positions of T completion tokens after each row's prompt (same on t, h, w)."""
+    steps = torch.arange(T, device=ctx.next_position.device)
+    pos = ctx.next_position[rows, None] + steps  # [N, T]
+    return pos.unsqueeze(0).expand(3, -1, -1)

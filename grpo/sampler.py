@@ -1,0 +1,267 @@
+"""Group sampling for GRPO: prefill each prompt once, copy its KV cache G times, decode.
+
+GRPO scores each prompt by G completions sampled from the current policy. The obvious way,
+``generate`` on every prompt repeated G times, pays for the prompt G times: G vision-tower
+passes over the same image and G prefills of the same tokens. Here (gpt-fast style, a
+hand-written loop instead of ``model.generate``):
+
+    ctx    = build_prompt_context(model, prompts)   # vision tower + M-RoPE, B prompts
+    logits, cache = prefill(model, ctx)             # one prefill per prompt: [B, V]
+    cache.batch_repeat_interleave(G)                # rows b*G .. b*G+G-1 = prompt b
+    decode_n_tokens(...)                            # B*G rows, one token per step
+
+Padding side: LEFT. Every prompt ends in the last column, so the token sampled at step s
+of every row goes in the same column, the KV cache stays one rectangle, and the attention
+mask just grows by a column of ones per step. (Right padding would put each row's next
+token at a different column.)
+
+Positions during decode (the Qwen2.5-VL detail that is easy to get wrong): the k-th
+completion token of a row sits at ``next_position[prompt] + k`` on all three M-RoPE axes,
+next_position = the prompt's real length + its rope delta (grpo/prompt_context.py).
+Positions are passed explicitly every step, so nothing depends on the ``rope_deltas``
+state transformers keeps inside the model.
+
+Which log-prob is returned: ``logprobs`` is log softmax(logits / temperature)[token], the
+temperature-scaled distribution *before* top-k / top-p filtering. That is the quantity
+grpo/logprobs.py recomputes (GRPO's old log-prob and the policy's log-prob must be the same
+function, or the importance ratio is biased at step 0); top-k / top-p are treated as part
+of the sampler, not of the policy, as in TRL. ``sampler_logprobs`` is the log-prob under
+the distribution actually sampled from (after filtering), for diagnostics. With
+temperature 0 (greedy) both are taken at temperature 1.
+
+Stopping: a row stops at its first stop token (<|im_end|>, and <|endoftext|> like Qwen's
+generation config); later steps feed it <|endoftext|> as padding and mask it out. The loop
+stops when every row has stopped or after max_new_tokens.
+
+Simplified: finished rows keep computing until the whole batch stops (no compaction of the
+cache), the cache is transformers' DynamicCache (concatenates per step), no speculative
+decoding, no CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+
+from grpo.model import ModelBundle, PromptBatch
+from grpo.prompt_context import PromptContext, build_prompt_context, group_rows, prompt_embeds
+
+
+@dataclass
+class SampleOutput:
+    """B*G completions; row n belongs to prompt ``prompt_index[n]`` (= n // G)."""
+
+    completion_ids: torch.Tensor  # [N, T] long, pad after the stop token
+    completion_mask: torch.Tensor  # [N, T] long, 1 up to and including the stop token
+    logprobs: torch.Tensor  # [N, T] fp32, log p_T(token) unfiltered (what the loss uses), 0 on padding
+    sampler_logprobs: torch.Tensor  # [N, T] fp32, log p under the top-k/top-p filtered distribution
+    finished: torch.Tensor  # [N] bool, emitted a stop token
+    truncated: torch.Tensor  # [N] bool, hit max_new_tokens without one
+    texts: list[str]  # decoded completions, no special tokens, no stop token
+    prompt_index: torch.Tensor  # [N] long
+    G: int
+    context: PromptContext  # vision features + positions, reusable by grpo/logprobs.py
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """[N] completion tokens, the stop token included."""
+        return self.completion_mask.sum(1)
+
+
+# ----------------------------------------------------------------------------- model calls
+
+
+def _cache_kwarg(model) -> str:
+    """transformers renamed past_key_values -> cache in 5.x; accept both."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def prefill(model, ctx: PromptContext):
+    """Run the B prompts once. Returns (logits of the last prompt token [B, V] fp32, KV cache)."""
+    out = model(
+        inputs_embeds=prompt_embeds(model, ctx),  # visual tokens already in: no vision pass here
+        attention_mask=ctx.attention_mask,
+        position_ids=ctx.position_ids,
+        use_cache=True,
+        logits_to_keep=1,  # the LM head on one position per row, not L
+    )
+    cache = out.cache if hasattr(out, "cache") else out.past_key_values
+    return out.logits[:, -1].float(), cache
+
+
+def decode_one_token(model, cache, token: torch.Tensor, position: torch.Tensor,
+                     attention_mask: torch.Tensor) -> torch.Tensor:
+    """Feed one token per row ([N] ids at [N] positions) through the cache: next logits [N, V]."""
+    N = token.shape[0]
+    out = model(
+        input_ids=token.view(N, 1),
+        attention_mask=attention_mask,  # [N, L + steps so far + 1]
+        position_ids=position.view(1, N, 1).expand(3, N, 1),  # text token: t = h = w
+        use_cache=True,
+        **{_cache_kwarg(model): cache},
+    )
+    return out.logits[:, -1].float()
+
+
+# ----------------------------------------------------------------------------- sampling one token
+
+
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Top-k then top-p (nucleus) filtering: excluded entries become -inf. [N, V] -> [N, V]."""
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # Drop a token when the mass strictly before it already reaches top_p; the most
+        # likely token is always kept (its preceding mass is 0).
+        drop_sorted = (probs.cumsum(-1) - probs) >= top_p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def sample_token(
+    logits: torch.Tensor, temperature: float, top_k: int, top_p: float, generator: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One token per row from logits [N, V] -> (token [N], logprob [N], sampler_logprob [N]).
+
+    temperature 0 = greedy (argmax; ties go to the lowest id, as in torch.argmax and generate).
+    """
+    if temperature == 0:
+        token = logits.argmax(-1)
+        logp = torch.log_softmax(logits, -1).gather(-1, token[:, None]).squeeze(-1)
+        return token, logp, logp
+    scaled = logits / temperature
+    logp_all = torch.log_softmax(scaled, -1)  # the policy's distribution at this temperature
+    filtered = filter_logits(scaled, top_k, top_p)
+    logq_all = torch.log_softmax(filtered, -1)
+    # Exponential-race sampling: argmax p_i / E_i with E_i ~ Exp(1) picks i with probability
+    # p_i. Same distribution as torch.multinomial, without its host sync on CUDA.
+    e = torch.empty_like(logq_all).exponential_(1.0, generator=generator)
+    token = (logq_all - e.log()).argmax(-1)
+    idx = token[:, None]
+    return token, logp_all.gather(-1, idx).squeeze(-1), logq_all.gather(-1, idx).squeeze(-1)
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+def decode_n_tokens(
+    model,
+    cache,
+    first_logits: torch.Tensor,
+    next_position: torch.Tensor,
+    attention_mask: torch.Tensor,
+    *,
+    max_new_tokens: int,
+    stop_ids: torch.Tensor,
+    pad_id: int,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Decode up to max_new_tokens for N rows sharing ``cache``.
+
+    first_logits [N, V]: logits after the prompt; next_position [N]; attention_mask [N, L].
+    Returns (tokens [N, T], logprobs [N, T], sampler_logprobs [N, T], done [N] bool).
+    """
+    N = first_logits.shape[0]
+    done = torch.zeros(N, dtype=torch.bool, device=first_logits.device)
+    tokens, logps, logqs = [], [], []
+    logits = first_logits
+    for step in range(max_new_tokens):
+        token, logp, logq = sample_token(logits, temperature, top_k, top_p, generator)
+        token = token.masked_fill(done, pad_id)  # finished rows emit padding
+        tokens.append(token)
+        logps.append(logp.masked_fill(done, 0.0))
+        logqs.append(logq.masked_fill(done, 0.0))
+        done = done | torch.isin(token, stop_ids)
+        # A host sync per step (reads `done`); it buys stopping as soon as all rows are done.
+        if step == max_new_tokens - 1 or bool(done.all()):
+            break
+        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(N, 1)], 1)
+        logits = decode_one_token(model, cache, token, next_position + step, attention_mask)
+    return torch.stack(tokens, 1), torch.stack(logps, 1), torch.stack(logqs, 1), done
+
+
+def _check_args(G: int, max_new_tokens: int, temperature: float, top_k: int, top_p: float) -> None:
+    if not isinstance(G, int) or G < 1:
+        raise ValueError(f"G={G!r}: the group size must be an integer >= 1")
+    if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r}: must be an integer >= 1")
+    if not temperature >= 0:
+        raise ValueError(f"temperature={temperature!r}: must be >= 0 (0 = greedy)")
+    if not isinstance(top_k, int) or top_k < 0:
+        raise ValueError(f"top_k={top_k!r}: must be an integer >= 0 (0 = off)")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p={top_p!r}: must be in (0, 1] (1 = off)")
+
+
+def stop_token_ids(bundle: ModelBundle) -> list[int]:
+    """<|im_end|> (end of the assistant turn) and <|endoftext|>, as Qwen's generation config."""
+    ids = [bundle.eos_token_id, bundle.tokenizer.convert_tokens_to_ids("<|endoftext|>")]
+    return sorted(set(int(i) for i in ids if i is not None))
+
+
+@torch.no_grad()
+def sample(
+    bundle: ModelBundle,
+    prompts: PromptBatch,
+    *,
+    G: int,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    generator: torch.Generator | None = None,
+) -> SampleOutput:
+    """Sample G completions for each of the B prompts (N = B*G rows, grouped by prompt).
+
+    ``seed`` (or an explicit ``generator``) makes the draw reproducible: same seed, same
+    prompts, same device -> same completions.
+    """
+    _check_args(G, max_new_tokens, temperature, top_k, top_p)
+    model = bundle.model
+    L = prompts.input_ids.shape[1]
+    if L + max_new_tokens > bundle.context_length:
+        raise ValueError(f"prompt of {L} tokens + max_new_tokens={max_new_tokens} exceeds the model's "
+                         f"context of {bundle.context_length}; lower max_new_tokens or the image size")
+    device = model.device
+    if generator is None and seed is not None:
+        generator = torch.Generator(device=device).manual_seed(seed)
+
+    ctx = build_prompt_context(model, prompts)  # vision tower: once per prompt
+    first_logits, cache = prefill(model, ctx)  # text prefill: once per prompt
+    rows = group_rows(ctx.B, G, device)
+    # The group copy: every layer's K and V [B, H, L, D] -> [B*G, H, L, D], prompt b in rows b*G..b*G+G-1.
+    cache.batch_repeat_interleave(G)
+    stop = torch.tensor(stop_token_ids(bundle), device=device)
+    tokens, logps, logqs, done = decode_n_tokens(
+        model, cache, first_logits[rows], ctx.next_position[rows], ctx.attention_mask[rows],
+        max_new_tokens=max_new_tokens, stop_ids=stop, pad_id=bundle.pad_token_id,
+        temperature=temperature, top_k=top_k, top_p=top_p, generator=generator,
+    )
+    # Mask: tokens up to and including the first stop token. A stopped row's later tokens
+    # are padding, so "not yet stopped before this step" is the mask.
+    is_stop = torch.isin(tokens, stop)
+    stopped_before = (is_stop.long().cumsum(1) - is_stop.long()) > 0
+    mask = (~stopped_before).long()
+    texts = [bundle.decode(t[m.bool() & ~s].tolist()) for t, m, s in zip(tokens.cpu(), mask.cpu(), is_stop.cpu())]
+    return SampleOutput(
+        completion_ids=tokens,
+        completion_mask=mask,
+        logprobs=logps * mask,
+        sampler_logprobs=logqs * mask,
+        finished=done,
+        truncated=~done,
+        texts=texts,
+        prompt_index=rows,
+        G=G,
+        context=ctx,
+    )

@@ -1,0 +1,202 @@
+"""The group sampler: equals transformers' greedy generate, log-probs, seeds, groups, stopping, errors."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from grpo.model import ModelBundle, encode_prompts, load_bundle
+from grpo.sampler import filter_logits, sample, sample_token, stop_token_ids
+
+QUESTIONS = ["How many red circles are there?", "Sum?", "What is the total number of squares in the picture shown?"]
+
+
+def _image(seed: int, size=(112, 112)) -> Image.Image:
+    arr = np.random.default_rng(seed).integers(0, 256, size=(size[1], size[0], 3), dtype=np.uint8)
+    return Image.fromarray(arr)
+
+
+@pytest.fixture(scope="module")
+def sharp():
+    """The tiny architecture with 7x larger init: a random model whose greedy tokens vary
+    (at the default init every row repeats one token, which would make equality tests weak)."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    base = load_bundle("tiny")
+    cfg = copy.deepcopy(base.model.config)
+    cfg.text_config.initializer_range = cfg.vision_config.initializer_range = 0.15
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        model = Qwen2_5_VLForConditionalGeneration(cfg).eval()
+    return ModelBundle(model=model, tokenizer=base.tokenizer, image_processor=base.image_processor, source="sharp")
+
+
+@pytest.fixture(scope="module")
+def prompts(sharp):
+    # Three prompt lengths (different image sizes and questions) in one left-padded batch.
+    return encode_prompts(sharp, ([_image(0), _image(1, (90, 60)), _image(2, (56, 112))], QUESTIONS))
+
+
+def _repeated_inputs(prompts, G: int) -> dict:
+    """transformers' inputs with every prompt (and its pixels) repeated G times: the TRL way."""
+    inputs = {k: v.repeat_interleave(G, 0) for k, v in prompts.model_inputs().items() if k != "pixel_values"}
+    per_image = prompts.pixel_values.split(prompts.image_grid_thw.prod(-1).tolist())
+    inputs["pixel_values"] = torch.cat([p for p in per_image for _ in range(G)])
+    return inputs
+
+
+def _generate_greedy(bundle, prompts, G: int, max_new_tokens: int) -> torch.Tensor:
+    out = bundle.model.generate(**_repeated_inputs(prompts, G), do_sample=False, max_new_tokens=max_new_tokens,
+                                eos_token_id=stop_token_ids(bundle), pad_token_id=bundle.pad_token_id)
+    return out[:, prompts.input_ids.shape[1]:]
+
+
+def _eos_bias(bundle, delta: float):
+    """Test-only: add delta to <|im_end|>'s logit so a random model stops at varied steps."""
+    eos = bundle.eos_token_id
+
+    def hook(module, inputs, logits):
+        return logits + torch.nn.functional.one_hot(torch.tensor(eos), logits.shape[-1]).to(logits.dtype) * delta
+
+    return bundle.model.lm_head.register_forward_hook(hook)
+
+
+# ----------------------------------------------------------------------------- equality with generate
+
+
+def test_greedy_single_prompt_equals_generate(sharp):
+    pb = encode_prompts(sharp, ([_image(5)], [QUESTIONS[0]]))
+    ours = sample(sharp, pb, G=1, max_new_tokens=12, temperature=0)
+    ref = _generate_greedy(sharp, pb, 1, 12)
+    assert torch.equal(ours.completion_ids, ref)
+    assert len(set(ours.completion_ids[0].tolist())) > 3  # a real sequence, not one repeated token
+
+
+def test_greedy_batched_different_lengths_equals_generate(sharp, prompts):
+    assert len(set(prompts.attention_mask.sum(1).tolist())) == 3
+    ours = sample(sharp, prompts, G=2, max_new_tokens=16, temperature=0)
+    ref = _generate_greedy(sharp, prompts, 2, 16)
+    assert torch.equal(ours.completion_ids, ref)
+    # Every member of a group saw the same prompt and image: greedy gives G identical rows,
+    # and different prompts give different rows.
+    rows = ours.completion_ids.view(3, 2, -1)
+    assert torch.equal(rows[:, 0], rows[:, 1])
+    assert not torch.equal(rows[0, 0], rows[1, 0]) and not torch.equal(rows[1, 0], rows[2, 0])
+    assert ours.prompt_index.tolist() == [0, 0, 1, 1, 2, 2]
+
+
+def test_greedy_with_stops_equals_generate(sharp, prompts):
+    handle = _eos_bias(sharp, 3.0)
+    try:
+        ours = sample(sharp, prompts, G=2, max_new_tokens=20, temperature=0)
+        ref = _generate_greedy(sharp, prompts, 2, 20)
+    finally:
+        handle.remove()
+    # generate pads finished rows with pad_token_id and stops when all are done, as we do.
+    assert torch.equal(ours.completion_ids, ref)
+    lengths = ours.lengths.tolist()
+    assert len(set(lengths)) > 1 and ours.finished.any()  # rows stopped at different steps
+
+
+# ----------------------------------------------------------------------------- log-probs
+
+
+def test_sampling_logprobs_equal_full_forward(sharp, prompts):
+    from grpo.logprobs import completion_logprobs
+
+    G, temperature = 3, 0.7
+    out = sample(sharp, prompts, G=G, max_new_tokens=10, temperature=temperature, top_k=50, top_p=0.9, seed=0)
+    # Full forward through transformers' own path: repeated prompts, pixels, no cache.
+    inputs = _repeated_inputs(prompts, G)
+    L = prompts.input_ids.shape[1]
+    inputs["input_ids"] = torch.cat([inputs["input_ids"], out.completion_ids], 1)
+    inputs["attention_mask"] = torch.cat([inputs["attention_mask"], out.completion_mask], 1)
+    inputs["mm_token_type_ids"] = torch.cat([inputs["mm_token_type_ids"], torch.zeros_like(out.completion_ids)], 1)
+    with torch.no_grad():
+        logits = sharp.model(**inputs).logits[:, L - 1 : -1].float() / temperature
+    full = torch.log_softmax(logits, -1).gather(-1, out.completion_ids[..., None]).squeeze(-1)
+    full = full * out.completion_mask
+    torch.testing.assert_close(out.logprobs, full, rtol=0, atol=2e-5)
+    with torch.no_grad():
+        ours = completion_logprobs(sharp.model, out.context, out.completion_ids, out.completion_mask, G,
+                                   temperature=temperature)
+    torch.testing.assert_close(ours, out.logprobs, rtol=0, atol=2e-5)
+    # The filtered (actually sampled) distribution puts at least as much mass on the token.
+    assert (out.sampler_logprobs >= out.logprobs - 1e-6).all()
+
+
+# ----------------------------------------------------------------------------- seeds, stopping
+
+
+def test_same_seed_same_completions(sharp, prompts):
+    kw = dict(G=4, max_new_tokens=8, temperature=1.0, top_k=20)
+    a = sample(sharp, prompts, seed=123, **kw)
+    b = sample(sharp, prompts, seed=123, **kw)
+    c = sample(sharp, prompts, seed=124, **kw)
+    assert torch.equal(a.completion_ids, b.completion_ids) and a.texts == b.texts
+    assert not torch.equal(a.completion_ids, c.completion_ids)
+    # Sampling (not greedy): members of one group differ.
+    g = a.completion_ids.view(3, 4, -1)
+    assert any(not torch.equal(g[i, 0], g[i, j]) for i in range(3) for j in range(1, 4))
+
+
+def test_stop_token_ends_sequence_and_mask(sharp, prompts):
+    handle = _eos_bias(sharp, 4.0)
+    try:
+        out = sample(sharp, prompts, G=4, max_new_tokens=12, temperature=1.0, seed=0)
+    finally:
+        handle.remove()
+    eos, pad = sharp.eos_token_id, sharp.pad_token_id
+    assert out.finished.any()
+    for n in range(out.completion_ids.shape[0]):
+        ids, mask = out.completion_ids[n].tolist(), out.completion_mask[n].tolist()
+        if out.finished[n]:
+            k = ids.index(eos)  # first stop token
+            assert mask == [1] * (k + 1) + [0] * (len(ids) - k - 1)  # mask includes the stop token
+            assert all(t == pad for t in ids[k + 1 :])
+            assert all(lp == 0.0 for lp in out.logprobs[n, k + 1 :].tolist())
+            assert out.texts[n] == sharp.decode(ids[:k]) and not out.truncated[n]
+        else:
+            assert out.truncated[n] and sum(mask) == len(ids) == 12
+    assert (out.finished ^ out.truncated).all()
+
+
+def test_sample_token_matches_distribution():
+    """Exponential-race sampling draws from softmax(logits / T) after top-k / top-p."""
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, -3.0]]).repeat(40000, 1)
+    gen = torch.Generator().manual_seed(0)
+    token, logp, logq = sample_token(logits, 0.8, 0, 1.0, gen)
+    freq = torch.bincount(token, minlength=5).float() / token.numel()
+    torch.testing.assert_close(freq, torch.softmax(logits[0] / 0.8, -1), rtol=0, atol=0.01)
+    torch.testing.assert_close(logp, logq)
+    token, logp, logq = sample_token(logits, 1.0, 2, 1.0, gen)  # top-2: only ids 0 and 1
+    assert set(token.tolist()) == {0, 1}
+    p01 = torch.softmax(logits[0, :2], -1)
+    torch.testing.assert_close(freq := torch.bincount(token, minlength=2).float() / token.numel(), p01, rtol=0, atol=0.01)
+    assert (logq >= logp).all()
+
+
+def test_filter_logits_top_k_top_p():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    keep = lambda x: torch.isfinite(x)[0].tolist()  # noqa: E731
+    assert keep(filter_logits(logits, 2, 1.0)) == [True, True, False, False]
+    assert keep(filter_logits(logits, 0, 0.8)) == [True, True, False, False]  # 0.5 + 0.3 reaches 0.8
+    assert keep(filter_logits(logits, 0, 0.81)) == [True, True, True, False]
+    assert keep(filter_logits(logits, 0, 0.1)) == [True, False, False, False]  # the top token always stays
+
+
+def test_bad_arguments(sharp, prompts):
+    with pytest.raises(ValueError, match="G=0"):
+        sample(sharp, prompts, G=0, max_new_tokens=4)
+    with pytest.raises(ValueError, match="max_new_tokens=0"):
+        sample(sharp, prompts, G=2, max_new_tokens=0)
+    with pytest.raises(ValueError, match="temperature=-1"):
+        sample(sharp, prompts, G=2, max_new_tokens=4, temperature=-1)
+    with pytest.raises(ValueError, match="top_p=0"):
+        sample(sharp, prompts, G=2, max_new_tokens=4, top_p=0)
+    with pytest.raises(ValueError, match="exceeds the model's context"):
+        sample(sharp, prompts, G=2, max_new_tokens=sharp.context_length)
