@@ -63,19 +63,26 @@ def content_key(family: str, params: dict[str, Any]) -> str:
     return family + ":" + json.dumps(params, sort_keys=True, separators=(",", ":"))
 
 
+def _digest(key: str) -> bytes:
+    return hashlib.blake2b(key.encode(), digest_size=8).digest()
+
+
 def split_of(key: str) -> str:
     """Which split a content key belongs to (a pure function of the key)."""
-    h = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big")
-    u = h / 2.0**64
+    u = int.from_bytes(_digest(key), "big") / 2.0**64
     return next(s for s, (lo, hi) in _BUCKET_EDGES.items() if lo <= u < hi)
 
 
-def _check(split: str, stage: int, n: int) -> None:
+def _check(split: str, stage: int, n: int, seed: int, image_size: int = 112) -> None:
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     families(stage)  # validates the stage
     if not isinstance(n, int) or n < 0:
         raise ValueError(f"n must be a non-negative int, got {n!r}")
+    if not isinstance(seed, int):
+        raise ValueError(f"seed must be an int, got {seed!r}")
+    if not isinstance(image_size, int) or image_size < 32:
+        raise ValueError(f"image_size must be an int >= 32 pixels, got {image_size!r}")
 
 
 def _draw(split: str, stage: int, index: int, seed: int) -> tuple[Family, dict[str, Any], str]:
@@ -99,24 +106,24 @@ def _drafts(split: str, stage: int, n: int, seed: int) -> Iterator[tuple[Family,
 
 def generate(split: str, stage: int, n: int, seed: int = 0, image_size: int = 112) -> list[Example]:
     """``n`` examples of one stage and split, deterministic by (seed, split, stage, index)."""
-    _check(split, stage, n)
+    _check(split, stage, n, seed, image_size)
     out = []
     for i, (family, params, key, a) in enumerate(_drafts(split, stage, n, seed)):
         image = family.render(params, image_size)
         metadata = {
             "context": a.context, "skills": list(a.skills), "grade": a.grade,
             "language": "english", "source": "synthetic", "dataset": "synthetic",
-            "category": "math-targeted-vqa",
-            "task": a.task, "img_width": image_size, "img_height": image_size,
+            "category": "math-targeted-vqa", "task": a.task,
+            "img_width": image_size, "img_height": image_size,
             "stage": stage, "split": split, "family": family.name, "seed": seed, "index": i,
-            "content_key": hashlib.blake2b(key.encode(), digest_size=8).hexdigest(),
+            "content_key": _digest(key).hex(),  # what the split bucket was drawn from
         }
         out.append(Example(
             pid=f"syn-{split}-s{stage}-{seed}-{i}", question=a.question, answer=a.answer,
             answer_type=a.answer_type, precision=a.precision, question_type="free_form",
-            metadata=metadata, image=image, unit=a.unit, reasoning=a.reasoning, key_steps=a.key_steps,
-            intermediates=a.intermediates, difficulty=DIFFICULTY[stage], hops=a.hops,
-            rubrics=a.rubrics,
+            metadata=metadata, image=image, unit=a.unit, reasoning=a.reasoning,
+            key_steps=a.key_steps, intermediates=a.intermediates, difficulty=DIFFICULTY[stage],
+            hops=a.hops, rubrics=a.rubrics,
         ))
     return out
 
@@ -135,8 +142,7 @@ def tokenizer_corpus(n: int = 3000, seed: int = 0) -> list[str]:
     digit, the contract tags and the instruction on their own, so each is guaranteed to be
     seen even if ``n`` is tiny. Text only: nothing is rendered, so this is fast.
     """
-    if not isinstance(n, int) or n < 0:
-        raise ValueError(f"n must be a non-negative int, got {n!r}")
+    _check("train", 1, n, seed)
     texts: list[str] = []
     for stage in (1, 2, 3):
         k = n // 3 + (1 if stage <= n % 3 else 0)

@@ -210,7 +210,9 @@ def test_bad_arguments_are_rejected():
     with pytest.raises(ValueError, match="non-negative"):
         generate("train", 1, -1)
     with pytest.raises(ValueError, match="image_size"):
-        generate("train", 1, 1, image_size=8)
+        generate("train", 1, 0, image_size=8)
+    with pytest.raises(ValueError, match="seed"):
+        generate("train", 1, 1, seed="0")
 
 
 # ----------------------------------------------------------------------------- splits
