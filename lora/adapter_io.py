@@ -131,7 +131,7 @@ def save_adapter(model: nn.Module, directory: str | Path,
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base_model_name_or_path,
         "r": first.r,
-        "lora_alpha": first.alpha,
+        "lora_alpha": int(first.alpha) if first.alpha.is_integer() else first.alpha,
         "lora_dropout": dropout,
         "target_modules": _target_regex(list(layers), [n for n, _ in model.named_modules()]),
         "bias": "none",
@@ -226,12 +226,19 @@ def load_adapter(model: nn.Module, directory: str | Path, verbose: bool = False)
     r, alpha = config["r"], float(config["lora_alpha"])
 
     if not lora_modules(model):
+        # Check everything against the plain base *before* injecting, so that a bad file
+        # leaves the model untouched.
         names = sorted({k.rsplit(".", 1)[0] for k in sd})
-        module_names = {n for n, _ in model.named_modules()}
-        absent = [n for n in names if n not in module_names]
+        modules = dict(model.named_modules())
+        absent = [n for n in names if not isinstance(modules.get(n), nn.Linear)]
         if absent:
-            raise ValueError(f"{path}: adapter targets modules the model does not have, e.g. "
-                             f"{absent[:3]}; is it for a different base model?")
+            raise ValueError(f"{path}: adapter targets modules the model does not have (or that "
+                             f"are not linear), e.g. {absent[:3]}; is it for a different base model?")
+        expected = {}
+        for n in names:
+            expected[f"{n}.lora_A"] = torch.Size([r, modules[n].in_features])
+            expected[f"{n}.lora_B"] = torch.Size([modules[n].out_features, r])
+        _check_keys_and_shapes(expected, sd, str(path))
         cfg = LoRAConfig(r=r, alpha=alpha, dropout=float(config.get("lora_dropout", 0.0)),
                          target_modules=tuple(names), exclude_modules=())
         inject_lora(model, cfg, verbose=verbose)

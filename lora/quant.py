@@ -59,10 +59,13 @@ _BLOCKSIZES = (64, 128, 256, 512, 1024, 2048, 4096)
 class QuantReport:
     quantized: list[str] = field(default_factory=list)  # names of layers now in NF4
     skipped: dict[str, str] = field(default_factory=dict)  # name -> why it stayed in its dtype
+    memory: MemoryReport | None = None  # the quantised model's parameter memory
 
     def __str__(self) -> str:
         lines = [f"quantised {len(self.quantized)} linear layers to NF4"]
         lines += [f"  kept {name}: {why}" for name, why in self.skipped.items()]
+        if self.memory is not None:
+            lines.append(str(self.memory))
         return "\n".join(lines)
 
 
@@ -137,6 +140,7 @@ def quantize_model_4bit(
         report.quantized.append(name)
     if device is not None:
         model.to(device)
+    report.memory = memory_report(model)
     if verbose:
         print(report)
     return report
