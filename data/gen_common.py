@@ -32,9 +32,9 @@ policy's reasoning. Conventions every family follows (tests check them):
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 from PIL import Image
 
@@ -48,24 +48,38 @@ _WORDS = ("zero one two three four five six seven eight nine ten eleven twelve t
 W_ESSENTIAL, W_IMPORTANT, W_OPTIONAL, W_PITFALL = 5.0, 3.0, 1.0, -4.0
 
 
+class Solution(NamedTuple):
+    """A worked solution and what the step, detail and rubric rewards check in it."""
+
+    answer: str  # canonical (normalize_number) string
+    reasoning: str
+    key_steps: list[list[str]]
+    intermediates: list[Intermediate]
+    hops: int  # arithmetic operations, >= 1
+    rubrics: list[RubricItem]
+
+
 @dataclass
 class Annotation:
     """Everything about an example that follows from its params (no pixels, no identity)."""
 
     question: str
-    answer: str  # canonical (normalize_number) string
+    solution: Solution
     answer_type: str  # "integer" | "float"
     precision: int | None
     context: str  # MathVista vocabulary: "synthetic scene", "bar chart", ...
     skills: list[str]
     grade: str  # "elementary school" | "high school" | "college"
     task: str  # MathVista task: "figure question answering", "geometry problem solving", ...
-    reasoning: str
-    key_steps: list[list[str]]
-    intermediates: list[Intermediate]
-    hops: int  # arithmetic operations, >= 1
-    rubrics: list[RubricItem] = field(default_factory=list)
     unit: str | None = None  # e.g. "mL"; MathVista's `unit` field
+
+
+def finish(question: str, sol: Solution, *, context: str, skills: list[str], grade: str,
+           task: str, float_answer: bool = False, unit: str | None = None) -> Annotation:
+    """Assemble an Annotation; adds the instruction-following rubric for the final number."""
+    sol = sol._replace(rubrics=sol.rubrics + [rubric_answer(sol.answer)])
+    return Annotation(question, sol, "float" if float_answer else "integer",
+                      1 if float_answer else None, context, skills, grade, task, unit)
 
 
 @dataclass(frozen=True)
@@ -139,3 +153,70 @@ def rubric_pitfalls(answer: str, mistakes: list[tuple[str, str]]) -> list[Rubric
         seen.add(wrong)
         items.append(RubricItem(text, "RC", "PITFALL", W_PITFALL, {"kind": "answer", "value": wrong}))
     return items
+
+
+# ----------------------------------------------------------------------------- solution templates
+# The few shapes of worked solution every family reuses; family files add their own only
+# where the arithmetic is specific (areas, region totals).
+
+Mistakes = Sequence[tuple[str, str]]  # (what the mistake is, the answer it gives)
+
+
+def finds(name: str, value: str, weight: float = W_IMPORTANT) -> RubricItem:
+    return rubric_read(f"Finds {name} = {value}", value, weight)
+
+
+def read_one(name: str, value: str, mistakes: Mistakes = ()) -> Solution:
+    """A single read: 'red circles: 3.'"""
+    return Solution(value, f"{name}: {value}.", [alternatives(value)], [Intermediate(name, value)], 1,
+                    [finds(name, value, W_ESSENTIAL)] + rubric_pitfalls(value, mistakes))
+
+
+def add_up(names: list[str], values: list[str], label: str | None = None,
+           mistakes: Mistakes = ()) -> Solution:
+    """Read each value, then add them.
+
+    >>> add_up(["red circles", "blue squares"], ["3", "2"]).reasoning
+    'red circles: 3. blue squares: 2. 3 + 2 = 5.'
+    >>> add_up(["row 1, column 1", "row 1, column 2"], ["4", "5"], label="row 1").reasoning
+    'row 1: 4, 5. 4 + 5 = 9.'
+    """
+    total = num(sum(int(v) for v in values))
+    expr = " + ".join(values)
+    if label is None:
+        reads = " ".join(f"{n}: {v}." for n, v in zip(names, values))
+    else:
+        reads = f"{label}: {', '.join(values)}."
+    if len(values) == 2:
+        expr_alts = expr_alternatives(values[0], "+", values[1])
+    else:
+        expr_alts = [expr, expr.replace(" ", "")]
+    rubrics = [finds(n, v) for n, v in zip(names, values)]
+    rubrics.append(rubric_steps("Adds the values in order", values + [total]))
+    return Solution(total, f"{reads} {expr} = {total}.", [alternatives(v) for v in values] + [expr_alts],
+                    [Intermediate(n, v) for n, v in zip(names, values)], len(values) - 1,
+                    rubrics + rubric_pitfalls(total, mistakes))
+
+
+def difference(na: str, a: int, nb: str, b: int) -> Solution:
+    """a - b with a > b: 'red bar: 7. blue bar: 3. 7 - 3 = 4.'"""
+    sa, sb, d = num(a), num(b), num(a - b)
+    rubrics = [finds(na, sa), finds(nb, sb),
+               rubric_steps("Subtracts the smaller value from the larger", [sa, sb, d])]
+    rubrics += rubric_pitfalls(d, [(f"Adds instead of subtracting ({sa} + {sb})", num(a + b)),
+                                   (f"Gives {na} ({sa}) instead of the difference", sa)])
+    return Solution(d, f"{na}: {sa}. {nb}: {sb}. {sa} - {sb} = {d}.",
+                    [alternatives(sa), alternatives(sb), expr_alternatives(sa, "-", sb)],
+                    [Intermediate(na, sa), Intermediate(nb, sb)], 1, rubrics)
+
+
+def mean_of_two(na: str, a: int, nb: str, b: int) -> Solution:
+    """(a + b) / 2, written as two equations so the sum is a checkable intermediate."""
+    sa, sb, s, m = num(a), num(b), num(a + b), num((a + b) / 2)
+    rubrics = [finds(na, sa), finds(nb, sb),
+               rubric_steps("Adds the two values, then divides by 2", [sa, sb, s, m])]
+    rubrics += rubric_pitfalls(m, [(f"Forgets to divide the sum {s} by 2", s)])
+    return Solution(m, f"{na}: {sa}. {nb}: {sb}. {sa} + {sb} = {s}. {s} / 2 = {m}.",
+                    [alternatives(sa), alternatives(sb), expr_alternatives(sa, "+", sb),
+                     [f"{s} / 2", f"{s}/2"]],
+                    [Intermediate(na, sa), Intermediate(nb, sb), Intermediate("sum", s)], 2, rubrics)

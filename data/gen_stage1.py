@@ -20,12 +20,8 @@ from typing import Any
 
 from PIL import Image
 
-from data.gen_common import (
-    W_IMPORTANT, Annotation, Family, alternatives, expr_alternatives, num, rubric_answer,
-    rubric_pitfalls, rubric_read, rubric_steps,
-)
+from data.gen_common import Annotation, Family, add_up, difference, finish, num, read_one
 from data.render import BLACK, COLOURS, SHAPES, Canvas
-from data.schema import Intermediate
 
 LATTICE = 4  # scene objects sit on a LATTICE x LATTICE grid of cells
 _SCENE_COLOURS = ("red", "blue", "green", "orange")
@@ -33,24 +29,6 @@ _SCENE_COLOURS = ("red", "blue", "green", "orange")
 
 def _plural(colour: str, kind: str) -> str:
     return f"{colour} {kind}s"
-
-
-def add_steps(names: list[str], values: list[str]) -> tuple[str, list[list[str]], list[Intermediate]]:
-    """Reasoning, key steps and intermediates of 'read each value, then add them'.
-
-    >>> add_steps(["red circles", "blue squares"], ["3", "2"])[0]
-    'red circles: 3. blue squares: 2. 3 + 2 = 5.'
-    """
-    total = num(sum(int(v) for v in values))
-    reads = " ".join(f"{n}: {v}." for n, v in zip(names, values))
-    expr = " + ".join(values)
-    if len(values) == 2:
-        expr_alts = expr_alternatives(values[0], "+", values[1])
-    else:
-        expr_alts = [expr, expr.replace(" ", "")]
-    key_steps = [alternatives(v) for v in values] + [expr_alts]
-    inter = [Intermediate(n, v) for n, v in zip(names, values)]
-    return f"{reads} {expr} = {total}.", key_steps, inter
 
 
 # ----------------------------------------------------------------------------- counting scene
@@ -88,46 +66,23 @@ def sample_scene(rng: random.Random) -> dict[str, Any]:
 def annotate_scene(p: dict[str, Any]) -> Annotation:
     groups = p["groups"]
     names = [_plural(g["colour"], g["kind"]) for g in groups]
-    counts = [num(len(g["cells"])) for g in groups]
-    total = num(sum(len(g["cells"]) for g in groups))
-    ask = p["ask"]
-    if ask == "one":
-        i = p["target"][0]
+    counts = [len(g["cells"]) for g in groups]
+    total = num(sum(counts))
+    if p["ask"] == "one":
+        (i,) = p["target"]
         question = f"How many {names[i]} are there?"
-        answer = counts[i]
-        reasoning = f"{names[i]}: {answer}."
-        key_steps, inter, hops = [alternatives(answer)], [Intermediate(names[i], answer)], 1
-        rubrics = [rubric_read(f"Counts {answer} {names[i]}", answer)]
-        mistakes = [(f"Counts all {total} shapes instead of only the {names[i]}", total)]
-    elif ask == "total":
+        everything = (f"Counts all {total} shapes, not only the {names[i]}", total)
+        sol = read_one(names[i], num(counts[i]), [everything])
+    elif p["ask"] == "total":
         question = "How many shapes are there in total?"
-        answer = total
-        reasoning, key_steps, inter = add_steps(names, counts)
-        hops = len(groups) - 1
-        rubrics = [rubric_read(f"Counts {c} {n}", c, W_IMPORTANT) for n, c in zip(names, counts)]
-        rubrics.append(rubric_steps("Adds the group counts", counts + [total]))
-        left_out = num(int(total) - int(counts[-1]))
-        mistakes = [(f"Leaves out the {names[-1]}", left_out)]
-    else:  # "more"
+        sol = add_up(names, [num(c) for c in counts],
+                     mistakes=[(f"Leaves out the {names[-1]}", num(sum(counts[:-1])))])
+    else:
         i, j = p["target"]
         question = f"How many more {names[i]} than {names[j]} are there?"
-        answer = num(int(counts[i]) - int(counts[j]))
-        reasoning = f"{names[i]}: {counts[i]}. {names[j]}: {counts[j]}. {counts[i]} - {counts[j]} = {answer}."
-        key_steps = [alternatives(counts[i]), alternatives(counts[j]),
-                     expr_alternatives(counts[i], "-", counts[j])]
-        inter = [Intermediate(names[i], counts[i]), Intermediate(names[j], counts[j])]
-        hops = 1
-        rubrics = [rubric_read(f"Counts {counts[i]} {names[i]}", counts[i], W_IMPORTANT),
-                   rubric_read(f"Counts {counts[j]} {names[j]}", counts[j], W_IMPORTANT),
-                   rubric_steps("Subtracts the smaller count from the larger",
-                                [counts[i], counts[j], answer])]
-        both = num(int(counts[i]) + int(counts[j]))
-        mistakes = [(f"Adds the two counts ({counts[i]} + {counts[j]})", both),
-                    (f"Reports the number of {names[i]} instead of the difference", counts[i])]
-    rubrics += [rubric_answer(answer)] + rubric_pitfalls(answer, mistakes)
-    return Annotation(question, answer, "integer", None, "synthetic scene", ["arithmetic reasoning"],
-                      "elementary school", "visual question answering", reasoning, key_steps,
-                      inter, hops, rubrics)
+        sol = difference(names[i], counts[i], names[j], counts[j])
+    return finish(question, sol, context="synthetic scene", skills=["arithmetic reasoning"],
+                  grade="elementary school", task="visual question answering")
 
 
 def render_scene(p: dict[str, Any], size: int) -> Image.Image:
@@ -156,42 +111,31 @@ def sample_table(rng: random.Random) -> dict[str, Any]:
 def annotate_table(p: dict[str, Any]) -> Annotation:
     values, ask, i, j = p["values"], p["ask"], p["i"], p["j"]
     rows, cols = len(values), len(values[0])
-    skills = ["statistical reasoning"]
     if ask == "cell":
-        answer = num(values[i][j])
         where = f"row {i + 1}, column {j + 1}"
-        question = f"What is the number in {where}?"
-        reasoning = f"{where}: {answer}."
-        key_steps, inter, hops = [alternatives(answer)], [Intermediate(where, answer)], 1
-        rubrics = [rubric_read(f"Reads {answer} in {where}", answer)]
         mistakes = []
         if j < rows and i < cols:  # the transposed cell exists
-            mistakes.append((f"Swaps row and column (reads row {j + 1}, column {i + 1})", num(values[j][i])))
+            mistakes.append((f"Swaps row and column (row {j + 1}, column {i + 1})", num(values[j][i])))
+        return finish(f"What is the number in {where}?", read_one(where, num(values[i][j]), mistakes),
+                      context="table", skills=["statistical reasoning"], grade="elementary school",
+                      task="math word problem")
+    if ask == "row":
+        label, cells = f"row {i + 1}", [(i, c) for c in range(cols)]
+        swapped = [(r, i) for r in range(rows)] if i < cols else []  # column i: row/column mix-up
     else:
-        skills = ["arithmetic reasoning", "statistical reasoning"]
-        if ask == "row":
-            line, label = values[i], f"row {i + 1}"
-            names = [f"row {i + 1}, column {c + 1}" for c in range(cols)]
-        else:
-            line, label = [values[r][j] for r in range(rows)], f"column {j + 1}"
-            names = [f"row {r + 1}, column {j + 1}" for r in range(rows)]
-        question = f"What is the sum of the numbers in {label}?"
-        cells = [num(v) for v in line]
-        answer = num(sum(line))
-        _, key_steps, inter = add_steps(names, cells)
-        reasoning = f"{label}: {', '.join(cells)}. {' + '.join(cells)} = {answer}."
-        hops = len(cells) - 1
-        rubrics = [rubric_read(f"Reads the {label} values {', '.join(cells)}", cells[0], W_IMPORTANT),
-                   rubric_steps(f"Adds the {label} values in order", cells + [answer])]
-        mistakes = [(f"Leaves out the last value of {label}", num(sum(line[:-1])))]
-        k = i if ask == "row" else j  # swapping row and column: the line with the same number
-        if ask == "row" and k < cols:
-            mistakes.append((f"Adds column {k + 1} instead of {label}", num(sum(values[r][k] for r in range(rows)))))
-        elif ask == "col" and k < rows:
-            mistakes.append((f"Adds row {k + 1} instead of {label}", num(sum(values[k]))))
-    rubrics += [rubric_answer(answer)] + rubric_pitfalls(answer, mistakes)
-    return Annotation(question, answer, "integer", None, "table", skills, "elementary school",
-                      "math word problem", reasoning, key_steps, inter, hops, rubrics)
+        label, cells = f"column {j + 1}", [(r, j) for r in range(rows)]
+        swapped = [(j, c) for c in range(cols)] if j < rows else []
+    line = [values[r][c] for r, c in cells]
+    mistakes = [(f"Leaves out the last value of {label}", num(sum(line[:-1])))]
+    if swapped:
+        other = "column" if ask == "row" else "row"
+        mistakes.append((f"Adds {other} {(i if ask == 'row' else j) + 1} instead of {label}",
+                         num(sum(values[r][c] for r, c in swapped))))
+    sol = add_up([f"row {r + 1}, column {c + 1}" for r, c in cells], [num(v) for v in line],
+                 label=label, mistakes=mistakes)
+    return finish(f"What is the sum of the numbers in {label}?", sol, context="table",
+                  skills=["arithmetic reasoning", "statistical reasoning"], grade="elementary school",
+                  task="math word problem")
 
 
 def draw_table(cv: Canvas, values: list[list[str]], x0: float = 0.06, y0: float = 0.06,

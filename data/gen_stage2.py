@@ -23,63 +23,19 @@ from typing import Any
 
 from PIL import Image
 
-from data.gen_common import (
-    W_IMPORTANT, Annotation, Family, alternatives, expr_alternatives, num, rubric_answer,
-    rubric_pitfalls, rubric_read, rubric_steps,
-)
-from data.gen_stage1 import add_steps, draw_table
+from data.gen_common import Annotation, Family, Solution, add_up, difference, finish, mean_of_two, num, \
+    read_one
+from data.gen_stage1 import draw_table
 from data.render import BLACK, COLOURS, GREY, LIGHT_GREY, Canvas
-from data.schema import Intermediate, RubricItem
 
 _CHART_COLOURS = ("red", "blue", "green", "orange", "purple")
 
 
-# ----------------------------------------------------------------------------- shared templates
-
-
-def read_one(name: str, value: str, decoys: list[tuple[str, str]]) -> tuple:
-    """(reasoning, key_steps, intermediates, hops, rubrics) of reading one value."""
-    rubrics = [rubric_read(f"Reads {name} as {value}", value)] + rubric_pitfalls(value, decoys)
-    return f"{name}: {value}.", [alternatives(value)], [Intermediate(name, value)], 1, rubrics
-
-
-def difference(na: str, a: int, nb: str, b: int) -> tuple:
-    """a - b with a > b: 'red bar: 7. blue bar: 3. 7 - 3 = 4.'"""
-    sa, sb, d = num(a), num(b), num(a - b)
-    reasoning = f"{na}: {sa}. {nb}: {sb}. {sa} - {sb} = {d}."
-    key_steps = [alternatives(sa), alternatives(sb), expr_alternatives(sa, "-", sb)]
-    inter = [Intermediate(na, sa), Intermediate(nb, sb)]
-    rubrics = [rubric_read(f"Reads {na} as {sa}", sa, W_IMPORTANT),
-               rubric_read(f"Reads {nb} as {sb}", sb, W_IMPORTANT),
-               rubric_steps("Subtracts the smaller value from the larger", [sa, sb, d])]
-    rubrics += rubric_pitfalls(d, [(f"Adds instead of subtracting ({sa} + {sb})", num(a + b)),
-                                   (f"Reports {na} instead of the difference", sa)])
-    return reasoning, key_steps, inter, 1, rubrics
-
-
-def mean_of_two(na: str, a: int, nb: str, b: int) -> tuple:
-    """(a + b) / 2, written as two equations so the sum is a checkable intermediate."""
-    sa, sb, s, m = num(a), num(b), num(a + b), num((a + b) / 2)
-    reasoning = f"{na}: {sa}. {nb}: {sb}. {sa} + {sb} = {s}. {s} / 2 = {m}."
-    key_steps = [alternatives(sa), alternatives(sb), expr_alternatives(sa, "+", sb),
-                 [f"{s} / 2", f"{s}/2"]]
-    inter = [Intermediate(na, sa), Intermediate(nb, sb), Intermediate("sum", s)]
-    rubrics = [rubric_read(f"Reads {na} as {sa}", sa, W_IMPORTANT),
-               rubric_read(f"Reads {nb} as {sb}", sb, W_IMPORTANT),
-               rubric_steps("Adds the two values, then divides by 2", [sa, sb, s, m])]
-    rubrics += rubric_pitfalls(m, [(f"Forgets to divide the sum {s} by 2", s)])
-    return reasoning, key_steps, inter, 2, rubrics
-
-
-def _annotation(question: str, parts: tuple, answer: str, float_answer: bool, context: str,
-                skills: list[str], task: str = "figure question answering") -> Annotation:
-    reasoning, key_steps, inter, hops, rubrics = parts
-    rubrics = list(rubrics) + [rubric_answer(answer)]
-    return Annotation(question, answer, "float" if float_answer else "integer",
-                      1 if float_answer else None, context, skills, "high school" if float_answer
-                      else "elementary school", task, reasoning, key_steps, inter, hops, rubrics)
-
-
+def _finish(question: str, sol: Solution, context: str, skills: list[str], float_answer: bool = False,
+            task: str = "figure question answering", unit: str | None = None) -> Annotation:
+    # A mean (the float answers) is taught later than reading and subtracting.
+    return finish(question, sol, context=context, skills=skills, task=task, unit=unit,
+                  grade="high school" if float_answer else "elementary school", float_answer=float_answer)
 
 
 # ----------------------------------------------------------------------------- bar chart
@@ -101,31 +57,19 @@ def sample_bar(rng: random.Random) -> dict[str, Any]:
 def annotate_bar(p: dict[str, Any]) -> Annotation:
     cols, vals, ask, a, b = p["colours"], p["values"], p["ask"], p["a"], p["b"]
     names = [f"{c} bar" for c in cols]
-    skills = ["statistical reasoning"]
+    both = ["arithmetic reasoning", "statistical reasoning"]
     if ask == "value":
-        answer = num(vals[a])
-        tallest = num(max(vals))
-        parts = read_one(names[a], answer, [("Reads the tallest bar instead", tallest)])
-        question = f"What is the value of the {names[a]}?"
-    elif ask == "diff":
-        answer = num(vals[a] - vals[b])
-        parts = difference(names[a], vals[a], names[b], vals[b])
-        question = f"How much taller is the {names[a]} than the {names[b]}?"
-        skills = ["arithmetic reasoning", "statistical reasoning"]
-    elif ask == "mean":
-        answer = num((vals[a] + vals[b]) / 2)
-        parts = mean_of_two(names[a], vals[a], names[b], vals[b])
-        question = f"What is the mean of the {names[a]} and the {names[b]}?"
-        return _annotation(question, parts, answer, True, "bar chart", skills)
-    else:
-        answer = num(sum(vals))
-        reasoning, key_steps, inter = add_steps(names, [num(v) for v in vals])
-        rubrics = [rubric_steps("Adds every bar's value", [num(v) for v in vals] + [answer])]
-        rubrics += rubric_pitfalls(answer, [("Leaves out the last bar", num(sum(vals[:-1])))])
-        parts = (reasoning, key_steps, inter, len(vals) - 1, rubrics)
-        question = "What is the sum of all the bars?"
-        skills = ["arithmetic reasoning", "statistical reasoning"]
-    return _annotation(question, parts, answer, False, "bar chart", skills)
+        sol = read_one(names[a], num(vals[a]), [("Reads the tallest bar instead", num(max(vals)))])
+        return _finish(f"What is the value of the {names[a]}?", sol, "bar chart", ["statistical reasoning"])
+    if ask == "diff":
+        sol = difference(names[a], vals[a], names[b], vals[b])
+        return _finish(f"How much taller is the {names[a]} than the {names[b]}?", sol, "bar chart", both)
+    if ask == "mean":
+        sol = mean_of_two(names[a], vals[a], names[b], vals[b])
+        return _finish(f"What is the mean of the {names[a]} and the {names[b]}?", sol, "bar chart",
+                       ["statistical reasoning"], float_answer=True)
+    sol = add_up(names, [num(v) for v in vals], mistakes=[("Leaves out the last bar", num(sum(vals[:-1])))])
+    return _finish("What is the sum of all the bar values?", sol, "bar chart", both)
 
 
 def draw_plot_frame(cv: Canvas, x0: float, y0: float, x1: float, y1: float, vmax: int) -> None:
@@ -166,25 +110,18 @@ def sample_line(rng: random.Random) -> dict[str, Any]:
 
 def annotate_line(p: dict[str, Any]) -> Annotation:
     vals, ask, a, b = p["values"], p["ask"], p["a"], p["b"]
-    skills = ["statistical reasoning"]
     if ask == "value":
-        answer = num(vals[a])
         nb = a + 1 if a + 1 < len(vals) else a - 1  # the neighbour: the likeliest misread
-        parts = read_one(f"value at x = {a + 1}", answer,
-                         [(f"Reads the value at x = {nb + 1} instead", num(vals[nb]))])
-        question = f"What is the value at x = {a + 1}?"
-    elif ask == "range":
-        hi, lo = max(vals), min(vals)
-        answer = num(hi - lo)
-        parts = difference("highest", hi, "lowest", lo)
-        question = "What is the highest value minus the lowest value?"
-        skills = ["arithmetic reasoning", "statistical reasoning"]
-    else:
-        answer = num((vals[a] + vals[b]) / 2)
-        parts = mean_of_two(f"x = {a + 1}", vals[a], f"x = {b + 1}", vals[b])
-        question = f"What is the mean of the values at x = {a + 1} and x = {b + 1}?"
-        return _annotation(question, parts, answer, True, "line plot", skills)
-    return _annotation(question, parts, answer, False, "line plot", skills)
+        sol = read_one(f"value at x = {a + 1}", num(vals[a]),
+                       [(f"Reads the value at x = {nb + 1} instead", num(vals[nb]))])
+        return _finish(f"What is the value at x = {a + 1}?", sol, "line plot", ["statistical reasoning"])
+    if ask == "range":
+        sol = difference("highest", max(vals), "lowest", min(vals))
+        return _finish("What is the highest value minus the lowest value?", sol, "line plot",
+                       ["arithmetic reasoning", "statistical reasoning"])
+    sol = mean_of_two(f"x = {a + 1}", vals[a], f"x = {b + 1}", vals[b])
+    return _finish(f"What is the mean of the values at x = {a + 1} and x = {b + 1}?", sol, "line plot",
+                   ["statistical reasoning"], float_answer=True)
 
 
 def render_line(p: dict[str, Any], size: int) -> Image.Image:
@@ -220,16 +157,12 @@ def annotate_table2(p: dict[str, Any]) -> Annotation:
     vals, ask, i, j = p["values"], p["ask"], p["i"], p["j"]
     skills = ["arithmetic reasoning", "statistical reasoning"]
     if ask == "diff":
-        hi, lo = max(vals[i]), min(vals[i])
-        answer = num(hi - lo)
-        parts = difference(f"largest in row {i + 1}", hi, f"smallest in row {i + 1}", lo)
-        question = f"What is the largest number in row {i + 1} minus the smallest?"
-        return _annotation(question, parts, answer, False, "table", skills, "math word problem")
-    a, b = vals[0][j], vals[1][j]
-    answer = num((a + b) / 2)
-    parts = mean_of_two("row 1", a, "row 2", b)
-    question = f"What is the mean of the numbers in column {j + 1}?"
-    return _annotation(question, parts, answer, True, "table", skills, "math word problem")
+        sol = difference(f"largest in row {i + 1}", max(vals[i]), f"smallest in row {i + 1}", min(vals[i]))
+        return _finish(f"What is the largest number in row {i + 1} minus the smallest?", sol, "table",
+                       skills, task="math word problem")
+    sol = mean_of_two("row 1", vals[0][j], "row 2", vals[1][j])
+    return _finish(f"What is the mean of the numbers in column {j + 1}?", sol, "table", skills,
+                   float_answer=True, task="math word problem")
 
 
 def render_table2(p: dict[str, Any], size: int) -> Image.Image:
@@ -253,32 +186,21 @@ def sample_cylinder(rng: random.Random) -> dict[str, Any]:
 def annotate_cylinder(p: dict[str, Any]) -> Annotation:
     (left, right), ask, side = p["levels"], p["ask"], p["side"]
     names = ["left cylinder", "right cylinder"]
-    skills = ["scientific reasoning"]
     if ask == "one":
-        answer = num(p["levels"][side])
-        other = num(p["levels"][1 - side])
-        parts = read_one(names[side], answer, [(f"Reads the {names[1 - side]} instead", other)])
-        question = f"How many mL of liquid are in the {names[side]}?"
+        sol = read_one(names[side], num(p["levels"][side]),
+                       [(f"Reads the {names[1 - side]} instead", num(p["levels"][1 - side]))])
+        question, skills = f"How many mL of liquid are in the {names[side]}?", ["scientific reasoning"]
     elif ask == "more":
         a, b = (0, 1) if left > right else (1, 0)
-        answer = num(abs(left - right))
-        parts = difference(names[a], p["levels"][a], names[b], p["levels"][b])
+        sol = difference(names[a], p["levels"][a], names[b], p["levels"][b])
         question = f"How many more mL are in the {names[a]} than in the {names[b]}?"
         skills = ["scientific reasoning", "arithmetic reasoning"]
     else:
-        answer = num(left + right)
-        reasoning, key_steps, inter = add_steps(names, [num(left), num(right)])
-        rubrics: list[RubricItem] = [
-            rubric_read(f"Reads the left cylinder as {left}", num(left), W_IMPORTANT),
-            rubric_read(f"Reads the right cylinder as {right}", num(right), W_IMPORTANT)]
-        rubrics += rubric_pitfalls(answer, [("Subtracts instead of adding", num(abs(left - right)))])
-        parts = (reasoning, key_steps, inter, 1, rubrics)
+        sol = add_up(names, [num(left), num(right)],
+                     mistakes=[("Subtracts instead of adding", num(abs(left - right)))])
         question = "If both cylinders are poured together, how many mL are there?"
         skills = ["scientific reasoning", "arithmetic reasoning"]
-    ann = _annotation(question, parts, answer, False, "scientific figure", skills,
-                      "textbook question answering")
-    ann.unit = "mL"
-    return ann
+    return _finish(question, sol, "scientific figure", skills, task="textbook question answering", unit="mL")
 
 
 def render_cylinder(p: dict[str, Any], size: int) -> Image.Image:

@@ -26,24 +26,14 @@ from typing import Any
 from PIL import Image
 
 from data.gen_common import (
-    W_IMPORTANT, Annotation, Family, alternatives, expr_alternatives, num, rubric_answer,
-    rubric_pitfalls, rubric_read, rubric_steps,
+    Annotation, Family, Solution, add_up, alternatives, expr_alternatives, finds, finish, num,
+    rubric_pitfalls, rubric_steps,
 )
-from data.gen_stage1 import add_steps
 from data.render import BLACK, COLOURS, LIGHT_GREY, WHITE, Canvas
 from data.schema import Intermediate
 
 GRID = 6  # geometry board: GRID x GRID unit squares
 _FILL = (175, 205, 255)
-
-
-def _annotation(question: str, answer: str, float_answer: bool, context: str, skills: list[str],
-                grade: str, task: str, reasoning: str, key_steps: list[list[str]],
-                inter: list[Intermediate], hops: int, rubrics: list) -> Annotation:
-    rubrics = rubrics + [rubric_answer(answer)]
-    return Annotation(question, answer, "float" if float_answer else "integer",
-                      1 if float_answer else None, context, skills, grade, task, reasoning,
-                      key_steps, inter, hops, rubrics)
 
 
 # ----------------------------------------------------------------------------- grid geometry
@@ -64,63 +54,63 @@ def sample_geometry(rng: random.Random) -> dict[str, Any]:
     return p
 
 
-def annotate_geometry(p: dict[str, Any]) -> Annotation:
+def geometry_solution(p: dict[str, Any]) -> tuple[str, Solution]:
+    """(question, worked solution) of a grid-geometry params dict."""
     w, h = p["w"], p["h"]
     sw, sh = num(w), num(h)
-    skills = ["geometry reasoning", "arithmetic reasoning"]
     reads = [Intermediate("width", sw), Intermediate("height", sh)]
-    read_rubrics = [rubric_read(f"Measures the width as {sw} units", sw, W_IMPORTANT),
-                    rubric_read(f"Measures the height as {sh} units", sh, W_IMPORTANT)]
+    read_rubrics = [finds("the width", sw), finds("the height", sh)]
     if p["shape"] == "rect" and p["ask"] == "area":
-        answer = num(w * h)
-        reasoning = f"width: {sw}. height: {sh}. {sw} x {sh} = {answer}."
-        key_steps = [alternatives(sw), alternatives(sh), expr_alternatives(sw, "x", sh)]
-        rubrics = read_rubrics + [rubric_steps("Multiplies width by height", [sw, sh, answer])]
-        rubrics += rubric_pitfalls(answer, [("Computes the perimeter instead of the area", num(2 * (w + h))),
-                                            ("Adds width and height", num(w + h))])
-        return _annotation("What is the area of the rectangle?", answer, False, "geometry diagram",
-                           skills, "elementary school", "geometry problem solving", reasoning,
-                           key_steps, reads, 1, rubrics)
+        area = num(w * h)
+        rubrics = read_rubrics + [rubric_steps("Multiplies width by height", [sw, sh, area])]
+        rubrics += rubric_pitfalls(area, [("Computes the perimeter instead of the area", num(2 * (w + h))),
+                                          ("Adds width and height", num(w + h))])
+        return "What is the area of the rectangle?", Solution(
+            area, f"width: {sw}. height: {sh}. {sw} x {sh} = {area}.",
+            [alternatives(sw), alternatives(sh), expr_alternatives(sw, "x", sh)], reads, 1, rubrics)
     if p["shape"] == "rect":
-        s, answer = num(w + h), num(2 * (w + h))
-        reasoning = f"width: {sw}. height: {sh}. {sw} + {sh} = {s}. 2 x {s} = {answer}."
-        key_steps = [alternatives(sw), alternatives(sh), expr_alternatives(sw, "+", sh),
-                     expr_alternatives("2", "x", s)]
-        rubrics = read_rubrics + [rubric_steps("Adds width and height, then doubles", [sw, sh, s, answer])]
-        rubrics += rubric_pitfalls(answer, [("Computes the area instead of the perimeter", num(w * h)),
-                                            ("Forgets to double width + height", s)])
-        return _annotation("What is the perimeter of the rectangle?", answer, False, "geometry diagram",
-                           skills, "elementary school", "geometry problem solving", reasoning,
-                           key_steps, reads + [Intermediate("width + height", s)], 2, rubrics)
+        half, perimeter = num(w + h), num(2 * (w + h))
+        rubrics = read_rubrics + [rubric_steps("Adds width and height, then doubles",
+                                               [sw, sh, half, perimeter])]
+        rubrics += rubric_pitfalls(perimeter, [("Computes the area instead of the perimeter", num(w * h)),
+                                               ("Forgets to double width + height", half)])
+        return "What is the perimeter of the rectangle?", Solution(
+            perimeter, f"width: {sw}. height: {sh}. {sw} + {sh} = {half}. 2 x {half} = {perimeter}.",
+            [alternatives(sw), alternatives(sh), expr_alternatives(sw, "+", sh),
+             expr_alternatives("2", "x", half)],
+            reads + [Intermediate("width + height", half)], 2, rubrics)
     if p["shape"] == "tri":
-        prod, answer = num(w * h), num(w * h / 2)
-        reasoning = f"base: {sw}. height: {sh}. {sw} x {sh} = {prod}. {prod} / 2 = {answer}."
-        key_steps = [alternatives(sw), alternatives(sh), expr_alternatives(sw, "x", sh),
-                     [f"{prod} / 2", f"{prod}/2"]]
-        inter = [Intermediate("base", sw), Intermediate("height", sh), Intermediate("base x height", prod)]
-        rubrics = [rubric_read(f"Measures the base as {sw} units", sw, W_IMPORTANT),
-                   rubric_read(f"Measures the height as {sh} units", sh, W_IMPORTANT),
-                   rubric_steps("Multiplies base by height, then halves", [sw, sh, prod, answer])]
-        rubrics += rubric_pitfalls(answer, [("Forgets to halve base x height", prod)])
-        return _annotation("What is the area of the triangle?", answer, True, "geometry diagram",
-                           skills, "high school", "geometry problem solving", reasoning,
-                           key_steps, inter, 2, rubrics)
-    cw, ch = p["cw"], p["ch"]
-    full, cut, answer = num(w * h), num(cw * ch), num(w * h - cw * ch)
-    reasoning = (f"full rectangle: {sw} x {sh} = {full}. cut corner: {num(cw)} x {num(ch)} = {cut}. "
-                 f"{full} - {cut} = {answer}.")
-    key_steps = [expr_alternatives(sw, "x", sh), alternatives(full),
-                 expr_alternatives(num(cw), "x", num(ch)), alternatives(cut),
-                 expr_alternatives(full, "-", cut)]
-    inter = reads + [Intermediate("full rectangle", full), Intermediate("cut corner", cut)]
+        prod, area = num(w * h), num(w * h / 2)
+        rubrics = [finds("the base", sw), finds("the height", sh),
+                   rubric_steps("Multiplies base by height, then halves", [sw, sh, prod, area])]
+        rubrics += rubric_pitfalls(area, [("Forgets to halve base x height", prod)])
+        return "What is the area of the triangle?", Solution(
+            area, f"base: {sw}. height: {sh}. {sw} x {sh} = {prod}. {prod} / 2 = {area}.",
+            [alternatives(sw), alternatives(sh), expr_alternatives(sw, "x", sh), [f"{prod} / 2", f"{prod}/2"]],
+            [Intermediate("base", sw), Intermediate("height", sh), Intermediate("base x height", prod)],
+            2, rubrics)
+    scw, sch = num(p["cw"]), num(p["ch"])
+    full, cut, area = num(w * h), num(p["cw"] * p["ch"]), num(w * h - p["cw"] * p["ch"])
     rubrics = read_rubrics + [rubric_steps("Subtracts the cut corner from the full rectangle",
-                                           [full, cut, answer])]
-    rubrics += rubric_pitfalls(answer, [("Gives the area of the full rectangle", full),
-                                        ("Adds the cut corner instead of subtracting it",
-                                         num(w * h + cw * ch))])
-    return _annotation("What is the area of the blue shape?", answer, False, "geometry diagram",
-                       skills, "high school", "geometry problem solving", reasoning, key_steps,
-                       inter, 3, rubrics)
+                                           [full, cut, area])]
+    rubrics += rubric_pitfalls(area, [("Gives the area of the full rectangle", full),
+                                      ("Adds the cut corner instead of subtracting it",
+                                       num(int(full) + int(cut)))])
+    return "What is the area of the blue shape?", Solution(
+        area, f"full rectangle: {sw} x {sh} = {full}. cut corner: {scw} x {sch} = {cut}. "
+              f"{full} - {cut} = {area}.",
+        [expr_alternatives(sw, "x", sh), alternatives(full), expr_alternatives(scw, "x", sch),
+         alternatives(cut), expr_alternatives(full, "-", cut)],
+        reads + [Intermediate("full rectangle", full), Intermediate("cut corner", cut)], 3, rubrics)
+
+
+def annotate_geometry(p: dict[str, Any]) -> Annotation:
+    question, sol = geometry_solution(p)
+    # A triangle's halving and an L-shape's subtraction are a grade above counting squares.
+    grade = "elementary school" if p["shape"] == "rect" else "high school"
+    return finish(question, sol, context="geometry diagram",
+                  skills=["geometry reasoning", "arithmetic reasoning"], grade=grade,
+                  task="geometry problem solving", float_answer=p["shape"] == "tri")
 
 
 def _geometry_polygon(p: dict[str, Any]) -> list[tuple[int, int]]:
@@ -188,33 +178,27 @@ def annotate_regions(p: dict[str, Any]) -> Annotation:
     blue = [num(d) for d, c in zip(digits, colours) if c == "blue"]
     red_total, blue_total = num(sum(map(int, red))), num(sum(map(int, blue)))
     everything = num(sum(digits))
-    skills = ["arithmetic reasoning"]
     if p["ask"] == "sum":
-        answer = red_total
-        _, key_steps, inter = add_steps([f"red box {k + 1}" for k in range(len(red))], red)
-        reasoning = f"red boxes: {', '.join(red)}. {' + '.join(red)} = {answer}."
-        rubrics = [rubric_read(f"Reads the red-box numbers {', '.join(red)}", red[0], W_IMPORTANT),
-                   rubric_steps("Adds only the red-box numbers", red + [answer])]
-        rubrics += rubric_pitfalls(answer, [("Adds the numbers in every box", everything),
-                                            ("Adds the blue boxes instead", blue_total)])
-        return _annotation("What is the sum of the numbers in the red boxes?", answer, False,
-                           "abstract scene", skills, "elementary school", "figure question answering",
-                           reasoning, key_steps, inter, len(red) - 1, rubrics)
+        sol = add_up([f"red box {k + 1}" for k in range(len(red))], red, label="red boxes",
+                     mistakes=[("Adds the numbers in every box", everything),
+                               ("Adds the blue boxes instead", blue_total)])
+        return finish("What is the sum of the numbers in the red boxes?", sol, context="abstract scene",
+                      skills=["arithmetic reasoning"], grade="elementary school",
+                      task="figure question answering")
     answer = num(int(red_total) - int(blue_total))
-    reasoning = (f"red: {red[0]} + {red[1]} = {red_total}. blue: {blue[0]} + {blue[1]} = {blue_total}. "
-                 f"{red_total} - {blue_total} = {answer}.")
-    key_steps = [expr_alternatives(red[0], "+", red[1]), alternatives(red_total),
-                 expr_alternatives(blue[0], "+", blue[1]), alternatives(blue_total),
-                 expr_alternatives(red_total, "-", blue_total)]
-    inter = [Intermediate("red total", red_total), Intermediate("blue total", blue_total)]
-    rubrics = [rubric_read(f"Finds the red total {red_total}", red_total, W_IMPORTANT),
-               rubric_read(f"Finds the blue total {blue_total}", blue_total, W_IMPORTANT),
+    rubrics = [finds("the red total", red_total), finds("the blue total", blue_total),
                rubric_steps("Subtracts the blue total from the red total", [red_total, blue_total, answer])]
     rubrics += rubric_pitfalls(answer, [("Adds all four numbers", everything),
                                         ("Gives the red total without subtracting", red_total)])
-    return _annotation("What is the red total minus the blue total?", answer, False, "abstract scene",
-                       skills, "high school", "figure question answering", reasoning, key_steps,
-                       inter, 3, rubrics)
+    sol = Solution(
+        answer, f"red: {red[0]} + {red[1]} = {red_total}. blue: {blue[0]} + {blue[1]} = {blue_total}. "
+                f"{red_total} - {blue_total} = {answer}.",
+        [expr_alternatives(red[0], "+", red[1]), alternatives(red_total),
+         expr_alternatives(blue[0], "+", blue[1]), alternatives(blue_total),
+         expr_alternatives(red_total, "-", blue_total)],
+        [Intermediate("red total", red_total), Intermediate("blue total", blue_total)], 3, rubrics)
+    return finish("What is the red total minus the blue total?", sol, context="abstract scene",
+                  skills=["arithmetic reasoning"], grade="high school", task="figure question answering")
 
 
 def render_regions(p: dict[str, Any], size: int) -> Image.Image:
@@ -273,16 +257,14 @@ def metro_legs(p: dict[str, Any]) -> list[int]:
 
 def annotate_metro(p: dict[str, Any]) -> Annotation:
     names = [f"{ln['colour']} line" for ln in p["lines"]]
-    stops = [num(s) for s in metro_legs(p)]
-    answer = num(sum(map(int, stops)))
-    reasoning, key_steps, inter = add_steps(names, stops)
-    rubrics = [rubric_read(f"Counts {s} stops on the {n}", s, W_IMPORTANT) for n, s in zip(names, stops)]
-    rubrics.append(rubric_steps("Adds the stops of each line in route order", stops + [answer]))
-    rubrics += rubric_pitfalls(answer, [("Counts stations instead of stops", num(int(answer) + 1)),
-                                        (f"Leaves out the {names[-1]}", num(int(answer) - int(stops[-1])))])
-    return _annotation("How many stops is it from the red station to the blue station?", answer, False,
-                       "abstract scene", ["arithmetic reasoning", "logical reasoning"], "high school",
-                       "figure question answering", reasoning, key_steps, inter, len(stops) - 1, rubrics)
+    stops = metro_legs(p)
+    answer = sum(stops)
+    sol = add_up(names, [num(s) for s in stops],
+                 mistakes=[("Counts stations instead of stops", num(answer + 1)),
+                           (f"Leaves out the {names[-1]}", num(answer - stops[-1]))])
+    return finish("How many stops is it from the red station to the blue station?", sol,
+                  context="abstract scene", skills=["arithmetic reasoning", "logical reasoning"],
+                  grade="high school", task="figure question answering")
 
 
 def render_metro(p: dict[str, Any], size: int) -> Image.Image:

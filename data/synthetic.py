@@ -118,12 +118,13 @@ def generate(split: str, stage: int, n: int, seed: int = 0, image_size: int = 11
             "stage": stage, "split": split, "family": family.name, "seed": seed, "index": i,
             "content_key": _digest(key).hex(),  # what the split bucket was drawn from
         }
+        sol = a.solution
         out.append(Example(
-            pid=f"syn-{split}-s{stage}-{seed}-{i}", question=a.question, answer=a.answer,
+            pid=f"syn-{split}-s{stage}-{seed}-{i}", question=a.question, answer=sol.answer,
             answer_type=a.answer_type, precision=a.precision, question_type="free_form",
-            metadata=metadata, image=image, unit=a.unit, reasoning=a.reasoning,
-            key_steps=a.key_steps, intermediates=a.intermediates, difficulty=DIFFICULTY[stage],
-            hops=a.hops, rubrics=a.rubrics,
+            metadata=metadata, image=image, unit=a.unit, reasoning=sol.reasoning,
+            key_steps=sol.key_steps, intermediates=sol.intermediates, difficulty=DIFFICULTY[stage],
+            hops=sol.hops, rubrics=sol.rubrics,
         ))
     return out
 
@@ -148,7 +149,7 @@ def tokenizer_corpus(n: int = 3000, seed: int = 0) -> list[str]:
         k = n // 3 + (1 if stage <= n % 3 else 0)
         for _, _, _, a in _drafts("train", stage, k, seed):
             texts.append(format_prompt(a.question))
-            texts.append(format_response(a.reasoning, a.answer))
+            texts.append(format_response(a.solution.reasoning, a.solution.answer))
     texts.append("0 1 2 3 4 5 6 7 8 9 0123456789 . - + x = : ,")
     texts.append(" ".join([REASONING_OPEN, REASONING_CLOSE, SOLUTION_OPEN, SOLUTION_CLOSE]))
     texts.append(INSTRUCTION)

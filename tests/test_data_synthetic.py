@@ -186,7 +186,7 @@ def test_metro_answer_is_the_shortest_path():
                 if v not in dist:
                     dist[v] = dist[u] + 1
                     todo.append(v)
-        assert str(dist[tuple(p["end"])]) == annotate_metro(p).answer
+        assert str(dist[tuple(p["end"])]) == annotate_metro(p).solution.answer
 
 
 def test_geometry_area_matches_shoelace():
@@ -199,7 +199,7 @@ def test_geometry_area_matches_shoelace():
         area = abs(sum(x0 * y1 - x1 * y0 for (x0, y0), (x1, y1) in zip(pts, pts[1:] + pts[:1]))) / 2
         a = annotate_geometry(p)
         if "area" in a.question:
-            assert float(a.answer) == area, (p, a.answer, area)
+            assert float(a.solution.answer) == area, (p, a.solution.answer, area)
 
 
 def test_bad_arguments_are_rejected():
