@@ -19,6 +19,7 @@ Questions:
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from typing import Any
 
 from PIL import Image
@@ -72,24 +73,26 @@ def annotate_bar(p: dict[str, Any]) -> Annotation:
     return _finish("What is the sum of all the bar values?", sol, "bar chart", both)
 
 
-def draw_plot_frame(cv: Canvas, x0: float, y0: float, x1: float, y1: float, vmax: int) -> None:
-    """Axes with a light gridline at every integer value from 0 to vmax."""
+def plot_frame(cv: Canvas, x0: float, y0: float, x1: float, y1: float, n: int,
+               vmax: int = 9) -> tuple[Callable[[int, float], tuple[float, float]], float]:
+    """Axes, a light gridline at every integer 1..vmax, and n equal slots along x.
+
+    Returns ``at(i, v)`` (centre of slot i at value v, in unit coordinates) and the slot width.
+    """
     for v in range(1, vmax + 1):
         y = y1 - (y1 - y0) * v / vmax
         cv.line([(x0, y), (x1, y)], LIGHT_GREY, 0.008)
     cv.line([(x0, y0), (x0, y1), (x1, y1)], BLACK, 0.018)
+    slot = (x1 - x0) / n
+    return (lambda i, v: (x0 + (i + 0.5) * slot, y1 - (y1 - y0) * v / vmax)), slot
 
 
 def render_bar(p: dict[str, Any], size: int) -> Image.Image:
     cv = Canvas(size)
-    x0, y0, x1, y1, vmax = 0.08, 0.16, 0.96, 0.94, 9
-    draw_plot_frame(cv, x0, y0, x1, y1, vmax)
-    n = len(p["values"])
-    slot = (x1 - x0) / n
+    at, slot = plot_frame(cv, 0.08, 0.16, 0.96, 0.94, len(p["values"]))
     for i, (c, v) in enumerate(zip(p["colours"], p["values"])):
-        bx = x0 + (i + 0.5) * slot
-        top = y1 - (y1 - y0) * v / vmax
-        cv.box(bx - 0.32 * slot, top, bx + 0.32 * slot, y1, fill=COLOURS[c])
+        (bx, top), (_, base) = at(i, v), at(i, 0)
+        cv.box(bx - 0.32 * slot, top, bx + 0.32 * slot, base, fill=COLOURS[c])
         cv.number(str(v), bx, top - 0.07, 0.1)
     return cv.image
 
@@ -126,11 +129,8 @@ def annotate_line(p: dict[str, Any]) -> Annotation:
 
 def render_line(p: dict[str, Any], size: int) -> Image.Image:
     cv = Canvas(size)
-    x0, y0, x1, y1, vmax = 0.06, 0.14, 0.96, 0.82, 9
-    draw_plot_frame(cv, x0, y0, x1, y1, vmax)
-    n = len(p["values"])
-    slot = (x1 - x0) / n
-    pts = [(x0 + (i + 0.5) * slot, y1 - (y1 - y0) * v / vmax) for i, v in enumerate(p["values"])]
+    at, _ = plot_frame(cv, 0.06, 0.14, 0.96, 0.82, len(p["values"]))
+    pts = [at(i, v) for i, v in enumerate(p["values"])]
     cv.line(pts, COLOURS["blue"], 0.025)
     for i, ((x, y), v) in enumerate(zip(pts, p["values"])):
         cv.disc(x, y, 0.035, fill=COLOURS["blue"])
