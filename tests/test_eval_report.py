@@ -13,7 +13,7 @@ from PIL import Image
 
 from data.schema import Example
 from eval.evaluate import EvalProtocol, evaluate_completions, evaluate_model, main
-from eval.plots import GATE_COLOR, parse_log, plot_run
+from eval.plots import GATE_COLOR, PALETTE, parse_log, plot_run
 from eval.report import render_markdown, write_report
 
 R, S = "<REASONING>r</REASONING>", "<SOLUTION>{}</SOLUTION>"
@@ -207,8 +207,11 @@ def test_plot_run_writes_pngs_with_gate_markers(tmp_path):
     files = plot_run(path, tmp_path / "plots")
     assert [f.name for f in files] == ["rewards.png", "weights.png", "checkpoints.png"]
     for f in files:
-        px = np.asarray(Image.open(f).convert("RGB")).reshape(-1, 3)
-        assert px.shape[0] >= 800 * 400 and len(np.unique(px, axis=0)) > 10  # axes, text, coloured lines
+        px = np.asarray(Image.open(f).convert("RGB"))
+        assert px.shape[1] >= 800 and px.shape[0] >= 400
+        blue = [int(PALETTE[0][i:i + 2], 16) for i in (1, 3, 5)]
+        assert (px == blue).all(-1).sum() > 100  # the first series' line (and legend swatch)
+        assert (px.sum(-1) < 100).sum() > 1000  # black axes, ticks and text
     gate_rgb = [int(GATE_COLOR[i:i + 2], 16) for i in (1, 3, 5)]
     no_gate = tmp_path / "nogate.jsonl"
     no_gate.write_text("\n".join(line for line in _log_lines() if '"gate"' not in line))
