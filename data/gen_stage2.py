@@ -27,7 +27,7 @@ from PIL import Image
 from data.gen_common import Annotation, Family, Solution, add_up, difference, finish, mean_of_two, num, \
     read_one
 from data.gen_stage1 import draw_table
-from data.render import BLACK, COLOURS, GREY, LIGHT_GREY, Canvas
+from data.render import BLACK, COLOURS, GREY, LIGHT_GREY, WHITE, Canvas
 
 _CHART_COLOURS = ("red", "blue", "green", "orange", "purple")
 
@@ -134,6 +134,8 @@ def render_line(p: dict[str, Any], size: int) -> Image.Image:
     cv.line(pts, COLOURS["blue"], 0.025)
     for i, ((x, y), v) in enumerate(zip(pts, p["values"])):
         cv.disc(x, y, 0.035, fill=COLOURS["blue"])
+        # A white patch behind the label keeps it readable where the line runs through it.
+        cv.box(x - 0.04, y - 0.14, x + 0.04, y - 0.03, fill=WHITE)
         cv.number(str(v), x, y - 0.085, 0.09)
         cv.number(str(i + 1), x, 0.91, 0.09, fill=GREY)  # x-axis label
     return cv.image
