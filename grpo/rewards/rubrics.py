@@ -117,30 +117,32 @@ def coerce_verdicts(out: Any, n_items: int, pid: str) -> list[Verdict]:
 _SENTENCE_END = re.compile(r"[.!?]+(?=\s)|\n")
 
 
+def _strip_span(text: str, s: int, e: int) -> tuple[int, int]:
+    seg = text[s:e]
+    return s + len(seg) - len(seg.lstrip()), e - (len(seg) - len(seg.rstrip()))
+
+
 def sentence_spans(text: str) -> list[tuple[int, int]]:
     """[start, end) of each sentence: split after . ! ? followed by space, and at newlines."""
-    spans, start = [], 0
-    for m in _SENTENCE_END.finditer(text):
-        spans.append((start, m.end()))
-        start = m.end()
-    spans.append((start, len(text)))
-    out = []
-    for s, e in spans:
-        while s < e and text[s].isspace():
-            s += 1
-        while e > s and text[e - 1].isspace():
-            e -= 1
-        if e > s:
-            out.append((s, e))
-    return out
+    cuts = [0] + [m.end() for m in _SENTENCE_END.finditer(text)] + [len(text)]
+    spans = [_strip_span(text, s, e) for s, e in zip(cuts, cuts[1:])]
+    return [(s, e) for s, e in spans if e > s]
 
 
-def sentence_at(text: str, pos: int) -> str:
-    """The sentence of ``text`` that contains character ``pos``."""
-    for s, e in sentence_spans(text):
-        if pos < e:
-            return text[s:e]
-    return text.strip()
+class Sentences:
+    """Sentence lookup by character position; the boundaries are found once per text."""
+
+    def __init__(self, text: str):
+        self.text = text
+        self.cuts = [m.end() for m in _SENTENCE_END.finditer(text)]
+
+    def at(self, pos: int) -> str:
+        """The sentence that contains character ``pos``."""
+        k = bisect.bisect_right(self.cuts, pos)
+        s = self.cuts[k - 1] if k > 0 else 0
+        e = self.cuts[k] if k < len(self.cuts) else len(self.text)
+        s, e = _strip_span(self.text, s, e)
+        return self.text[s:e]
 
 
 class RuleJudge:
@@ -148,12 +150,12 @@ class RuleJudge:
 
     def __call__(self, example: Example, completion: str, items: list[RubricItem]) -> list[Verdict]:
         parsed = parse_response(completion)
-        region = parsed.reasoning if parsed.has_reasoning_tag else completion
-        soft = SoftText(region or "")
-        return [self.judge_one(item.evidence, parsed, soft) for item in items]
+        region = (parsed.reasoning if parsed.has_reasoning_tag else completion) or ""
+        soft, sentences = SoftText(region), Sentences(region)
+        return [self.judge_one(item.evidence, parsed, soft, sentences) for item in items]
 
     @staticmethod
-    def judge_one(evidence: dict[str, Any], parsed: ParsedResponse, soft: SoftText) -> Verdict:
+    def judge_one(evidence: dict[str, Any], parsed: ParsedResponse, soft: SoftText, sentences: Sentences) -> Verdict:
         kind = evidence.get("kind")
         if kind == "answer":
             ok = parsed.answer is not None and parsed.answer == normalize_number(str(evidence.get("value")))
@@ -176,7 +178,7 @@ class RuleJudge:
                              f"use one of {', '.join(EVIDENCE_KINDS)} or pass a model judge")
         if at < 0:
             return Verdict(False, None)
-        return Verdict(True, sentence_at(soft.text, soft.char_span(at)[0]))
+        return Verdict(True, sentences.at(soft.char_span(at)[0]))
 
 
 def _ordered_end(soft: SoftText, values: list[str | None]) -> int:

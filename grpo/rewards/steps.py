@@ -45,6 +45,7 @@ fuzzy string matching.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import unicodedata
@@ -82,6 +83,7 @@ class Tok(NamedTuple):
     parts: tuple[str, ...] = ()  # a folded fraction's numerator and denominator
 
 
+@functools.lru_cache(maxsize=4096)  # the same few numbers recur across a group's G completions
 def _canon_number(s: str) -> str:
     # normalize_number gives None only for values that overflow float; keep the digits then.
     return normalize_number(s) or s.replace(",", "").lstrip("0") or "0"
@@ -158,6 +160,7 @@ class SoftText:
         self.text = text
         self.toks = canonical_tokens(text)
         self._at: dict[str, list[int]] = {}
+        self._numbers: list[tuple[str, int]] | None = None
         for i, t in enumerate(self.toks):
             self._at.setdefault(t.text, []).append(i)
 
@@ -179,11 +182,12 @@ class SoftText:
 
     def numbers(self) -> list[tuple[str, int]]:
         """(canonical value, token index) of every number, a folded fraction also by its parts."""
-        out = []
-        for i, t in enumerate(self.toks):
-            if t.is_num:
-                out += [(t.text, i)] + [(p, i) for p in t.parts]
-        return out
+        if self._numbers is None:
+            self._numbers = []
+            for i, t in enumerate(self.toks):
+                if t.is_num:
+                    self._numbers += [(t.text, i)] + [(p, i) for p in t.parts]
+        return self._numbers
 
     def char_span(self, i: int) -> tuple[int, int]:
         return self.toks[i].start, self.toks[i].end
@@ -237,19 +241,26 @@ def step_rar(text: str, parsed: ParsedResponse, key_steps: list[list[str]], gold
 
 
 def steps_in_order(soft: SoftText, key_steps: list[list[str]]) -> bool:
-    """The groups that are present appear in their listed order (absent groups are skipped).
+    """The groups that are present are *completed* in their listed order (absent ones skipped).
 
-    Greedy: each present group must match at or after the previous group's match start
-    + 1, so chained steps that share a token ("3 + 4 = 7", "7 * 2 = 14") are in order.
+    Order is by where a step's match ends, non-decreasing: a combining step contains the
+    steps it combines ("3 + 2" after the reads "3" and "2" may be the same tokens), and
+    chained steps share a token ("3 + 4 = 7", "7 * 2 = 14"). Greedy: each present group
+    takes its earliest-ending match that ends at or after the previous group's end.
     """
-    pos = 0
+    prev_end = 0
     for group in key_steps:
         if soft.find_any(group) < 0:
             continue  # absent: StepRAR's business, not an ordering error
-        i = soft.find_any(group, pos)
-        if i < 0:
-            return False  # present, but only before an earlier step
-        pos = i + 1
+        ends = []
+        for alt in group:
+            m = len(canonical_tokens(alt))
+            i = soft.find(alt, max(0, prev_end - m + 1)) if m else -1
+            if i >= 0:
+                ends.append(i + m - 1)
+        if not ends:
+            return False  # present, but only completed before an earlier step
+        prev_end = min(ends)
     return True
 
 
