@@ -266,9 +266,17 @@ def _load_examples(args: argparse.Namespace) -> tuple[list[Example], str, dict[s
         from data.synthetic import generate
 
         per_stage = max(1, args.limit // len(STAGES)) if args.limit else 100
-        examples = [ex for s in STAGES for ex in generate("test", s, per_stage, args.seed)]
+        examples = [ex for s in STAGES for ex in generate("test", s, per_stage, args.seed, args.image_size)]
         return examples, f"synthetic test split, {per_stage} per stage, seed {args.seed}", {}
     from data.mathvista import eval_overall_numeric, is_overall_numeric, load_mathvista
+
+    if (Path(args.data) / "data.jsonl").is_file():  # a dataset written by data/jsonl.py
+        from data.jsonl import load_jsonl
+
+        examples, skipped = load_jsonl(args.data, return_skipped=True)
+        if args.subset == "eval_overall_numeric":
+            examples = eval_overall_numeric(examples)
+        return examples[: args.limit], f"JSONL dataset {args.data} ({args.subset})", skipped
 
     where = is_overall_numeric if args.subset == "eval_overall_numeric" else None
     examples, skipped = load_mathvista(args.data, args.split, where=where, limit=args.limit)
@@ -320,19 +328,32 @@ def _checkpoint_bundle(path: Path, args: argparse.Namespace) -> Any:
     return bundle
 
 
-def _selector_bundle(selector: str, args: argparse.Namespace) -> Any:
-    """'base' -> the base model; anything else -> grpo.checkpoint.resolve(run_dir, selector)."""
+def _resolve_selector(selector: str, args: argparse.Namespace) -> Path | None:
+    """None for 'base'; else the checkpoint directory from grpo.checkpoint.resolve.
+
+    resolve() raises SelectorError (a ValueError) listing the phases, steps and aliases
+    the run holds when the selector names nothing; main() prints it as it is.
+    """
+    if selector == "base":
+        return None
+    if not args.run_dir:
+        raise ValueError(f"selector {selector!r} needs --run-dir (the training run that holds its checkpoints)")
     from grpo.checkpoint import CheckpointError, resolve  # lazy: eval sits below grpo
+
+    try:
+        return resolve(args.run_dir, selector)
+    except CheckpointError as err:
+        raise ValueError(f"{selector}: {err}") from None
+
+
+def _selector_bundle(selector: str, args: argparse.Namespace) -> Any:
+    """'base' -> the base model; a checkpoint selector -> that checkpoint's policy."""
+    from grpo.checkpoint import CheckpointError
     from grpo.model import ModelLoadError, load_bundle
 
     try:
-        if selector == "base":
-            return load_bundle(args.model, device=args.device)
-        if not args.run_dir:
-            raise ValueError(f"selector {selector!r} needs --run-dir (the training run that holds its checkpoints)")
-        # resolve() raises SelectorError (a ValueError) listing the phases, steps and
-        # aliases that exist when the selector names nothing; main() prints it as it is.
-        return _checkpoint_bundle(resolve(args.run_dir, selector), args)
+        path = _resolve_selector(selector, args)
+        return load_bundle(args.model, device=args.device) if path is None else _checkpoint_bundle(path, args)
     except (CheckpointError, ModelLoadError) as err:
         raise ValueError(f"{selector}: {err}") from None
 
@@ -346,10 +367,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", default=None, help="training run directory the selectors refer to")
     p.add_argument("--model", default="tiny", help="base model: 'tiny', a local directory or a hub id")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
-    p.add_argument("--data", default="synthetic", help="'synthetic', a MathVista parquet/dir, or hub:AI4Math/MathVista")
+    p.add_argument("--data", default="synthetic",
+                   help="'synthetic', a JSONL dataset dir (data/jsonl.py), a MathVista parquet/dir, or hub:AI4Math/MathVista")
     p.add_argument("--split", default="testmini", help="MathVista split (testmini has gold answers; test does not)")
     p.add_argument("--subset", default="eval_overall_numeric", choices=("eval_overall_numeric", "all"))
     p.add_argument("--limit", type=int, default=None, help="evaluate at most this many prompts")
+    p.add_argument("--image-size", type=int, default=112, help="synthetic data: image side in pixels")
     p.add_argument("--completions", action="append", default=[], metavar="NAME=FILE",
                    help="score pre-generated completions (JSONL) instead of sampling; repeatable")
     p.add_argument("--samples", type=int, default=1, help="completions per prompt")
@@ -383,19 +406,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not examples:
         print(f"error: no examples to evaluate in {data_desc}", file=sys.stderr)
         return 2
+    try:  # resolve every selector before the first (slow) evaluation: fail fast on a typo
+        for selector in args.selectors:
+            _resolve_selector(selector, args)
+    except ValueError as err:  # the resolver's "names nothing; this run holds: ..." message
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     print(f"evaluating {len(examples)} prompts: {data_desc}")
     results: dict[str, EvalResult] = {}
     for spec in args.completions:
         name, _, path = spec.partition("=")
-        if not path:
-            print(f"error: --completions {spec!r}: write NAME=FILE.jsonl", file=sys.stderr)
+        try:
+            if not path:
+                raise ValueError(f"--completions {spec!r}: write NAME=FILE.jsonl")
+            texts, counts = _read_completions(path, examples)
+            results[name] = evaluate_completions(examples, texts, counts, protocol.max_new_tokens)
+        except (ValueError, OSError) as err:
+            print(f"error: {err}", file=sys.stderr)
             return 2
-        texts, counts = _read_completions(path, examples)
-        results[name] = evaluate_completions(examples, texts, counts, protocol.max_new_tokens)
     for selector in args.selectors:
         try:
             bundle = _selector_bundle(selector, args)
-        except ValueError as err:  # the resolver's "names nothing; these exist: ..." message
+        except ValueError as err:
             print(f"error: {err}", file=sys.stderr)
             return 2
         results[selector] = evaluate_model(bundle, examples, protocol)
@@ -403,7 +435,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for res in results.values():
         for reason, n in load_skipped.items():  # rows the loader dropped, shown with each model
             res.skipped[f"load:{reason}"] = n
-    md, js = write_report(results, asdict(protocol), Path(args.out), title=args.title, data=data_desc)
+    shown = {**asdict(protocol), "base_model": args.model, "prompts": len(examples)}
+    md, js = write_report(results, shown, Path(args.out), title=args.title, data=data_desc)
     print(f"wrote {md} and {js}")
     return 0
 
