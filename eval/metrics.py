@@ -24,6 +24,7 @@ Each completion also gets exactly one failure mode, the first that applies in th
     truncation > missing_solution_tag > missing_reasoning_tag > malformed
                > unparseable > wrong > exact
 
+``missing_solution_tag`` means "not exactly one" SOLUTION block (none, or several).
 ``malformed`` and ``unparseable`` split the contract's single "malformed" flag (whose rate
 the scores and the controller use) into two diagnoses that need different fixes:
 *unparseable* = the solution block holds one number-like token the strict contract

@@ -359,7 +359,6 @@ def plot_checkpoint_metrics(log: TrainLog, path: str | Path) -> Path:
     """Checkpoint-side eval metrics and scores across phases (one marker per eval)."""
     xs = [r["x"] for r in log.evals]
     present = [k for k in CHECKPOINT_KEYS if any(k in (r.get("metrics") or {}) for r in log.evals)]
-    present += [k for k in _names(log.evals, "metrics") if k not in present and k in ("pass_at_k",)]
     series = [Series(k, xs, [_num((r.get("metrics") or {}).get(k)) for r in log.evals], PALETTE[i % 10], markers=True)
               for i, k in enumerate(present)]
     img, (box,) = _figure(1, panel_h=420)

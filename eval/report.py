@@ -45,7 +45,8 @@ STAGE_COLUMNS = ("exact_match", "tolerance_accuracy", "parseable_rate", "truncat
 
 NOTES = """\
 Definitions. Rates are means over all completions. EM: the normalised SOLUTION equals the
-normalised gold. Tol: EM or within half a unit of the example's stated precision. Parse:
+normalised gold. Tol: EM or within half a unit of the example's stated precision (integers:
++-0.5). Parse:
 exactly one SOLUTION block holding a number. Malf = 1 - Parse. Sol-/Reas-tag: exactly one
 block of that tag. Trunc: hit the token budget without a complete answer. Rep: fraction of
 repeated word trigrams. pass@k: any sample of a prompt exact. Struct = .35 Parse + .20 Sol
