@@ -287,7 +287,8 @@ def export_merged(model: nn.Module, directory: str | Path, dtype: torch.dtype = 
     of the merged model in bf16, loadable with from_pretrained by transformers or an
     inference engine, with no LoRA or bitsandbytes at load time."""
     if not hasattr(model, "save_pretrained"):
-        raise TypeError(f"export_merged needs a transformers PreTrainedModel, got {type(model).__name__}")
+        raise TypeError(f"export_merged needs a transformers PreTrainedModel, "
+                        f"got {type(model).__name__}")
     directory = Path(directory)
     sd = merged_state_dict(model, dtype)
     # save_pretrained writes the live model's dtype into config.json; restore ours after.

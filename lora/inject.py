@@ -4,7 +4,8 @@ The staged paper's recipe: rank 8, alpha 8, adapters on the language model's att
 MLP projections (q/k/v/o, gate/up/down), vision tower untouched. Qwen2.5-VL's vision
 blocks *also* have mlp.gate_proj/up_proj/down_proj, so a leaf-name list alone would adapt
 the vision tower too; exclusion therefore goes by path: nothing under `model.visual`
-(transformers 5's module tree; in 4.x it was `visual`).
+(transformers 5's module tree; older 4.x releases called it `visual`). On Qwen2.5-VL-7B
+that is 196 layers and 20,185,088 trainable parameters (0.24% of 8.29B; 77 MiB in fp32).
 
 Pattern semantics (deliberately small, no regexes to get wrong):
   target_modules  each entry matches a module whose dotted name equals it or ends with
