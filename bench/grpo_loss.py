@@ -1,0 +1,187 @@
+"""Benchmark the fused GRPO loss: forward + backward, eager vs torch.compile vs Triton.
+
+    python -m bench.grpo_loss            # GPU: sweep to N = 64 completions x T = 4096 tokens
+    python -m bench.grpo_loss --quick    # fewer shapes and repetitions
+    python -m bench.grpo_loss --compile  # on a CPU, include torch.compile (~1 min to compile)
+
+Every provider does the same work: group advantages from [N] rewards, then the loss
+(clipped ratio against old log-probs, k3 KL against the reference, the aggregation) and
+d loss / d logp. Input validation (shape checks and the NaN scan of the rewards, one host
+sync) is left out of all three and timed on its own row, so the providers compare math.
+
+Bandwidth counts the bytes a perfect single pass must move: read logp, old, ref, the mask
+(and token advantages when given), write d loss / d logp. Peak memory is what one forward
++ backward allocates above the inputs. On a CPU the Triton provider is skipped (the
+interpreter is for correctness, not speed) and shapes are scaled down.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from bench._timing import (device_name, fmt, fmt_bytes, gbps, is_oom, peak_bandwidth,
+                           peak_memory, print_table, time_fn)
+from kernels import grpo_loss as gl
+
+GPU_SHAPES = [(8, 512), (16, 1024), (32, 2048), (64, 4096)]
+CPU_SHAPES = [(8, 128), (16, 256), (32, 512)]
+MODES = {  # name -> loss options; the first is the default swept over shapes
+    "grpo/token/kl": dict(loss_type="grpo", importance="token", beta=0.04, source="rewards"),
+    "dapo/sequence": dict(loss_type="dapo", importance="sequence", beta=0.0, source="rewards"),
+    "bnpo/prefix": dict(loss_type="bnpo", importance="token", beta=0.04, source="prefix"),
+    "dr_grpo/token_adv": dict(loss_type="dr_grpo", importance="token", beta=0.0, source="token_adv"),
+}
+G = 8
+J = 4  # rubric items in the prefix mode
+
+
+def make_inputs(N: int, T: int, device: str, source: str, seed: int = 0) -> dict:
+    """Right-padded completions of random length, like a sampled batch."""
+    g = torch.Generator().manual_seed(seed)
+    logp = -3 * torch.rand(N, T, generator=g)
+    lengths = torch.randint(T // 4, T + 1, (N,), generator=g)
+    inp = dict(
+        logp=logp, old=logp + 0.1 * torch.randn(N, T, generator=g),
+        ref=logp + 0.1 * torch.randn(N, T, generator=g),
+        mask=torch.arange(T)[None, :] < lengths[:, None],
+        rewards=torch.randint(0, 3, (N,), generator=g).float(),
+    )
+    if source == "token_adv":
+        inp["token_adv"] = torch.randn(N, T, generator=g)
+    inp = {k: v.to(device) for k, v in inp.items()}
+    if source == "prefix":
+        inp["prefix"] = gl.PrefixRubrics(
+            R_ans=inp["rewards"], s=torch.randint(0, 2, (N, J), generator=g).float().to(device),
+            scored=torch.ones(N, J, dtype=torch.bool, device=device),
+            rho=torch.full((J,), 1.0 / J, device=device),
+            t_end=torch.randint(0, T, (N, J), generator=g).to(device), a=0.5)
+    return inp
+
+
+def eager_loss(logp, inp: dict, mode: dict) -> torch.Tensor:
+    """The reference pipeline: advantages, then the loss."""
+    T = logp.shape[1]
+    if mode["source"] == "prefix":
+        adv, _ = gl.prefix_advantages_reference(inp["prefix"], T, G)
+    elif mode["source"] == "token_adv":
+        adv = inp["token_adv"]
+    else:
+        adv, _ = gl.grpo_advantages_reference(inp["rewards"], G)
+    loss, _ = gl.grpo_loss_reference(
+        logp, inp["mask"], adv, old_logp=inp["old"], ref_logp=inp["ref"] if mode["beta"] else None,
+        beta=mode["beta"], loss_type=mode["loss_type"], importance=mode["importance"])
+    return loss
+
+
+def triton_loss(logp, inp: dict, mode: dict) -> torch.Tensor:
+    """The kernel path of grpo_loss without its input validation."""
+    src = mode["source"]
+    launch = gl._prepare_advantages_triton(
+        inp["rewards"] if src == "rewards" else None, None, None, inp.get("prefix"),
+        inp.get("token_adv"), logp.shape[1], G, "group", 1e-4)
+    launch.update(mask=inp["mask"], G=G, old_logp=inp["old"],
+                  ref_logp=inp["ref"] if mode["beta"] else None, beta=mode["beta"], eps_low=0.2,
+                  eps_high=0.2, loss_type=mode["loss_type"], importance=mode["importance"],
+                  max_len=None, num_active_tokens=None)
+    loss, _ = gl._FusedGRPOLoss.apply(logp, launch)
+    return loss
+
+
+def validation_only(logp, inp: dict, mode: dict) -> None:
+    gl._validate(logp, inp["mask"], inp["rewards"], G, inp["old"], inp["ref"], mode["beta"], 0.2,
+                 0.2, mode["loss_type"], "group", 1e-4, None, None, None, None, "token", None, None)
+
+
+def min_bytes(N: int, T: int, mode: dict) -> int:
+    per_token = 4 + 4 + 1 + 4  # logp, old, mask (bool), grad out
+    per_token += 4 if mode["beta"] else 0
+    per_token += 4 if mode["source"] == "token_adv" else 0
+    return N * T * per_token
+
+
+def bench_case(N: int, T: int, mode_name: str, providers: dict, device: str, args) -> list[dict]:
+    mode = MODES[mode_name]
+    inp = make_inputs(N, T, device, mode["source"])
+    logp = inp["logp"].clone().requires_grad_()
+    peak_bw = peak_bandwidth(device)
+    rows = []
+    for name, loss_fn in providers.items():
+        def step():
+            logp.grad = None
+            loss_fn(logp, inp, mode).backward()
+        row = dict(shape=f"N={N} T={T}", mode=mode_name, provider=name)
+        try:
+            t = time_fn(step, device, warmup=args.warmup, reps=args.reps)
+            mem = peak_memory(step, device)
+        except RuntimeError as err:
+            if not is_oom(err):
+                raise
+            rows.append({**row, "median ms": "OOM"})
+            continue
+        bw = gbps(min_bytes(N, T, mode), t.median_ms)
+        rows.append({**row, "median ms": fmt(t.median_ms, ".4g"), "p20": fmt(t.p20_ms, ".4g"),
+                     "p80": fmt(t.p80_ms, ".4g"), "GB/s": fmt(bw, ".4g"),
+                     "% peak": fmt(None if peak_bw is None else 100 * bw * 1e9 / peak_bw, ".3g"),
+                     "peak mem": fmt_bytes(mem), "_ms": t.median_ms, "_bw": bw})
+    t = time_fn(lambda: validation_only(logp, inp, mode), device, warmup=1, reps=args.reps)
+    rows.append(dict(shape=f"N={N} T={T}", mode=mode_name, provider="(validation)",
+                     **{"median ms": fmt(t.median_ms, ".4g"), "p20": fmt(t.p20_ms, ".4g"),
+                        "p80": fmt(t.p80_ms, ".4g")}))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--quick", action="store_true", help="two shapes, default mode, fewer reps")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                        help="include torch.compile (default: on for GPU, off for CPU)")
+    parser.add_argument("--reps", type=int, default=None, help="timed runs per case")
+    parser.add_argument("--warmup", type=int, default=3)
+    args = parser.parse_args()
+    on_gpu = args.device.startswith("cuda")
+    args.reps = args.reps or (10 if args.quick else (50 if on_gpu else 10))
+    use_compile = on_gpu if args.compile is None else args.compile
+
+    providers = {"eager": eager_loss}
+    if use_compile:
+        providers["compiled"] = torch.compile(eager_loss, dynamic=False)
+    if on_gpu:
+        providers["triton"] = triton_loss
+    shapes = GPU_SHAPES if on_gpu else CPU_SHAPES
+    shapes = shapes[-2:] if args.quick else shapes
+    print(f"# grpo_loss forward+backward on {device_name(args.device)}, G={G}, fp32 log-probs")
+    if not on_gpu:
+        print("# CPU run: scaled-down shapes, PyTorch providers only; the Triton numbers need a GPU"
+              + ("" if use_compile else " (add --compile for torch.compile, ~1 min)"))
+
+    rows = []
+    for N, T in shapes:
+        rows += bench_case(N, T, "grpo/token/kl", providers, args.device, args)
+    if not args.quick:
+        N, T = shapes[-1]
+        for mode_name in list(MODES)[1:]:
+            rows += bench_case(N, T, mode_name, providers, args.device, args)
+    print_table(rows, ["shape", "mode", "provider", "median ms", "p20", "p80", "GB/s", "% peak",
+                       "peak mem"])
+
+    N, T = shapes[-1]
+    last = {r["provider"]: r for r in rows if r["shape"] == f"N={N} T={T}" and r["mode"] == "grpo/token/kl"}
+    ms = {k: v.get("_ms") for k, v in last.items()}
+    if "triton" in ms and ms["triton"]:
+        peak_bw = peak_bandwidth(args.device)
+        pct = "" if peak_bw is None else f", {100 * last['triton']['_bw'] * 1e9 / peak_bw:.0f}% of peak"
+        vs_c = f", {ms['compiled'] / ms['triton']:.2f}x compiled" if ms.get("compiled") else ""
+        print(f"summary: grpo_loss fwd+bwd N={N} T={T}: triton {ms['triton']:.3f} ms = "
+              f"{ms['eager'] / ms['triton']:.2f}x eager{vs_c}, {last['triton']['_bw']:.0f} GB/s{pct} "
+              "(targets: >= 3x eager, >= 1.5x compiled, >= 60% of peak)")
+    else:
+        vs_c = f", compiled {ms['compiled']:.3f} ms" if ms.get("compiled") else ""
+        print(f"summary: grpo_loss fwd+bwd N={N} T={T} on CPU: eager {ms['eager']:.3f} ms{vs_c}; "
+              "Triton numbers need a GPU")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""Benchmark selective log-softmax (token log-probs from logits): eager vs compile vs Triton.
+
+    python -m bench.logprob            # GPU: V = 151,936 (Qwen), bf16 logits, up to 64k tokens
+    python -m bench.logprob --quick    # two shapes, fewer repetitions
+    python -m bench.logprob --compile  # on a CPU, include torch.compile (slow to compile)
+
+Two passes per shape: "fwd" (no grad, as for the reference policy) and "fwd+bwd" (the
+policy). Bandwidth counts the logits read once per pass plus the gradient written by the
+backward (fwd: 1x the logits' bytes, fwd+bwd: 3x). "extra mem" is the peak allocation
+above the inputs, minus the logits' gradient for fwd+bwd (autograd must return it), as a
+percentage of the logits' size: the target is <= 10%. The eager version materialises two
+fp32 copies, i.e. 400% for bf16 logits.
+
+N = 64 completions x T = 4096 tokens would be 80 GB of bf16 logits at this vocabulary, so
+the sweep stops at 64k tokens (the trainer computes log-probs in chunks of completions).
+Input validation (the token-id range check, one host sync) is timed on its own row. On a
+CPU the Triton provider is skipped (the interpreter is for correctness, not speed) and
+shapes are scaled down.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from bench._timing import (device_name, fmt, fmt_bytes, gbps, is_oom, peak_bandwidth,
+                           peak_memory, print_table, time_fn)
+from kernels import logprob as lp
+
+V_QWEN = 151_936
+GPU_SHAPES = [(8, 256), (16, 512), (32, 1024), (64, 1024)]
+CPU_SHAPES = [(1, 16), (2, 16), (2, 32)]
+TEMPERATURE = 0.9
+
+
+def eager(logits, y):
+    return lp.token_logprobs_reference(logits, y, TEMPERATURE)
+
+
+def triton(logits, y):
+    """The kernel path of token_logprobs without its input validation."""
+    return lp._TokenLogprobs.apply(logits, y, TEMPERATURE)
+
+
+def bench_shape(N: int, T: int, V: int, dtype, providers: dict, device: str, args) -> list[dict]:
+    g = torch.Generator(device=device).manual_seed(0)
+    logits = (3 * torch.randn(N, T, V, generator=g, device=device)).to(dtype)
+    y = torch.randint(0, V, (N, T), generator=g, device=device)
+    dlogp = torch.randn(N, T, generator=g, device=device)
+    logits_bytes = logits.numel() * logits.element_size()
+    peak_bw = peak_bandwidth(device)
+    rows = []
+    for name, fn in providers.items():
+        for pass_name in ("fwd", "fwd+bwd"):
+            x = logits.detach().requires_grad_(pass_name == "fwd+bwd")
+
+            def step():
+                x.grad = None
+                out = fn(x, y)
+                if pass_name == "fwd+bwd":
+                    out.backward(dlogp)
+
+            row = dict(shape=f"N={N} T={T} V={V}", provider=name, **{"pass": pass_name})
+            try:
+                t = time_fn(step, device, warmup=args.warmup, reps=args.reps)
+                mem = peak_memory(step, device)
+            except RuntimeError as err:
+                if not is_oom(err):
+                    raise
+                rows.append({**row, "median ms": "OOM"})
+                x.grad = None
+                torch.cuda.empty_cache()
+                continue
+            x.grad = None
+            extra = None if mem is None else mem - (logits_bytes if pass_name == "fwd+bwd" else 0)
+            bw = gbps((1 if pass_name == "fwd" else 3) * logits_bytes, t.median_ms)
+            rows.append({**row, "median ms": fmt(t.median_ms, ".4g"), "p20": fmt(t.p20_ms, ".4g"),
+                         "p80": fmt(t.p80_ms, ".4g"), "GB/s": fmt(bw, ".4g"),
+                         "% peak": fmt(None if peak_bw is None else 100 * bw * 1e9 / peak_bw, ".3g"),
+                         "peak mem": fmt_bytes(mem),
+                         "extra mem": "" if extra is None else f"{100 * extra / logits_bytes:.1f}%",
+                         "_ms": t.median_ms, "_bw": bw, "_extra": extra})
+    t = time_fn(lambda: lp._validate(logits, y, TEMPERATURE), device, warmup=1, reps=args.reps)
+    rows.append(dict(shape=f"N={N} T={T} V={V}", provider="(validation)", **{"pass": ""},
+                     **{"median ms": fmt(t.median_ms, ".4g"), "p20": fmt(t.p20_ms, ".4g"),
+                        "p80": fmt(t.p80_ms, ".4g")}))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--quick", action="store_true", help="two shapes, fewer reps")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                        help="include torch.compile (default: on for GPU, off for CPU)")
+    parser.add_argument("--dtype", choices=["bf16", "fp32"], default=None,
+                        help="logits dtype (default: bf16 on GPU, fp32 on CPU)")
+    parser.add_argument("--vocab", type=int, default=V_QWEN)
+    parser.add_argument("--reps", type=int, default=None)
+    parser.add_argument("--warmup", type=int, default=2)
+    args = parser.parse_args()
+    on_gpu = args.device.startswith("cuda")
+    args.reps = args.reps or (5 if args.quick else (20 if on_gpu else 5))
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if on_gpu else "fp32")]
+    use_compile = on_gpu if args.compile is None else args.compile
+
+    providers = {"eager": eager}
+    if use_compile:
+        providers["compiled"] = torch.compile(eager, dynamic=False)
+    if on_gpu:
+        providers["triton"] = triton
+    shapes = GPU_SHAPES if on_gpu else CPU_SHAPES
+    shapes = shapes[-2:] if args.quick else shapes
+    print(f"# token log-probs on {device_name(args.device)}, {dtype}, temperature {TEMPERATURE}")
+    if not on_gpu:
+        print("# CPU run: scaled-down shapes, PyTorch providers only; the Triton numbers need a GPU"
+              + ("" if use_compile else " (add --compile for torch.compile)"))
+    rows = []
+    for N, T in shapes:
+        rows += bench_shape(N, T, args.vocab, dtype, providers, args.device, args)
+    print_table(rows, ["shape", "provider", "pass", "median ms", "p20", "p80", "GB/s", "% peak",
+                       "peak mem", "extra mem"])
+
+    N, T = shapes[-1]
+    last = {(r["provider"], r["pass"]): r for r in rows if r["shape"] == f"N={N} T={T} V={args.vocab}"}
+    tokens = f"{N * T} tokens x V={args.vocab}"
+    tri, eag = last.get(("triton", "fwd+bwd"), {}), last.get(("eager", "fwd+bwd"), {})
+    if tri.get("_ms"):
+        comp = last.get(("compiled", "fwd+bwd"), {})
+        vs_e = f"{eag['_ms'] / tri['_ms']:.2f}x eager" if eag.get("_ms") else "eager OOM"
+        vs_c = f", {comp['_ms'] / tri['_ms']:.2f}x compiled" if comp.get("_ms") else ""
+        peak_bw = peak_bandwidth(args.device)
+        pct = "" if peak_bw is None else f" ({100 * tri['_bw'] * 1e9 / peak_bw:.0f}% of peak)"
+        fwd_extra = last[("triton", "fwd")]["extra mem"]
+        print(f"summary: logprob fwd+bwd {tokens}: triton {tri['_ms']:.3f} ms = {vs_e}{vs_c}, "
+              f"{tri['_bw']:.0f} GB/s{pct}; extra memory fwd {fwd_extra}, fwd+bwd "
+              f"{tri['extra mem']} of the logits (target <= 10%)")
+    else:
+        print(f"summary: logprob fwd+bwd {tokens} on CPU: eager {eag.get('_ms', float('nan')):.2f} ms; "
+              "Triton numbers need a GPU")
+
+
+if __name__ == "__main__":
+    main()
