@@ -4,7 +4,7 @@ tokenizer, PITFALL veto, rho, and the prefix-mode inputs of the loss kernel."""
 import pytest
 import torch
 
-from data.contract import format_response, parse_response
+from data.contract import format_response
 from data.schema import Example, RubricItem
 from grpo.config import ConfigError, RewardConfig
 from grpo.rewards import RewardModel, RuleJudge, TokenLocator, Verdict, judge_from_item_fn, locate, partial_ratio

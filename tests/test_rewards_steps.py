@@ -3,7 +3,7 @@
 import pytest
 
 from data.contract import format_response, parse_response
-from data.schema import Example, Intermediate
+from data.schema import Intermediate
 from grpo.rewards.detail import DETAIL_MAX, detail_fraction, detail_reward, difficulty_weight
 from grpo.rewards.steps import STEP_ALPHA, SoftText, canonical_tokens, step_rar, step_rvr
 

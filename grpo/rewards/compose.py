@@ -10,6 +10,10 @@
 
 ``examples`` has one entry per completion (N = B*G: each prompt's example repeated for its
 G completions, contiguous, the layout the loss kernel's group z-scores expect).
+``num_tokens`` [N] is what the sampler produced per completion (the trainer passes it; tok
+>= L means truncated). ``completion_ids`` (a list of id lists, or an [N, T] tensor padded
+after each row's num_tokens) is only read in prefix mode, to put each rubric's supporting
+sentence on a token; without it the text is re-encoded with the tokenizer's offsets.
 
 The reward spec is ``RewardConfig.weights`` (component name -> weight). Only named
 components are computed; a weight of 0 computes and reports a component without paying
@@ -29,21 +33,23 @@ controller can edit ``cfg.weights`` in place (or call ``set_weights``) while tra
     rubric       [-1, 1]        V-Rubrics (rubrics.py)               rubrics (+ evidence for RuleJudge)
 
 Weights must be finite and >= 0: components carry their own sign (penalties are negative
-values), and a negative weight would turn a penalty into a prize. A committed PITFALL
-(rubric weight > 0) zeroes ``correctness`` and ``tolerance`` for that completion.
+values), and a negative weight would turn a penalty into a prize. While the rubric weight
+is > 0, a committed PITFALL zeroes ``correctness`` and ``tolerance`` (the answer reward)
+for that completion; step_rar / detail keep their own definitions.
 
 Prefix mode: R_ans = sum over the non-rubric components of w_k * c_k (after the veto);
 the split between it and the rubric term is ``cfg.prefix_answer_weight`` (a), which the
 kernel applies. The rubric weight then only switches rubrics on and enters ``total``
 (kept for logging and eval). RUBRIC_RELEASE_WEIGHTS are the V-Rubrics release's
-answer/format/rubric weights with answer -> correctness.
+answer/format/rubric weights with answer -> correctness; with the prefix preset, R_ans =
+.50 correctness + .05 format and a = .5 gives the rubrics about the release's .45 share.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -100,7 +106,6 @@ class RewardBatch:
     weights: dict[str, float]  # the weights this batch was scored with
     prefix: PrefixInputs | None = None  # V-Rubrics prefix-mode inputs for the loss kernel
     vetoed: torch.Tensor | None = None  # [N] bool, a PITFALL was committed (rubric only)
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def summary(self) -> dict[str, float]:
         """Per component mean and fraction non-zero, plus the total's mean (for logging)."""

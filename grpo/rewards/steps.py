@@ -18,7 +18,8 @@ project's contract that reads:
 
     exactly one REASONING block, closed before the single SOLUTION block opens;
     the reasoning is non-empty and the answer parses (a complete path has a final answer);
-    the key steps that are present appear in their listed order;
+    the key steps that are present are completed in their listed order (by where each
+    match ends: a combining step "3 + 2" contains the reads "3" and "2" it combines);
     nothing but whitespace after </SOLUTION>.
 
 Text before <REASONING> or between the two blocks is tolerated (the format reward and
