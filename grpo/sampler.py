@@ -33,9 +33,12 @@ Stopping: a row stops at its first stop token (<|im_end|>, and <|endoftext|> lik
 generation config); later steps feed it <|endoftext|> as padding and mask it out. The loop
 stops when every row has stopped or after max_new_tokens.
 
-Simplified: finished rows keep computing until the whole batch stops (no compaction of the
-cache), the cache is transformers' DynamicCache (concatenates per step), no speculative
-decoding, no CUDA graphs.
+Finished rows leave the batch (and the KV cache) once a quarter of it has stopped
+(``compact``), so a short completion stops costing compute soon after it ends.
+
+Simplified: the cache is transformers' DynamicCache (it concatenates every step: O(T^2)
+copying, small next to the matmuls at these lengths), one host sync per step for the stop
+check, no speculative decoding, no CUDA graphs, no static shapes for torch.compile.
 """
 
 from __future__ import annotations
@@ -92,7 +95,7 @@ def prefill(model, ctx: PromptContext):
 
 
 def decode_one_token(model, cache, token: torch.Tensor, position: torch.Tensor,
-                     attention_mask: torch.Tensor) -> torch.Tensor:
+                     attention_mask: torch.Tensor, cache_kw: str = "cache") -> torch.Tensor:
     """Feed one token per row ([N] ids at [N] positions) through the cache: next logits [N, V]."""
     N = token.shape[0]
     out = model(
@@ -100,7 +103,7 @@ def decode_one_token(model, cache, token: torch.Tensor, position: torch.Tensor,
         attention_mask=attention_mask,  # [N, L + steps so far + 1]
         position_ids=position.view(1, N, 1).expand(3, N, 1),  # text token: t = h = w
         use_cache=True,
-        **{_cache_kwarg(model): cache},
+        **{cache_kw: cache},
     )
     return out.logits[:, -1].float()
 
@@ -164,29 +167,51 @@ def decode_n_tokens(
     top_k: int,
     top_p: float,
     generator: torch.Generator | None,
+    compact: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Decode up to max_new_tokens for N rows sharing ``cache``.
 
     first_logits [N, V]: logits after the prompt; next_position [N]; attention_mask [N, L].
     Returns (tokens [N, T], logprobs [N, T], sampler_logprobs [N, T], done [N] bool).
+
+    ``compact``: once a quarter of the rows still in the batch have stopped, drop them from
+    the batch and the KV cache (one gather of the cache), so finished completions stop
+    costing compute. GRPO completion lengths vary a lot once the policy learns to stop;
+    with random weights nothing stops and this never triggers. Greedy results do not
+    depend on it; sampled ones do (fewer rows draw fewer random numbers) but stay
+    reproducible for a seed.
     """
-    N = first_logits.shape[0]
-    done = torch.zeros(N, dtype=torch.bool, device=first_logits.device)
-    tokens, logps, logqs = [], [], []
-    logits = first_logits
+    N, device = first_logits.shape[0], first_logits.device
+    tokens = torch.full((N, max_new_tokens), pad_id, dtype=torch.long, device=device)
+    logps = torch.zeros((N, max_new_tokens), dtype=torch.float32, device=device)
+    logqs = torch.zeros_like(logps)
+    done_all = torch.zeros(N, dtype=torch.bool, device=device)
+    rows = torch.arange(N, device=device)  # original row of each row still in the batch
+    done = torch.zeros(N, dtype=torch.bool, device=device)  # per row still in the batch
+    cache_kw = _cache_kwarg(model)
+    logits, n_steps = first_logits, 0
     for step in range(max_new_tokens):
         token, logp, logq = sample_token(logits, temperature, top_k, top_p, generator)
-        token = token.masked_fill(done, pad_id)  # finished rows emit padding
-        tokens.append(token)
-        logps.append(logp.masked_fill(done, 0.0))
-        logqs.append(logq.masked_fill(done, 0.0))
+        token = token.masked_fill(done, pad_id)  # stopped rows (not yet dropped) emit padding
+        tokens[rows, step] = token
+        logps[rows, step] = logp.masked_fill(done, 0.0)
+        logqs[rows, step] = logq.masked_fill(done, 0.0)
         done = done | torch.isin(token, stop_ids)
+        n_steps = step + 1
         # A host sync per step (reads `done`); it buys stopping as soon as all rows are done.
-        if step == max_new_tokens - 1 or bool(done.all()):
+        n_done = int(done.sum())
+        if step == max_new_tokens - 1 or n_done == done.numel():
             break
-        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(N, 1)], 1)
-        logits = decode_one_token(model, cache, token, next_position + step, attention_mask)
-    return torch.stack(tokens, 1), torch.stack(logps, 1), torch.stack(logqs, 1), done
+        if compact and n_done >= max(1, done.numel() // 4):
+            keep = (~done).nonzero().squeeze(1)
+            done_all[rows[done]] = True
+            cache.batch_select_indices(keep)
+            rows, token, next_position, attention_mask = rows[keep], token[keep], next_position[keep], attention_mask[keep]
+            done = done[keep]
+        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(attention_mask.shape[0], 1)], 1)
+        logits = decode_one_token(model, cache, token, next_position + step, attention_mask, cache_kw)
+    done_all[rows[done]] = True
+    return tokens[:, :n_steps], logps[:, :n_steps], logqs[:, :n_steps], done_all
 
 
 def _check_args(G: int, max_new_tokens: int, temperature: float, top_k: int, top_p: float) -> None:
@@ -220,6 +245,7 @@ def sample(
     top_p: float = 1.0,
     seed: int | None = None,
     generator: torch.Generator | None = None,
+    compact: bool = True,
 ) -> SampleOutput:
     """Sample G completions for each of the B prompts (N = B*G rows, grouped by prompt).
 
@@ -245,7 +271,7 @@ def sample(
     tokens, logps, logqs, done = decode_n_tokens(
         model, cache, first_logits[rows], ctx.next_position[rows], ctx.attention_mask[rows],
         max_new_tokens=max_new_tokens, stop_ids=stop, pad_id=bundle.pad_token_id,
-        temperature=temperature, top_k=top_k, top_p=top_p, generator=generator,
+        temperature=temperature, top_k=top_k, top_p=top_p, generator=generator, compact=compact,
     )
     # Mask: tokens up to and including the first stop token. A stopped row's later tokens
     # are padding, so "not yet stopped before this step" is the mask.

@@ -93,11 +93,14 @@ def test_greedy_with_stops_equals_generate(sharp, prompts):
     handle = _eos_bias(sharp, 3.0)
     try:
         ours = sample(sharp, prompts, G=2, max_new_tokens=20, temperature=0)
+        uncompacted = sample(sharp, prompts, G=2, max_new_tokens=20, temperature=0, compact=False)
         ref = _generate_greedy(sharp, prompts, 2, 20)
     finally:
         handle.remove()
-    # generate pads finished rows with pad_token_id and stops when all are done, as we do.
+    # generate pads finished rows with pad_token_id and stops when all are done, as we do;
+    # dropping finished rows from the batch (compact) changes nothing for greedy.
     assert torch.equal(ours.completion_ids, ref)
+    assert torch.equal(uncompacted.completion_ids, ref)
     lengths = ours.lengths.tolist()
     assert len(set(lengths)) > 1 and ours.finished.any()  # rows stopped at different steps
 
@@ -145,11 +148,16 @@ def test_same_seed_same_completions(sharp, prompts):
 
 
 def test_stop_token_ends_sequence_and_mask(sharp, prompts):
+    from grpo.logprobs import completion_logprobs
+
     handle = _eos_bias(sharp, 4.0)
     try:
         out = sample(sharp, prompts, G=4, max_new_tokens=12, temperature=1.0, seed=0)
+        with torch.no_grad():  # rows left the batch as they stopped: log-probs must still line up
+            again = completion_logprobs(sharp.model, out.context, out.completion_ids, out.completion_mask, 4)
     finally:
         handle.remove()
+    torch.testing.assert_close(again, out.logprobs, rtol=0, atol=2e-5)
     eos, pad = sharp.eos_token_id, sharp.pad_token_id
     assert out.finished.any()
     for n in range(out.completion_ids.shape[0]):
