@@ -44,6 +44,18 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
+def next_pow2(x: int, lo: int = 2) -> int:
+    """Smallest power of two >= max(x, lo): tl.arange sizes must be powers of two."""
+    return max(lo, 1 << max(0, (x - 1).bit_length()))
+
+
+def last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """Kernels index rows by stride and the last dim by +offset: make that dim contiguous
+    (no copy if it already is). bool tensors are reinterpreted as uint8 (no copy)."""
+    x = x.view(torch.uint8) if x.dtype == torch.bool else x
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
 def is_interpreted(kernel: object) -> bool:
     """True if ``kernel`` was defined under TRITON_INTERPRET=1 (runs on CPU tensors)."""
     return type(kernel).__name__ == "InterpretedFunction"

@@ -16,26 +16,22 @@ Aggregation ("loss_type"), with n_i active tokens in row i and M = sum_i n_i:
     dapo     sum_it loss_it / num_active_tokens tokens of the whole accumulated batch
                                                 (default M, i.e. this micro-batch)
 
-Advantage sources (exactly one):
-    rewards [N]                      A = z(r)
+Advantage sources (exactly one; kernels/grpo_advantages.py has the z-score details):
+    rewards [N]                      A = z(r), z = group z-score (unbiased std + adv_eps)
     reward_components [N,K] + w [K]  A = sum_k w_k z(r_k), each component z-scored alone
-    prefix (V-Rubrics)               A_t = a z(R_ans) + (1-a) sum_j rho_j z(s_j) 1[t <= t_end_j],
-                                     rubric z over the rollouts where item j was scored
-    token_adv [N,T]                  given by the caller, used as is (first-class: no row
-                                     chunking that could mix them up)
-z(.) is the group z-score: rows are laid out N = B*G with the G completions of a prompt
-contiguous; std is the *unbiased* (n-1) std like TRL's torch.std; scale="batch" divides by
-the unbiased std of the whole batch instead, scale="none" only centres. A group whose input
-is constant (or has fewer than 2 values, e.g. G = 1) gets z = 0 exactly and counts as
-zero-spread; we test for "max == min" rather than "std == 0" because the float mean of
-identical values is not always the value itself.
+    prefix (V-Rubrics)               A_t = a z(R_ans) + (1-a) sum_j rho_j z(s_j) 1[t <= t_end_j]
+    token_adv [N,T]                  given by the caller, used as is (first-class: rows are
+                                     never chunked, so they cannot be mixed up)
+zero_spread_frac counts the groups in which every reward input is constant (G = 1
+included), i.e. whose advantages are all 0; with token_adv, those whose active token
+advantages are all 0.
 
 Gradient: only logp gets one. old_logp, ref_logp and all advantage inputs are constants
 (exactly as in GRPO). At a tie of the two min() branches the gradient is -A (torch.minimum
 gives half to each branch and both carry -A inside the clip range); a token whose clipped
 branch wins *and* whose ratio is outside the range gets 0.
 
-Kernels (three launches, no atomics, deterministic):
+Kernels (three launches forward, one backward; no atomics, deterministic):
     1. _group_zscore_kernel  grid (C,): one program per reward column; loops over the B
        groups of that column ([N] floats, microseconds). Writes coef = w * z and the
        constant-group flags.
@@ -44,10 +40,16 @@ Kernels (three launches, no atomics, deterministic):
        loss, stats and the per-token gradient; sequence importance adds pass 3, because
        every token's gradient then depends on a sum over the whole row.
     3. _grpo_finalize_kernel grid (1,): sums the [N, 8] row partials into loss and stats.
+    4. _scale_grad_kernel (backward): grad * g * normaliser, cast to logp's dtype. The
+       normaliser of bnpo/dapo is known only after every row is done, and g only in
+       backward, so the forward stores the gradient without them.
 Memory traffic per token: read logp, old, ref (4 B each in fp32), mask (1 B), write the
-fp32 gradient (4 B); the eager reference moves several times that over ~30 launches.
-The backward is one multiply by g * (the normaliser), because the normaliser of bnpo/dapo
-is known only after every row is done.
+fp32 gradient (4 B) and rescale it in backward (4 + 4 B). The eager reference runs ~90
+ops for forward + backward (torch.profiler, stats included), many a full pass over [N, T].
+
+Gradient accumulation: grpo/bnpo/dr_grpo are per-micro-batch means (average the
+micro-batch losses, i.e. divide by the number of steps); dapo with num_active_tokens =
+active tokens of the whole accumulated batch is already normalised (sum the losses).
 
 Simplified: no "GSPO-token" variant, no entropy masking, no top-entropy token selection.
 Masked positions may hold anything (padding -inf, NaN); they are replaced by 0 before any
@@ -56,31 +58,21 @@ arithmetic, so they never poison a sum (TRL multiplies by the mask, where inf * 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, fields
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels._dispatch import check_launchable, resolve_backend
+from kernels._dispatch import check_launchable, last_dim_contiguous, next_pow2, resolve_backend
+# The advantage half lives in grpo_advantages; its public names are re-exported from here.
+from kernels.grpo_advantages import (SCALES, PrefixRubrics, group_zscore_reference,  # noqa: F401
+                                     group_zscore_triton, grpo_advantages_reference,
+                                     prefix_advantages_reference)
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
-SCALES = ("group", "batch", "none")
 IMPORTANCE = ("token", "sequence")
 _INT32_MAX = 2**31 - 1
-
-
-@dataclass
-class PrefixRubrics:
-    """V-Rubrics prefix attribution inputs, for N = B*G completions and J rubric items."""
-
-    R_ans: torch.Tensor  # [N] answer reward
-    s: torch.Tensor  # [N, J] rubric scores (entries where scored is False are ignored)
-    scored: torch.Tensor  # [N, J] bool: did the judge score item j for this rollout
-    rho: torch.Tensor  # [J] or [N, J] rubric weights, rho_j = w_j / sum of positive w
-    t_end: torch.Tensor  # [N, J] int: last completion token (0-based) that item j credits
-    a: float = 0.5  # share of the answer term; 1 - a goes to the rubrics
 
 
 @dataclass
@@ -100,65 +92,6 @@ class GRPOStats:
 # ---------------------------------------------------------------------------------------
 # Reference: the spec. Plain PyTorch, any device, differentiable w.r.t. logp.
 # ---------------------------------------------------------------------------------------
-
-
-def group_zscore_reference(
-    values: torch.Tensor, G: int, *, scale: str = "group", eps: float = 1e-4,
-    valid: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Column-wise group z-scores. values [N, C] -> (z [N, C] fp32, constant [B, C] bool)."""
-    N, C = values.shape
-    B = N // G
-    ok = torch.ones(N, C, dtype=torch.bool, device=values.device) if valid is None else valid.bool()
-    v = torch.where(ok, values.float(), 0.0).view(B, G, C)
-    ok = ok.view(B, G, C)
-    cnt = ok.sum(1, keepdim=True)  # [B, 1, C]
-    mean = v.sum(1, keepdim=True) / cnt.clamp(min=1)
-    centered = torch.where(ok, v - mean, 0.0)
-    hi = torch.where(ok, v, -torch.inf).amax(1)
-    lo = torch.where(ok, v, torch.inf).amin(1)
-    constant = (cnt.squeeze(1) < 2) | (hi == lo)  # [B, C]
-    if scale == "group":
-        std = (centered.square().sum(1, keepdim=True) / (cnt - 1).clamp(min=1)).sqrt()
-        z = centered / (std + eps)
-    elif scale == "batch":  # TRL: std of the raw rewards over the whole batch, per column
-        n_all = ok.sum((0, 1))
-        mean_all = v.sum((0, 1)) / n_all.clamp(min=1)
-        var_all = torch.where(ok, v - mean_all, 0.0).square().sum((0, 1)) / (n_all - 1).clamp(min=1)
-        z = centered / (var_all.sqrt() + eps)
-    else:
-        z = centered
-    z = torch.where(constant[:, None, :], 0.0, z)
-    return z.reshape(N, C), constant
-
-
-def grpo_advantages_reference(
-    rewards: torch.Tensor, G: int, *, scale: str = "group", eps: float = 1e-4,
-    weights: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """rewards [N] or components [N, K] with weights [K] -> (adv [N], zero_spread [B] bool)."""
-    values = rewards[:, None] if rewards.dim() == 1 else rewards
-    z, constant = group_zscore_reference(values, G, scale=scale, eps=eps)
-    w = torch.ones(values.shape[1], device=z.device) if weights is None else weights.float()
-    return (z * w).sum(1), constant.all(1)
-
-
-def prefix_advantages_reference(
-    prefix: PrefixRubrics, T: int, G: int, *, scale: str = "group", eps: float = 1e-4,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """V-Rubrics prefix advantages -> (adv [N, T], zero_spread [B] bool).
-
-    Materialises [N, T, J] for clarity; the kernel never does.
-    """
-    N, J = prefix.s.shape
-    z_ans, const_ans = group_zscore_reference(prefix.R_ans[:, None], G, scale=scale, eps=eps)
-    z_s, const_s = group_zscore_reference(prefix.s, G, scale=scale, eps=eps, valid=prefix.scored)
-    rho = prefix.rho.float().expand(N, J)
-    t = torch.arange(T, device=z_s.device)
-    covers = t[None, :, None] <= prefix.t_end[:, None, :]  # [N, T, J]
-    rubric = (covers * (rho * z_s)[:, None, :]).sum(-1)  # [N, T]
-    adv = prefix.a * z_ans + (1.0 - prefix.a) * rubric
-    return adv, const_ans[:, 0] & const_s.all(1)
 
 
 def grpo_loss_reference(
@@ -220,65 +153,6 @@ def grpo_loss_reference(
 
 
 @triton.jit
-def _group_zscore_kernel(
-    val_ptr, valid_ptr, w_ptr, coef_ptr, const_ptr,  # pointers
-    N, B, G,  # dimensions
-    stride_vn, stride_okn, stride_wn, stride_wc, stride_cn, stride_kb,  # strides
-    eps,
-    SCALE: tl.constexpr, HAS_VALID: tl.constexpr, G_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    """coef[:, c] = w[:, c] * z(values[:, c]); const[b, c] = 1 if group b is constant."""
-    c = tl.program_id(0)
-    if SCALE == 2:  # batch std: two passes (mean, then squared deviations) avoid cancellation
-        s = 0.0
-        cnt = 0.0
-        for start in range(0, N, BLOCK_N):
-            rows = start + tl.arange(0, BLOCK_N)
-            ok = rows < N
-            if HAS_VALID:
-                ok = ok & (tl.load(valid_ptr + rows * stride_okn + c, mask=rows < N, other=0) != 0)
-            v = tl.load(val_ptr + rows * stride_vn + c, mask=ok, other=0.0).to(tl.float32)
-            s += tl.sum(tl.where(ok, v, 0.0))
-            cnt += tl.sum(ok.to(tl.float32))
-        mean_all = s / tl.maximum(cnt, 1.0)
-        sq = 0.0
-        for start in range(0, N, BLOCK_N):
-            rows = start + tl.arange(0, BLOCK_N)
-            ok = rows < N
-            if HAS_VALID:
-                ok = ok & (tl.load(valid_ptr + rows * stride_okn + c, mask=rows < N, other=0) != 0)
-            v = tl.load(val_ptr + rows * stride_vn + c, mask=ok, other=0.0).to(tl.float32)
-            sq += tl.sum(tl.where(ok, (v - mean_all) * (v - mean_all), 0.0))
-        std_all = tl.sqrt_rn(sq / tl.maximum(cnt - 1.0, 1.0))
-
-    g = tl.arange(0, G_PAD)
-    for b in range(0, B):
-        rows = b * G + g
-        ok = g < G
-        if HAS_VALID:
-            ok = ok & (tl.load(valid_ptr + rows * stride_okn + c, mask=g < G, other=0) != 0)
-        v = tl.load(val_ptr + rows * stride_vn + c, mask=ok, other=0.0).to(tl.float32)
-        v = tl.where(ok, v, 0.0)  # unscored rubric entries may hold NaN
-        cnt = tl.sum(ok.to(tl.float32))
-        mean = tl.sum(v) / tl.maximum(cnt, 1.0)
-        centered = tl.where(ok, v - mean, 0.0)
-        hi = tl.max(tl.where(ok, v, float("-inf")))
-        lo = tl.min(tl.where(ok, v, float("inf")))
-        constant = (cnt < 2.0) | (hi == lo)
-        if SCALE == 1:
-            std = tl.sqrt_rn(tl.sum(centered * centered) / tl.maximum(cnt - 1.0, 1.0))
-            z = centered / (std + eps)
-        elif SCALE == 2:
-            z = centered / (std_all + eps)
-        else:
-            z = centered
-        z = tl.where(constant, 0.0, z)
-        w = tl.load(w_ptr + rows * stride_wn + c * stride_wc, mask=g < G, other=0.0)
-        tl.store(coef_ptr + rows * stride_cn + c, w * z, mask=g < G)
-        tl.store(const_ptr + b * stride_kb + c, constant.to(tl.float32))
-
-
-@triton.jit
 def _grpo_loss_fwd_kernel(
     logp_ptr, old_ptr, ref_ptr, mask_ptr, adv_ptr, coef_ptr, tend_ptr, grad_ptr, part_ptr,
     T, C,
@@ -305,8 +179,8 @@ def _grpo_loss_fwd_kernel(
             m = tl.load(m_row + t, mask=t < T, other=0) != 0
             n += tl.sum(m.to(tl.float32))
             if SEQ and HAS_OLD:
-                lp = tl.load(lp_row + t, mask=m, other=0.0).to(tl.float32)
-                old = tl.load(old_row + t, mask=m, other=0.0).to(tl.float32)
+                lp = tl.load(lp_row + t, mask=t < T, other=0.0).to(tl.float32)
+                old = tl.load(old_row + t, mask=t < T, other=0.0).to(tl.float32)
                 seq_lr += tl.sum(tl.where(m, lp - old, 0.0))
     n_safe = tl.maximum(n, 1.0)
     row_w = 1.0
@@ -322,7 +196,9 @@ def _grpo_loss_fwd_kernel(
         coef = tl.load(coef_ptr + i * stride_coef + cols, mask=cols < C, other=0.0)
         t_end = tl.load(tend_ptr + i * stride_tend + cols, mask=cols < C, other=-1)
 
-    # Pass 2: loss, stats and the gradient, BLOCK_T tokens at a time.
+    # Pass 2: loss, stats and the gradient, BLOCK_T tokens at a time. Loads are masked by
+    # bounds only (a data-dependent mask would stop 16-byte vectorised loads); padding
+    # values (-inf, NaN) are then replaced by 0 with tl.where before any arithmetic.
     acc_n = 0.0  # = n; pass 1 is skipped for bnpo/dr_grpo/dapo with token importance
     acc_loss = 0.0
     acc_kl = 0.0
@@ -333,10 +209,11 @@ def _grpo_loss_fwd_kernel(
     acc_dratio = 0.0  # sum_t d pg_t / d ratio_seq (sequence importance only)
     for start in range(0, T, BLOCK_T):
         t = start + offs
-        m = tl.load(m_row + t, mask=t < T, other=0) != 0
-        lp = tl.where(m, tl.load(lp_row + t, mask=m, other=0.0).to(tl.float32), 0.0)
+        inb = t < T
+        m = tl.load(m_row + t, mask=inb, other=0) != 0
+        lp = tl.where(m, tl.load(lp_row + t, mask=inb, other=0.0).to(tl.float32), 0.0)
         if HAS_OLD:
-            old = tl.where(m, tl.load(old_row + t, mask=m, other=0.0).to(tl.float32), 0.0)
+            old = tl.where(m, tl.load(old_row + t, mask=inb, other=0.0).to(tl.float32), 0.0)
         else:
             old = lp  # one iteration per batch: old = detached current, ratio = 1
         if ADV_MODE == 0:
@@ -345,7 +222,7 @@ def _grpo_loss_fwd_kernel(
             covers = t[:, None] <= t_end[None, :]
             A = tl.sum(tl.where(covers, coef[None, :], 0.0), axis=1)
         else:
-            A = tl.load(adv_ptr + i * stride_adv + t, mask=m, other=0.0).to(tl.float32)
+            A = tl.load(adv_ptr + i * stride_adv + t, mask=inb, other=0.0).to(tl.float32)
         A = tl.where(m, A, 0.0)
 
         if SEQ:
@@ -362,7 +239,7 @@ def _grpo_loss_fwd_kernel(
 
         dkl = tl.zeros([BLOCK_T], dtype=tl.float32)
         if HAS_REF:
-            ref = tl.where(m, tl.load(ref_ptr + i * stride_ref + t, mask=m, other=0.0).to(tl.float32), 0.0)
+            ref = tl.where(m, tl.load(ref_ptr + i * stride_ref + t, mask=inb, other=0.0).to(tl.float32), 0.0)
             d = ref - lp
             e = tl.exp(d)
             kl = e - d - 1.0
@@ -382,7 +259,7 @@ def _grpo_loss_fwd_kernel(
             grad = dkl
         else:
             grad = dpg * ratio + dkl  # d ratio / d logp = ratio
-        tl.store(grad_row + t, tl.where(m, grad * row_w, 0.0), mask=t < T)
+        tl.store(grad_row + t, tl.where(m, grad * row_w, 0.0), mask=inb)
 
     if SEQ:
         # Pass 3: ratio_seq = exp(mean_t(logp_t - old_t)) couples the row:
@@ -464,41 +341,18 @@ def _grpo_finalize_kernel(
     tl.store(extra_ptr + 1, M)
 
 
+@triton.jit
+def _scale_grad_kernel(grad_ptr, out_ptr, g_ptr, norm_ptr, numel, BLOCK: tl.constexpr):
+    """The whole backward: out = grad * (g * normaliser), in logp's dtype (one launch)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    k = tl.load(g_ptr).to(tl.float32) * tl.load(norm_ptr)
+    grad = tl.load(grad_ptr + offs, mask=offs < numel, other=0.0)
+    tl.store(out_ptr + offs, (grad * k).to(out_ptr.dtype.element_ty), mask=offs < numel)
+
+
 # ---------------------------------------------------------------------------------------
 # Launchers: check, allocate, launch
 # ---------------------------------------------------------------------------------------
-
-
-def _pow2(x: int, lo: int = 2) -> int:
-    return max(lo, 1 << max(0, (x - 1).bit_length()))
-
-
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    """Kernels index rows by stride and tokens by +t: the last dim must be contiguous."""
-    x = x.view(torch.uint8) if x.dtype == torch.bool else x
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
-def _zscore_triton(
-    values: torch.Tensor, valid: torch.Tensor | None, weights: torch.Tensor, G: int,
-    scale: str, eps: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """values [N, C], valid [N, C] | None, weights [N, C] (any strides) -> (coef, const)."""
-    N, C = values.shape
-    values = values.float().contiguous()
-    valid = None if valid is None else _rows(valid).contiguous()
-    coef = torch.empty(N, C, dtype=torch.float32, device=values.device)
-    const = torch.empty(N // G, C, dtype=torch.float32, device=values.device)
-    _group_zscore_kernel[(C,)](
-        values, values if valid is None else valid, weights, coef, const,
-        N, N // G, G,
-        values.stride(0), 0 if valid is None else valid.stride(0), weights.stride(0),
-        weights.stride(1), coef.stride(0), const.stride(0),
-        eps,
-        SCALE=SCALES.index(scale) + 1 if scale != "none" else 0, HAS_VALID=valid is not None,
-        G_PAD=_pow2(G), BLOCK_N=min(1024, _pow2(N, 16)),
-    )
-    return coef, const
 
 
 def _grpo_loss_fwd_triton(
@@ -511,16 +365,16 @@ def _grpo_loss_fwd_triton(
     """-> (loss 0-d, stats [5], extra [2] = [normaliser, M], grad [N, T] fp32 without it)."""
     N, T = logp.shape
     dev = logp.device
-    logp, mask = _rows(logp), _rows(mask)
-    old = logp if old_logp is None else _rows(old_logp)
-    ref = logp if ref_logp is None else _rows(ref_logp)
-    adv = logp if token_adv is None else _rows(token_adv)
+    logp, mask = last_dim_contiguous(logp), last_dim_contiguous(mask)
+    old = logp if old_logp is None else last_dim_contiguous(old_logp)
+    ref = logp if ref_logp is None else last_dim_contiguous(ref_logp)
+    adv = logp if token_adv is None else last_dim_contiguous(token_adv)
     coef = logp if coef is None else coef
     tend = mask if tend is None else tend
     C = 1 if coef is logp else coef.shape[1]
     grad = torch.empty(N, T, dtype=torch.float32, device=dev)
     part = torch.empty(N, 8, dtype=torch.float32, device=dev)
-    BLOCK_T = min(1024, _pow2(T, 16))
+    BLOCK_T = min(1024, next_pow2(T, 16))
     _grpo_loss_fwd_kernel[(N,)](
         logp, old, ref, mask, adv, coef, tend, grad, part,
         T, C,
@@ -529,7 +383,7 @@ def _grpo_loss_fwd_triton(
         beta, eps_low, eps_high,
         ADV_MODE=adv_mode, HAS_OLD=old_logp is not None, HAS_REF=ref_logp is not None,
         KL_IN_LOSS=beta != 0.0, SEQ=importance == "sequence", ROW_MEAN=loss_type == "grpo",
-        BLOCK_T=BLOCK_T, C_PAD=_pow2(C), num_warps=4 if BLOCK_T <= 1024 else 8,
+        BLOCK_T=BLOCK_T, C_PAD=next_pow2(C), num_warps=4 if BLOCK_T <= 1024 else 8,
     )
     norm_is_tensor = isinstance(num_active_tokens, torch.Tensor)
     if loss_type == "dr_grpo":
@@ -548,8 +402,8 @@ def _grpo_loss_fwd_triton(
         part, const, num_active_tokens if norm_is_tensor else part, loss, stats, extra,
         N, N // G, G, const.shape[1], const.stride(0), norm_value,
         LOSS_TYPE=LOSS_TYPES.index(loss_type), NORM_MODE=norm_mode,
-        TOKEN_ADV=token_adv is not None, BLOCK_N=min(1024, _pow2(N, 16)), G_PAD=_pow2(G),
-        C_PAD=_pow2(const.shape[1]),
+        TOKEN_ADV=token_adv is not None, BLOCK_N=min(1024, next_pow2(N, 16)), G_PAD=next_pow2(G),
+        C_PAD=next_pow2(const.shape[1]),
     )
     return loss, stats, extra, grad
 
@@ -569,7 +423,11 @@ class _FusedGRPOLoss(torch.autograd.Function):
     def backward(ctx, g_loss: torch.Tensor, g_stats: torch.Tensor):
         grad, extra = ctx.saved_tensors
         # extra[0] is the aggregation normaliser (1/N, 1/M, 1/(N L) or 1/num_active_tokens).
-        return (grad * (g_loss * extra[0])).to(ctx.logp_dtype), None
+        out = torch.empty(grad.shape, dtype=ctx.logp_dtype, device=grad.device)
+        BLOCK = 2048
+        _scale_grad_kernel[(triton.cdiv(grad.numel(), BLOCK),)](
+            grad, out, g_loss.float().contiguous(), extra, grad.numel(), BLOCK=BLOCK)
+        return out, None
 
 
 # ---------------------------------------------------------------------------------------
@@ -690,10 +548,11 @@ def _prepare_advantages_triton(
     if token_adv is not None:
         return dict(adv_mode=2, coef=None, tend=None, token_adv=token_adv, const=None)
     if prefix is None:
-        values = rewards[:, None] if rewards is not None else reward_components
-        w = torch.ones(1, 1, device=values.device) if rewards is not None else component_weights[None, :]
-        w = w.float().expand(values.shape)  # stride 0 over rows: no copy
-        coef, const = _zscore_triton(values, None, w, G, scale, adv_eps)
+        if rewards is not None:
+            coef, const = group_zscore_triton(rewards[:, None], None, None, G, scale, adv_eps)
+        else:  # weights [K] -> [N, K] with stride 0 over rows: no copy
+            w = component_weights.float()[None, :].expand(reward_components.shape)
+            coef, const = group_zscore_triton(reward_components, None, w, G, scale, adv_eps)
         return dict(adv_mode=0, coef=coef, tend=None, token_adv=None, const=const)
     # V-Rubrics: column 0 is the answer reward (credits every token), columns 1.. the rubrics.
     N, J = prefix.s.shape
@@ -704,7 +563,7 @@ def _prepare_advantages_triton(
                    (1.0 - prefix.a) * prefix.rho.float().expand(N, J)], 1)
     tend = torch.cat([torch.full((N, 1), _INT32_MAX, dtype=torch.int32, device=dev),
                       prefix.t_end.clamp(-1, T).to(torch.int32)], 1)
-    coef, const = _zscore_triton(values, valid, w, G, scale, adv_eps)
+    coef, const = group_zscore_triton(values, valid, w, G, scale, adv_eps)
     return dict(adv_mode=1, coef=coef, tend=tend, token_adv=None, const=const)
 
 

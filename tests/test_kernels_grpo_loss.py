@@ -1,4 +1,5 @@
-"""Fused GRPO loss: Triton kernel (interpreter on CPU) vs PyTorch reference vs autograd.
+"""Fused GRPO loss and group advantages: Triton kernels (interpreter on CPU) vs PyTorch
+reference vs autograd, and the reference against hand computations.
 
 Tolerance table. The kernel reads bf16 inputs and computes in fp32, so the bf16 "gold" is
 the fp32 reference on the upcast *same* bf16 values: what remains is summation order and,
@@ -94,6 +95,7 @@ CASES = [
     (6, 23, 3, "grpo", "token", "none", 0.04, 0.3, 0.1, True, "token_adv"),
     (15, 11, 3, "dr_grpo", "token", "group", 0.0, 0.2, 0.28, True, "components"),
     (16, 9, 8, "grpo", "sequence", "group", 0.0, 0.2, 0.28, False, "token_adv"),
+    (4, 6, 2, "grpo", "token", "group", 0.0, 0.2, 0.28, True, "prefix_J0"),  # no rubrics
 ]
 
 
@@ -107,7 +109,8 @@ def source_kwargs(source: str, inp: dict, N: int, T: int) -> dict:
         return dict(reward_components=comps.to(DEVICE),
                     component_weights=torch.tensor([1.0, 0.5, 2.0], device=DEVICE))
     if source.startswith("prefix"):
-        return dict(prefix=make_prefix(N, T, J=3, per_row_rho=source == "prefix_rows"))
+        J = 0 if source == "prefix_J0" else 3
+        return dict(prefix=make_prefix(N, T, J=J, per_row_rho=source == "prefix_rows"))
     adv = torch.randn(N, T, generator=g)
     adv[1] = 0.0  # with G=3 group 0 is rows 0-2: row 0 masked, row 1 zero, row 2 not
     adv[~inp["mask"].cpu()] = torch.nan  # ignored under the mask
@@ -310,6 +313,7 @@ def test_compiled_kernel_on_cpu_tensors_gives_clear_error():
 
 # The non-trivial constexpr branches, in few variants: each compile costs ~1 s of CPU.
 COMPILE_SCRIPT = r"""
+import kernels.grpo_advantages as ga
 import kernels.grpo_loss as gl
 from kernels._dispatch import compile_for_gpu
 types = {"beta": "fp32", "eps_low": "fp32", "eps_high": "fp32", "eps": "fp32", "norm_value": "fp32",
@@ -319,8 +323,10 @@ for mode, seq, old, ref, kl, row_mean in [(0, False, True, True, True, True), (1
                                          (2, True, False, False, False, True)]:
     compile_for_gpu(gl._grpo_loss_fwd_kernel, dict(ADV_MODE=mode, SEQ=seq, HAS_OLD=old, HAS_REF=ref,
                     KL_IN_LOSS=kl, ROW_MEAN=row_mean, BLOCK_T=1024, C_PAD=4), types)
-for scale, valid in ((0, False), (1, True), (2, True)):
-    compile_for_gpu(gl._group_zscore_kernel, dict(SCALE=scale, HAS_VALID=valid, G_PAD=8, BLOCK_N=64), types)
+for scale, valid, w in ((0, False, False), (1, True, True), (2, True, False)):
+    compile_for_gpu(ga._group_zscore_kernel, dict(SCALE=scale, HAS_VALID=valid, HAS_W=w, G_PAD=8,
+                    BLOCK_N=64), types)
+compile_for_gpu(gl._scale_grad_kernel, dict(BLOCK=2048), {"out_ptr": "*bf16"})
 for loss_type, norm_mode, token_adv in ((1, 0, False), (3, 2, True)):
     compile_for_gpu(gl._grpo_finalize_kernel, dict(LOSS_TYPE=loss_type, NORM_MODE=norm_mode,
                     TOKEN_ADV=token_adv, BLOCK_N=64, G_PAD=8, C_PAD=4), types)
