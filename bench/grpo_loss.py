@@ -3,6 +3,8 @@
     python -m bench.grpo_loss            # GPU: sweep to N = 64 completions x T = 4096 tokens
     python -m bench.grpo_loss --quick    # fewer shapes and repetitions
     python -m bench.grpo_loss --compile  # on a CPU, include torch.compile (~1 min to compile)
+    TRITON_INTERPRET=1 python -m bench.grpo_loss --force-triton --shape 16 64
+                                         # smoke-test the Triton provider on a CPU (timings meaningless)
 
 Every provider does the same work: group advantages from [N] rewards, then the loss
 (clipped ratio against old log-probs, k3 KL against the reference, the aggregation) and
@@ -140,6 +142,11 @@ def main() -> None:
                         help="include torch.compile (default: on for GPU, off for CPU)")
     parser.add_argument("--reps", type=int, default=None, help="timed runs per case")
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--shape", type=int, nargs=2, action="append", metavar=("N", "T"),
+                        help="benchmark this shape instead of the sweep (repeatable)")
+    parser.add_argument("--force-triton", action="store_true",
+                        help="run the Triton provider on a CPU too (needs TRITON_INTERPRET=1; "
+                             "only to check this script, the timings mean nothing)")
     args = parser.parse_args()
     on_gpu = args.device.startswith("cuda")
     args.reps = args.reps or (10 if args.quick else (50 if on_gpu else 10))
@@ -148,14 +155,16 @@ def main() -> None:
     providers = {"eager": eager_loss}
     if use_compile:
         providers["compiled"] = torch.compile(eager_loss, dynamic=False)
-    if on_gpu:
+    if on_gpu or args.force_triton:
         providers["triton"] = triton_loss
     shapes = GPU_SHAPES if on_gpu else CPU_SHAPES
     shapes = shapes[-2:] if args.quick else shapes
+    shapes = [tuple(s) for s in args.shape] if args.shape else shapes
     print(f"# grpo_loss forward+backward on {device_name(args.device)}, G={G}, fp32 log-probs")
     if not on_gpu:
-        print("# CPU run: scaled-down shapes, PyTorch providers only; the Triton numbers need a GPU"
-              + ("" if use_compile else " (add --compile for torch.compile, ~1 min)"))
+        print("# CPU run: scaled-down shapes; the Triton numbers need a GPU"
+              + (" (Triton here runs in the interpreter: a smoke test)" if args.force_triton else "")
+              + ("" if use_compile else "; add --compile for torch.compile (~1 min)"))
 
     rows = []
     for N, T in shapes:
@@ -170,7 +179,7 @@ def main() -> None:
     N, T = shapes[-1]
     last = {r["provider"]: r for r in rows if r["shape"] == f"N={N} T={T}" and r["mode"] == "grpo/token/kl"}
     ms = {k: v.get("_ms") for k, v in last.items()}
-    if "triton" in ms and ms["triton"]:
+    if on_gpu and ms.get("triton"):
         peak_bw = peak_bandwidth(args.device)
         pct = "" if peak_bw is None else f", {100 * last['triton']['_bw'] * 1e9 / peak_bw:.0f}% of peak"
         vs_c = f", {ms['compiled'] / ms['triton']:.2f}x compiled" if ms.get("compiled") else ""

@@ -3,6 +3,8 @@
     python -m bench.logprob            # GPU: V = 151,936 (Qwen), bf16 logits, up to 64k tokens
     python -m bench.logprob --quick    # two shapes, fewer repetitions
     python -m bench.logprob --compile  # on a CPU, include torch.compile (slow to compile)
+    TRITON_INTERPRET=1 python -m bench.logprob --force-triton --shape 2 8 --vocab 500 --hidden 64
+                                       # smoke-test the Triton providers on a CPU (numbers meaningless)
 
 Two passes per shape: "fwd" (no grad, as for the reference policy) and "fwd+bwd" (the
 policy). Bandwidth counts the logits read once per pass plus the gradient written by the
@@ -16,6 +18,11 @@ the sweep stops at 64k tokens (the trainer computes log-probs in chunks of compl
 Input validation (the token-id range check, one host sync) is timed on its own row. On a
 CPU the Triton provider is skipped (the interpreter is for correctness, not speed) and
 shapes are scaled down.
+
+A second table starts from hidden states [N, T, d] (d = 3584, Qwen2.5-VL-7B) and a frozen
+lm_head, fwd+bwd: eager (full logits + reference), "triton" (full logits + kernel) and
+"triton-chunked" (token_logprobs_from_hidden, 1024-token chunks: the full logits never
+exist). "extra mem" is then relative to the size the full logits would have.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from bench._timing import (device_name, fmt, fmt_bytes, gbps, is_oom, peak_bandw
 from kernels import logprob as lp
 
 V_QWEN = 151_936
+D_QWEN_7B = 3584
 GPU_SHAPES = [(8, 256), (16, 512), (32, 1024), (64, 1024)]
 CPU_SHAPES = [(1, 16), (2, 16), (2, 32)]
 TEMPERATURE = 0.9
@@ -41,6 +49,46 @@ def eager(logits, y):
 def triton(logits, y):
     """The kernel path of token_logprobs without its input validation."""
     return lp._TokenLogprobs.apply(logits, y, TEMPERATURE)
+
+
+HIDDEN_PROVIDERS = {
+    "eager": lambda h, w, y: lp.token_logprobs_reference(h @ w.T, y, TEMPERATURE),
+    "triton": lambda h, w, y: lp._TokenLogprobs.apply(h @ w.T, y, TEMPERATURE),
+    "triton-chunked": lambda h, w, y: lp._HiddenTokenLogprobs.apply(
+        h.reshape(-1, h.shape[-1]), w, y.reshape(-1), TEMPERATURE, 1024),
+}
+
+
+def bench_hidden(N: int, T: int, V: int, d: int, dtype, providers: list[str], device: str,
+                 args) -> list[dict]:
+    g = torch.Generator(device=device).manual_seed(0)
+    hidden = torch.randn(N, T, d, generator=g, device=device).to(dtype).requires_grad_()
+    weight = (torch.randn(V, d, generator=g, device=device) / d**0.5).to(dtype)  # frozen lm_head
+    y = torch.randint(0, V, (N, T), generator=g, device=device)
+    dlogp = torch.randn(N * T, generator=g, device=device)
+    logits_bytes = N * T * V * torch.finfo(dtype).bits // 8
+    rows = []
+    for name in providers:
+        def step():
+            hidden.grad = None
+            HIDDEN_PROVIDERS[name](hidden, weight, y).reshape(-1).backward(dlogp)
+
+        row = dict(shape=f"N={N} T={T} V={V} d={d}", provider=name, **{"pass": "fwd+bwd"})
+        try:
+            t = time_fn(step, device, warmup=args.warmup, reps=args.reps)
+            mem = peak_memory(step, device)
+        except RuntimeError as err:
+            if not is_oom(err):
+                raise
+            rows.append({**row, "median ms": "OOM"})
+            hidden.grad = None
+            torch.cuda.empty_cache()
+            continue
+        hidden.grad = None
+        rows.append({**row, "median ms": fmt(t.median_ms, ".4g"), "p20": fmt(t.p20_ms, ".4g"),
+                     "p80": fmt(t.p80_ms, ".4g"), "peak mem": fmt_bytes(mem),
+                     "extra mem": "" if mem is None else f"{100 * mem / logits_bytes:.1f}%"})
+    return rows
 
 
 def bench_shape(N: int, T: int, V: int, dtype, providers: dict, device: str, args) -> list[dict]:
@@ -97,6 +145,12 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["bf16", "fp32"], default=None,
                         help="logits dtype (default: bf16 on GPU, fp32 on CPU)")
     parser.add_argument("--vocab", type=int, default=V_QWEN)
+    parser.add_argument("--hidden", type=int, default=D_QWEN_7B, help="d for the hidden-state table")
+    parser.add_argument("--shape", type=int, nargs=2, action="append", metavar=("N", "T"),
+                        help="benchmark this shape instead of the sweep (repeatable)")
+    parser.add_argument("--force-triton", action="store_true",
+                        help="run the Triton providers on a CPU too (needs TRITON_INTERPRET=1; "
+                             "only to check this script, the timings mean nothing)")
     parser.add_argument("--reps", type=int, default=None)
     parser.add_argument("--warmup", type=int, default=2)
     args = parser.parse_args()
@@ -108,25 +162,35 @@ def main() -> None:
     providers = {"eager": eager}
     if use_compile:
         providers["compiled"] = torch.compile(eager, dynamic=False)
-    if on_gpu:
+    use_triton = on_gpu or args.force_triton
+    if use_triton:
         providers["triton"] = triton
     shapes = GPU_SHAPES if on_gpu else CPU_SHAPES
     shapes = shapes[-2:] if args.quick else shapes
+    shapes = [tuple(s) for s in args.shape] if args.shape else shapes
     print(f"# token log-probs on {device_name(args.device)}, {dtype}, temperature {TEMPERATURE}")
     if not on_gpu:
-        print("# CPU run: scaled-down shapes, PyTorch providers only; the Triton numbers need a GPU"
-              + ("" if use_compile else " (add --compile for torch.compile)"))
+        print("# CPU run: scaled-down shapes; the Triton numbers need a GPU"
+              + (" (Triton here runs in the interpreter: a smoke test)" if use_triton else "")
+              + ("" if use_compile else "; add --compile for torch.compile"))
     rows = []
     for N, T in shapes:
         rows += bench_shape(N, T, args.vocab, dtype, providers, args.device, args)
     print_table(rows, ["shape", "provider", "pass", "median ms", "p20", "p80", "GB/s", "% peak",
                        "peak mem", "extra mem"])
+    if use_triton:
+        N, T = shapes[-1]
+        print(f"\n# from hidden states, frozen lm_head (extra mem relative to the full logits)")
+        hrows = bench_hidden(N, T, args.vocab, args.hidden, dtype, list(HIDDEN_PROVIDERS),
+                             args.device, args)
+        print_table(hrows, ["shape", "provider", "pass", "median ms", "p20", "p80", "peak mem",
+                            "extra mem"])
 
     N, T = shapes[-1]
     last = {(r["provider"], r["pass"]): r for r in rows if r["shape"] == f"N={N} T={T} V={args.vocab}"}
     tokens = f"{N * T} tokens x V={args.vocab}"
     tri, eag = last.get(("triton", "fwd+bwd"), {}), last.get(("eager", "fwd+bwd"), {})
-    if tri.get("_ms"):
+    if on_gpu and tri.get("_ms"):
         comp = last.get(("compiled", "fwd+bwd"), {})
         vs_e = f"{eag['_ms'] / tri['_ms']:.2f}x eager" if eag.get("_ms") else "eager OOM"
         vs_c = f", {comp['_ms'] / tri['_ms']:.2f}x compiled" if comp.get("_ms") else ""

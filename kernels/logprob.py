@@ -29,8 +29,15 @@ vocabulary) are handled: a block of all -inf contributes exactly 0 and does not 
 running max into NaN. A row whose logits are all -inf has no distribution: log p is NaN,
 as in torch.log_softmax.
 
-Simplified: no ignore_index (every position gets a log-prob; mask them in the loss), and no
-fused lm_head variant (logits must exist; chunk over tokens if they do not fit).
+From hidden states: ``token_logprobs_from_hidden(hidden, lm_head.weight, targets)`` never
+holds more than [chunk_tokens, V] logits. Forward: per chunk, logits = h @ W^T (cuBLAS),
+then the kernel above; backward recomputes each chunk's logits (one more matmul), turns
+them *in place* into d logits with the backward kernel, then d h = d logits @ W and
+d W += d logits^T @ h. With grad, the plain path keeps all [N, T, V] logits for backward
+(and the gradient of that size); this one keeps [N, T, d] hidden states instead.
+
+Simplified: no ignore_index (every position gets a log-prob; mask them in the loss); the
+fused variant chunks with PyTorch matmuls rather than fusing the matmul into the kernel.
 """
 
 from __future__ import annotations
@@ -146,10 +153,12 @@ def _logprob_fwd_triton(
 
 def _logprob_bwd_triton(
     logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, dlogp: torch.Tensor,
-    temperature: float,
+    temperature: float, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    """d logits; ``out=logits`` overwrites the logits in place (each program reads a tile
+    of its own row before writing the same tile, so this is safe)."""
     N, T, V = logits.shape
-    dlogits = torch.empty(N, T, V, dtype=logits.dtype, device=logits.device)
+    dlogits = torch.empty(N, T, V, dtype=logits.dtype, device=logits.device) if out is None else out
     dlogp = dlogp.float().contiguous()
     BLOCK_V = _block_v(V)
     _logprob_bwd_kernel[(N * T,)](
@@ -181,27 +190,68 @@ class _TokenLogprobs(torch.autograd.Function):
         return dlogits.view(ctx.logits_shape), None, None
 
 
+class _HiddenTokenLogprobs(torch.autograd.Function):
+    """lm_head + selective log-softmax, ``chunk`` tokens at a time: the logits exist for
+    one chunk only ([chunk, V], e.g. 1024 x 151,936 bf16 = 311 MB), in forward and again,
+    recomputed, in backward. Costs one extra lm_head matmul per chunk in backward."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature: float, chunk: int):
+        M = hidden.shape[0]
+        logp = torch.empty(M, dtype=torch.float32, device=hidden.device)
+        lse = torch.empty(M, 2, dtype=torch.float32, device=hidden.device)
+        for s in range(0, M, chunk):
+            logits = hidden[s:s + chunk] @ weight.T  # [c, V]: the model's own lm_head math
+            lp, ls = _logprob_fwd_triton(logits[None], targets[None, s:s + chunk], temperature)
+            logp[s:s + chunk], lse[s:s + chunk] = lp[0], ls[0]
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        return logp
+
+    @staticmethod
+    def backward(ctx, dlogp):
+        hidden, weight, targets, lse = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        d_hidden = torch.empty_like(hidden) if need_h else None
+        # The weight gradient sums over every chunk: accumulate in fp32, cast once.
+        d_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        for s in range(0, hidden.shape[0], ctx.chunk):
+            h = hidden[s:s + ctx.chunk]
+            logits = h @ weight.T
+            dlogits = _logprob_bwd_triton(logits[None], targets[None, s:s + ctx.chunk],
+                                          lse[None, s:s + ctx.chunk], dlogp[None, s:s + ctx.chunk],
+                                          ctx.temperature, out=logits[None])[0]
+            if need_h:
+                d_hidden[s:s + ctx.chunk] = dlogits @ weight
+            if need_w:
+                d_weight += (dlogits.T @ h).float()
+        return d_hidden, None if d_weight is None else d_weight.to(weight.dtype), None, None, None
+
+
+def _check_targets(targets: object, shape: tuple, V: int, device: torch.device) -> None:
+    if not isinstance(targets, torch.Tensor) or targets.is_floating_point() or targets.dtype == torch.bool:
+        raise TypeError(f"targets must be an integer tensor of token ids, got "
+                        f"{getattr(targets, 'dtype', type(targets).__name__)}")
+    if tuple(targets.shape) != tuple(shape):
+        raise ValueError(f"targets has shape {tuple(targets.shape)}, expected {tuple(shape)} "
+                         "(logits without the vocabulary dim)")
+    if targets.device != device:
+        raise ValueError(f"targets on {targets.device}, logits on {device}")
+    # A host sync (two scalars): an out-of-range id would read outside the row in the kernel.
+    if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= V):
+        raise ValueError(f"targets must be token ids in [0, {V}), got values in "
+                         f"[{int(targets.min())}, {int(targets.max())}]")
+
+
 def _validate(logits: object, targets: object, temperature: float) -> None:
     if not isinstance(logits, torch.Tensor) or logits.dim() not in (2, 3):
         raise ValueError("logits must be a [N, T, V] or [M, V] tensor, got "
                          f"{getattr(logits, 'shape', type(logits).__name__)}")
     if not logits.is_floating_point():
         raise TypeError(f"logits must be floating point (bf16/fp16/fp32), got {logits.dtype}")
-    if not isinstance(targets, torch.Tensor) or targets.is_floating_point() or targets.dtype == torch.bool:
-        raise TypeError(f"targets must be an integer tensor of token ids, got "
-                        f"{getattr(targets, 'dtype', type(targets).__name__)}")
-    if tuple(targets.shape) != tuple(logits.shape[:-1]):
-        raise ValueError(f"targets has shape {tuple(targets.shape)}, expected "
-                         f"{tuple(logits.shape[:-1])} (logits without the vocabulary dim)")
-    if targets.device != logits.device:
-        raise ValueError(f"targets on {targets.device}, logits on {logits.device}")
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    V = logits.shape[-1]
-    # A host sync (two scalars): an out-of-range id would read outside the row in the kernel.
-    if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= V):
-        raise ValueError(f"targets must be token ids in [0, {V}), got values in "
-                         f"[{int(targets.min())}, {int(targets.max())}]")
+    _check_targets(targets, logits.shape[:-1], logits.shape[-1], logits.device)
 
 
 def token_logprobs(
@@ -220,3 +270,40 @@ def token_logprobs(
         return token_logprobs_reference(logits, targets, temperature)
     check_launchable(_logprob_fwd_kernel, logits.device, __name__)
     return _TokenLogprobs.apply(logits, targets, temperature)
+
+
+def token_logprobs_from_hidden(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
+    temperature: float = 1.0, chunk_tokens: int = 1024, backend: str = "auto",
+) -> torch.Tensor:
+    """log softmax(hidden @ weight.T / temperature)[targets] without the full logits.
+
+    hidden [N, T, d] or [M, d] (the final hidden states at the positions that predict the
+    targets), weight [V, d] (lm_head, no bias), targets [N, T] / [M] int -> fp32 log-probs,
+    differentiable w.r.t. hidden and weight. The Triton path holds one [chunk_tokens, V]
+    block of logits at a time; "torch" is the reference on the full logits.
+    """
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() not in (2, 3):
+        raise ValueError("hidden must be a [N, T, d] or [M, d] tensor, got "
+                         f"{getattr(hidden, 'shape', type(hidden).__name__)}")
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight must be [V, d] with d = {hidden.shape[-1]} (hidden's last dim), "
+                         f"got {tuple(getattr(weight, 'shape', ()))}")
+    if weight.dtype != hidden.dtype or weight.device != hidden.device:
+        raise ValueError(f"weight ({weight.dtype}, {weight.device}) and hidden ({hidden.dtype}, "
+                         f"{hidden.device}) must share dtype and device")
+    if not isinstance(chunk_tokens, int) or chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be a positive int, got {chunk_tokens!r}")
+    if not hidden.is_floating_point():
+        raise TypeError(f"hidden must be floating point (bf16/fp16/fp32), got {hidden.dtype}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    _check_targets(targets, hidden.shape[:-1], weight.shape[0], hidden.device)
+    temperature = float(temperature)
+    if resolve_backend(backend, hidden.device) == "torch":
+        return token_logprobs_reference(hidden @ weight.T, targets, temperature)
+    check_launchable(_logprob_fwd_kernel, hidden.device, __name__)
+    d = hidden.shape[-1]
+    logp = _HiddenTokenLogprobs.apply(hidden.reshape(-1, d), weight, targets.reshape(-1),
+                                      temperature, chunk_tokens)
+    return logp.view(targets.shape)

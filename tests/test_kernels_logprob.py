@@ -7,6 +7,11 @@ bf16 gradient is rounded to bf16 (relative 2^-9).
     quantity          fp32 (atol, rtol)     bf16 vs fp32 gold (atol, rtol)
     log-probs         1e-5, 1e-6            1e-5, 1e-6
     d logp / d logits 1e-6, 1e-5            1e-6, 8e-3
+
+From hidden states (chunked lm_head + kernel) against the reference on full logits
+computed by the same matmul in the same dtype: log-probs as above; d hidden and d weight
+fp32 (1e-5, 1e-5), bf16 (1% of the largest entry, 1e-2): the chunked path rounds each
+chunk's bf16 matmul before summing where the reference rounds once.
 """
 
 import importlib
@@ -107,6 +112,34 @@ def test_forward_saves_no_vocab_sized_copy():
     assert extra_bytes <= 0.1 * x.numel() * x.element_size()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("train_weight", [True, False])
+def test_from_hidden_states_matches_full_logits(dtype, train_weight):
+    """Ragged chunks (10 tokens in chunks of 4); frozen lm_head gets no gradient."""
+    g = torch.Generator().manual_seed(8)
+    N, T, d, V = 2, 5, 16, 200
+    hidden = torch.randn(N, T, d, generator=g).to(dtype).to(DEVICE)
+    weight = (torch.randn(V, d, generator=g) / 4).to(dtype).to(DEVICE)
+    targets = torch.randint(0, V, (N, T), generator=g).to(DEVICE)
+    dlogp = torch.randn(N, T, generator=g).to(DEVICE)
+    res = []
+    for backend in ("triton", "torch"):
+        h = hidden.clone().requires_grad_()
+        w = weight.clone().requires_grad_(train_weight)
+        out = lp.token_logprobs_from_hidden(h, w, targets, temperature=0.8, chunk_tokens=4,
+                                            backend=backend)
+        out.backward(dlogp)
+        res.append((out, h.grad, w.grad))
+    (out_k, dh_k, dw_k), (out_r, dh_r, dw_r) = res
+    torch.testing.assert_close(out_k, out_r, atol=1e-5, rtol=1e-6)
+    pairs = [(dh_k, dh_r)] + ([(dw_k, dw_r)] if train_weight else [])
+    for got, want in pairs:
+        assert got.dtype == dtype
+        atol, rtol = (1e-5, 1e-5) if dtype == torch.float32 else (1e-2 * want.abs().max().item(), 1e-2)
+        torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=rtol)
+    assert train_weight or dw_k is None
+
+
 def test_bad_inputs_raise_clear_errors():
     logits, targets = make_logits(2, 3, 40, seed=7, extreme=False)
     with pytest.raises(TypeError, match="targets must be an integer tensor"):
@@ -123,6 +156,9 @@ def test_bad_inputs_raise_clear_errors():
         lp.token_logprobs(logits.long(), targets)
     with pytest.raises(ValueError, match=r"\[N, T, V\]"):
         lp.token_logprobs(logits[0, 0], targets[0, 0])
+    hidden, weight = torch.randn(2, 3, 8, device=DEVICE), torch.randn(40, 7, device=DEVICE)
+    with pytest.raises(ValueError, match=r"weight must be \[V, d\] with d = 8"):
+        lp.token_logprobs_from_hidden(hidden, weight, targets)
 
 
 COMPILE_SCRIPT = r"""
