@@ -134,8 +134,12 @@ def grpo_loss_reference(
         loss = total / M
     elif loss_type == "dr_grpo":
         loss = total / (N * (T if max_len is None else max_len))
+    elif num_active_tokens is None:
+        loss = total / M
+    elif isinstance(num_active_tokens, torch.Tensor):  # [] or [1], maybe an int count
+        loss = total / num_active_tokens.reshape(()).float()
     else:
-        loss = total / (M if num_active_tokens is None else num_active_tokens)
+        loss = total / num_active_tokens
 
     with torch.no_grad():
         stats = {
@@ -374,7 +378,10 @@ def _grpo_loss_fwd_triton(
     C = 1 if coef is logp else coef.shape[1]
     grad = torch.empty(N, T, dtype=torch.float32, device=dev)
     part = torch.empty(N, 8, dtype=torch.float32, device=dev)
-    BLOCK_T = min(1024, next_pow2(T, 16))
+    # A whole 4096-token row in one tile (16 warps, 8 tokens per thread): with only N
+    # programs, more bytes in flight per program is what keeps HBM busy. The prefix mode
+    # holds a [BLOCK_T, C_PAD] tile, so it gets smaller tiles.
+    BLOCK_T = min(4096 if adv_mode != 1 else 1024, next_pow2(T, 16))
     _grpo_loss_fwd_kernel[(N,)](
         logp, old, ref, mask, adv, coef, tend, grad, part,
         T, C,
@@ -383,7 +390,7 @@ def _grpo_loss_fwd_triton(
         beta, eps_low, eps_high,
         ADV_MODE=adv_mode, HAS_OLD=old_logp is not None, HAS_REF=ref_logp is not None,
         KL_IN_LOSS=beta != 0.0, SEQ=importance == "sequence", ROW_MEAN=loss_type == "grpo",
-        BLOCK_T=BLOCK_T, C_PAD=next_pow2(C), num_warps=4 if BLOCK_T <= 1024 else 8,
+        BLOCK_T=BLOCK_T, C_PAD=next_pow2(C), num_warps=max(4, min(16, BLOCK_T // 256)),
     )
     norm_is_tensor = isinstance(num_active_tokens, torch.Tensor)
     if loss_type == "dr_grpo":
