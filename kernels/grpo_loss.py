@@ -365,7 +365,7 @@ def _grpo_loss_fwd_triton(
     tend: torch.Tensor | None, token_adv: torch.Tensor | None, const: torch.Tensor | None,
     G: int, beta: float, eps_low: float, eps_high: float, loss_type: str, importance: str,
     max_len: int | None, num_active_tokens: float | torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (loss 0-d, stats [5], extra [2] = [normaliser, M], grad [N, T] fp32 without it)."""
     N, T = logp.shape
     dev = logp.device
@@ -507,8 +507,11 @@ def _validate(
     elif component_weights is not None:
         raise ValueError("component_weights is only used with reward_components")
     if prefix is not None:
-        if not isinstance(prefix, PrefixRubrics):
-            raise TypeError(f"prefix must be a PrefixRubrics, got {type(prefix).__name__}")
+        # Duck-typed: a reloaded module (tests) or a look-alike dataclass is fine.
+        missing = [f for f in ("R_ans", "s", "scored", "rho", "t_end", "a") if not hasattr(prefix, f)]
+        if missing:
+            raise TypeError(f"prefix must be a PrefixRubrics, got {type(prefix).__name__} "
+                            f"without {missing}")
         J = prefix.s.shape[-1]
         _check_tensor("prefix.R_ans", prefix.R_ans, (N,), dev, floating=False)
         _check_tensor("prefix.s", prefix.s, (N, J), dev, floating=False)
@@ -589,8 +592,12 @@ def grpo_loss(
     logp, old_logp, ref_logp, mask: [N, T], N = B*G rows, G completions per prompt contiguous.
     Advantages from exactly one of rewards [N], reward_components [N, K] (+ component_weights
     [K]), prefix (PrefixRubrics), token_adv [N, T]. old_logp=None means one policy update per
-    batch (old = detached logp, ratio = 1). beta=0 needs no ref_logp. backend: "auto" (CUDA
-    -> Triton, else the reference), "torch" or "triton" (on CPU under TRITON_INTERPRET=1).
+    batch (old = detached logp, ratio = 1). beta=0 needs no ref_logp. scale: "group" |
+    "batch" | "none"; importance: "token" | "sequence"; loss_type: "grpo" | "bnpo" |
+    "dr_grpo" (divides by N * max_len, default T) | "dapo" (divides by num_active_tokens,
+    default this micro-batch's count) - formulas in the module docstring. mask: nonzero =
+    active. backend: "auto" (CUDA -> Triton, else the reference), "torch", or "triton" (on
+    a CPU only under TRITON_INTERPRET=1). Host syncs: the NaN checks of the reward inputs.
     """
     _validate(logp, mask, rewards, G, old_logp, ref_logp, beta, eps_low, eps_high, loss_type,
               scale, adv_eps, token_adv, reward_components, component_weights, prefix,
