@@ -7,7 +7,7 @@ hand-written loop instead of ``model.generate``):
 
     ctx    = build_prompt_context(model, prompts)   # vision tower + M-RoPE, B prompts
     logits, cache = prefill(model, ctx)             # one prefill per prompt: [B, V]
-    cache.batch_repeat_interleave(G)                # rows b*G .. b*G+G-1 = prompt b
+    copy the cache G times                          # rows b*G .. b*G+G-1 = prompt b
     decode_n_tokens(...)                            # B*G rows, one token per step
 
 Padding side: LEFT. Every prompt ends in the last column, so the token sampled at step s
@@ -36,9 +36,13 @@ stops when every row has stopped or after max_new_tokens.
 Finished rows leave the batch (and the KV cache) once a quarter of it has stopped
 (``compact``), so a short completion stops costing compute soon after it ends.
 
-Simplified: the cache is transformers' DynamicCache (it concatenates every step: O(T^2)
-copying, small next to the matmuls at these lengths), one host sync per step for the stop
-check, no speculative decoding, no CUDA graphs, no static shapes for torch.compile.
+Two decode paths behind one loop (``decode=``): "static" -- a preallocated KV cache and a
+hand-written decoder step (grpo/fast_decode.py), the default where supported -- and "hf",
+transformers' forward with its DynamicCache, kept as the reference. Tests hold both to
+transformers' greedy ``generate`` token for token.
+
+Simplified: one host sync per step for the stop check, no speculative decoding, no CUDA
+graphs or torch.compile.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ from dataclasses import dataclass
 
 import torch
 
+from grpo import fast_decode
 from grpo.model import ModelBundle, PromptBatch
 from grpo.prompt_context import PromptContext, build_prompt_context, group_rows, prompt_embeds
 
@@ -96,7 +101,13 @@ def prefill(model, ctx: PromptContext):
 
 def decode_one_token(model, cache, token: torch.Tensor, position: torch.Tensor,
                      attention_mask: torch.Tensor, cache_kw: str = "cache") -> torch.Tensor:
-    """Feed one token per row ([N] ids at [N] positions) through the cache: next logits [N, V]."""
+    """Feed one token per row ([N] ids at [N] positions) through the cache: next logits [N, V].
+
+    A StaticKVCache takes the hand-written step (grpo/fast_decode.py); a transformers cache
+    takes the model's own forward, the reference path.
+    """
+    if isinstance(cache, fast_decode.StaticKVCache):
+        return fast_decode.decode_step(model, cache, token, position, attention_mask.bool())
     N = token.shape[0]
     out = model(
         input_ids=token.view(N, 1),
@@ -177,7 +188,7 @@ def decode_n_tokens(
     ``compact``: once a quarter of the rows still in the batch have stopped, drop them from
     the batch and the KV cache (one gather of the cache), so finished completions stop
     costing compute. GRPO completion lengths vary a lot once the policy learns to stop;
-    with random weights nothing stops and this never triggers. Greedy results do not
+    with random weights few rows stop and it rarely triggers. Greedy results do not
     depend on it; sampled ones do (fewer rows draw fewer random numbers) but stay
     reproducible for a seed.
     """
@@ -206,8 +217,8 @@ def decode_n_tokens(
             keep = (~done).nonzero().squeeze(1)
             done_all[rows[done]] = True
             cache.batch_select_indices(keep)
-            rows, token, next_position, attention_mask = rows[keep], token[keep], next_position[keep], attention_mask[keep]
-            done = done[keep]
+            rows, token, done = rows[keep], token[keep], done[keep]
+            next_position, attention_mask = next_position[keep], attention_mask[keep]
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones(attention_mask.shape[0], 1)], 1)
         logits = decode_one_token(model, cache, token, next_position + step, attention_mask, cache_kw)
     done_all[rows[done]] = True
@@ -246,13 +257,19 @@ def sample(
     seed: int | None = None,
     generator: torch.Generator | None = None,
     compact: bool = True,
+    decode: str = "auto",
 ) -> SampleOutput:
     """Sample G completions for each of the B prompts (N = B*G rows, grouped by prompt).
 
     ``seed`` (or an explicit ``generator``) makes the draw reproducible: same seed, same
-    prompts, same device -> same completions.
+    prompts, same device -> same completions. ``decode``: "static" (preallocated KV cache
+    and the hand-written step of grpo/fast_decode.py), "hf" (transformers' forward and
+    DynamicCache, the reference) or "auto" (static where fast_decode supports the model).
+    ``compact``: drop finished rows from the batch (see decode_n_tokens).
     """
     _check_args(G, max_new_tokens, temperature, top_k, top_p)
+    if decode not in ("auto", "static", "hf"):
+        raise ValueError(f"decode={decode!r}: use 'auto', 'static' or 'hf'")
     model = bundle.model
     L = prompts.input_ids.shape[1]
     if L + max_new_tokens > bundle.context_length:
@@ -266,7 +283,10 @@ def sample(
     first_logits, cache = prefill(model, ctx)  # text prefill: once per prompt
     rows = group_rows(ctx.B, G, device)
     # The group copy: every layer's K and V [B, H, L, D] -> [B*G, H, L, D], prompt b in rows b*G..b*G+G-1.
-    cache.batch_repeat_interleave(G)
+    if decode == "static" or (decode == "auto" and fast_decode.supports(model)):
+        cache = fast_decode.StaticKVCache.from_prefill(cache, G, max_new_tokens)
+    else:
+        cache.batch_repeat_interleave(G)
     stop = torch.tensor(stop_token_ids(bundle), device=device)
     tokens, logps, logqs, done = decode_n_tokens(
         model, cache, first_logits[rows], ctx.next_position[rows], ctx.attention_mask[rows],

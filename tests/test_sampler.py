@@ -68,17 +68,22 @@ def _eos_bias(bundle, delta: float):
 # ----------------------------------------------------------------------------- equality with generate
 
 
-def test_greedy_single_prompt_equals_generate(sharp):
+DECODE = pytest.mark.parametrize("decode", ["static", "hf"])  # hand-written step / transformers forward
+
+
+@DECODE
+def test_greedy_single_prompt_equals_generate(sharp, decode):
     pb = encode_prompts(sharp, ([_image(5)], [QUESTIONS[0]]))
-    ours = sample(sharp, pb, G=1, max_new_tokens=12, temperature=0)
+    ours = sample(sharp, pb, G=1, max_new_tokens=12, temperature=0, decode=decode)
     ref = _generate_greedy(sharp, pb, 1, 12)
     assert torch.equal(ours.completion_ids, ref)
     assert len(set(ours.completion_ids[0].tolist())) > 3  # a real sequence, not one repeated token
 
 
-def test_greedy_batched_different_lengths_equals_generate(sharp, prompts):
+@DECODE
+def test_greedy_batched_different_lengths_equals_generate(sharp, prompts, decode):
     assert len(set(prompts.attention_mask.sum(1).tolist())) == 3
-    ours = sample(sharp, prompts, G=2, max_new_tokens=16, temperature=0)
+    ours = sample(sharp, prompts, G=2, max_new_tokens=16, temperature=0, decode=decode)
     ref = _generate_greedy(sharp, prompts, 2, 16)
     assert torch.equal(ours.completion_ids, ref)
     # Every member of a group saw the same prompt and image: greedy gives G identical rows,
@@ -89,11 +94,12 @@ def test_greedy_batched_different_lengths_equals_generate(sharp, prompts):
     assert ours.prompt_index.tolist() == [0, 0, 1, 1, 2, 2]
 
 
-def test_greedy_with_stops_equals_generate(sharp, prompts):
+@DECODE
+def test_greedy_with_stops_equals_generate(sharp, prompts, decode):
     handle = _eos_bias(sharp, 3.0)
     try:
-        ours = sample(sharp, prompts, G=2, max_new_tokens=20, temperature=0)
-        uncompacted = sample(sharp, prompts, G=2, max_new_tokens=20, temperature=0, compact=False)
+        ours = sample(sharp, prompts, G=2, max_new_tokens=20, temperature=0, decode=decode)
+        uncompacted = sample(sharp, prompts, G=2, max_new_tokens=20, temperature=0, compact=False, decode=decode)
         ref = _generate_greedy(sharp, prompts, 2, 20)
     finally:
         handle.remove()
@@ -108,11 +114,13 @@ def test_greedy_with_stops_equals_generate(sharp, prompts):
 # ----------------------------------------------------------------------------- log-probs
 
 
-def test_sampling_logprobs_equal_full_forward(sharp, prompts):
+@DECODE
+def test_sampling_logprobs_equal_full_forward(sharp, prompts, decode):
     from grpo.logprobs import completion_logprobs
 
     G, temperature = 3, 0.7
-    out = sample(sharp, prompts, G=G, max_new_tokens=10, temperature=temperature, top_k=50, top_p=0.9, seed=0)
+    out = sample(sharp, prompts, G=G, max_new_tokens=10, temperature=temperature, top_k=50, top_p=0.9, seed=0,
+                 decode=decode)
     # Full forward through transformers' own path: repeated prompts, pixels, no cache.
     inputs = _repeated_inputs(prompts, G)
     L = prompts.input_ids.shape[1]
@@ -147,12 +155,13 @@ def test_same_seed_same_completions(sharp, prompts):
     assert any(not torch.equal(g[i, 0], g[i, j]) for i in range(3) for j in range(1, 4))
 
 
-def test_stop_token_ends_sequence_and_mask(sharp, prompts):
+@DECODE
+def test_stop_token_ends_sequence_and_mask(sharp, prompts, decode):
     from grpo.logprobs import completion_logprobs
 
     handle = _eos_bias(sharp, 4.0)
     try:
-        out = sample(sharp, prompts, G=4, max_new_tokens=12, temperature=1.0, seed=0)
+        out = sample(sharp, prompts, G=4, max_new_tokens=12, temperature=1.0, seed=0, decode=decode)
         with torch.no_grad():  # rows left the batch as they stopped: log-probs must still line up
             again = completion_logprobs(sharp.model, out.context, out.completion_ids, out.completion_mask, 4)
     finally:
@@ -184,7 +193,8 @@ def test_sample_token_matches_distribution():
     token, logp, logq = sample_token(logits, 1.0, 2, 1.0, gen)  # top-2: only ids 0 and 1
     assert set(token.tolist()) == {0, 1}
     p01 = torch.softmax(logits[0, :2], -1)
-    torch.testing.assert_close(freq := torch.bincount(token, minlength=2).float() / token.numel(), p01, rtol=0, atol=0.01)
+    freq = torch.bincount(token, minlength=2).float() / token.numel()
+    torch.testing.assert_close(freq, p01, rtol=0, atol=0.01)
     assert (logq >= logp).all()
 
 
@@ -206,5 +216,27 @@ def test_bad_arguments(sharp, prompts):
         sample(sharp, prompts, G=2, max_new_tokens=4, temperature=-1)
     with pytest.raises(ValueError, match="top_p=0"):
         sample(sharp, prompts, G=2, max_new_tokens=4, top_p=0)
+    with pytest.raises(ValueError, match="decode='fast'"):
+        sample(sharp, prompts, G=2, max_new_tokens=4, decode="fast")
     with pytest.raises(ValueError, match="exceeds the model's context"):
         sample(sharp, prompts, G=2, max_new_tokens=sharp.context_length)
+
+
+def test_static_decode_with_lora_equals_hf(sharp, prompts):
+    """The hand-written step calls the model's own (here LoRA-wrapped) modules."""
+    inject = pytest.importorskip("lora.inject")
+    from grpo import fast_decode
+
+    bundle = ModelBundle(model=copy.deepcopy(sharp.model), tokenizer=sharp.tokenizer,
+                         image_processor=sharp.image_processor, source="sharp+lora")
+    assert fast_decode.supports(bundle.model)
+    inject.inject_lora(bundle.model, inject.LoRAConfig(r=4), verbose=False)
+    with torch.no_grad():
+        for p in inject.lora_parameters(bundle.model):
+            p.add_(0.1 * torch.randn_like(p))
+    static = sample(bundle, prompts, G=2, max_new_tokens=10, temperature=0, decode="static")
+    hf = sample(bundle, prompts, G=2, max_new_tokens=10, temperature=0, decode="hf")
+    plain = sample(sharp, prompts, G=2, max_new_tokens=10, temperature=0)
+    assert torch.equal(static.completion_ids, hf.completion_ids)
+    torch.testing.assert_close(static.logprobs, hf.logprobs, rtol=0, atol=2e-5)
+    assert not torch.equal(static.completion_ids, plain.completion_ids)  # the adapters did act

@@ -1,0 +1,122 @@
+"""A static KV cache and a plain-PyTorch decode step for Qwen2.5-VL's language model.
+
+The sampler's decode loop runs one token per row per step through the text decoder. Doing
+that through transformers' ``forward`` costs, per step, a dynamic-cache ``torch.cat`` of
+every layer's K and V (O(T^2) copying over a completion), a rebuilt 4-D attention mask,
+M-RoPE bookkeeping and a few hundred Python calls of wrappers -- on a small model more
+than the matmuls themselves. This file is the gpt-fast alternative:
+
+- ``StaticKVCache``: per layer one preallocated [N, H_kv, L + max_new_tokens, D] buffer;
+  step s writes column L + s for every row (prompts are left-padded, so that is the same
+  column for all rows) and attention reads columns [0, L + s]. Filled from the prefill's
+  cache with the group copy done in place (prompt b -> rows b*G .. b*G+G-1).
+- ``decode_step``: the decoder layer written out -- RMSNorm, q/k/v projections, rotary,
+  attention over the cache, o_proj, residual, RMSNorm, SwiGLU MLP, residual -- calling
+  the model's own modules (so LoRA and 4-bit linears swapped in by lora/ run unchanged).
+
+Why plain 1-D rotary is exact here: a text token has the same M-RoPE position p on the
+t, h and w axes, and M-RoPE only chooses, per frequency band, which axis's position to
+rotate by; with all three equal every band rotates by p, which is ordinary RoPE at p.
+(Prefill, where image tokens have distinct (t, h, w), still goes through transformers.)
+
+Supported: rope_type "default" (Qwen2.5-VL's "mrope" is stored as default), full
+attention (no sliding window), SDPA. ``supports(model)`` says whether a model qualifies;
+the sampler falls back to transformers' forward otherwise. Tests hold both paths to
+transformers' own greedy ``generate``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def supports(model) -> bool:
+    """True if ``decode_step`` computes exactly what transformers' forward does for ``model``."""
+    cfg = model.config.text_config
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    return (
+        rope.get("rope_type", "default") == "default"
+        and not getattr(cfg, "use_sliding_window", False)
+        and getattr(cfg, "_attn_implementation", "sdpa") in ("sdpa", "eager")
+    )
+
+
+class StaticKVCache:
+    """Preallocated K/V per layer: [N, H_kv, S_max, D]; columns [0, length) are filled."""
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], length: int):
+        self.keys, self.values, self.length = keys, values, length
+
+    @classmethod
+    def from_prefill(cls, cache, G: int, max_new_tokens: int) -> StaticKVCache:
+        """Copy a transformers prefill cache of B rows into N = B*G rows with room for max_new_tokens."""
+        keys, values = [], []
+        for layer in cache.layers:
+            k, v = layer.keys, layer.values  # [B, H_kv, L, D]
+            B, H, L, D = k.shape
+            kb = k.new_empty(B, G, H, L + max_new_tokens, D)
+            vb = v.new_empty(B, G, H, L + max_new_tokens, D)
+            # The group copy, written straight into the buffer (broadcast over G, no temporary).
+            kb[:, :, :, :L] = k[:, None]
+            vb[:, :, :, :L] = v[:, None]
+            keys.append(kb.view(B * G, H, L + max_new_tokens, D))
+            values.append(vb.view(B * G, H, L + max_new_tokens, D))
+        return cls(keys, values, L)
+
+    def batch_select_indices(self, rows: torch.Tensor) -> None:
+        """Keep only ``rows`` (batch compaction when completions finish): one gather per layer."""
+        self.keys = [k.index_select(0, rows) for k in self.keys]
+        self.values = [v.index_select(0, rows) for v in self.values]
+
+
+def rotary_cos_sin(model, position: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [N, 1, 1, D] of plain RoPE at ``position`` [N] (what M-RoPE is for text tokens)."""
+    rotary = model.model.language_model.rotary_emb
+    freqs = position[:, None].float() * rotary.inv_freq.float()[None, :]  # [N, D/2]
+    emb = torch.cat([freqs, freqs], -1)  # rotate_half convention: halves, not interleaved pairs
+    scale = rotary.attention_scaling
+    return (emb.cos() * scale).to(dtype)[:, None, None, :], (emb.sin() * scale).to(dtype)[:, None, None, :]
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def _attention(layer, h: torch.Tensor, cos, sin, cache: StaticKVCache, i: int, key_mask: torch.Tensor) -> torch.Tensor:
+    """One attention block for one new token per row: h [N, 1, d] -> [N, 1, d]."""
+    attn = layer.self_attn
+    N, D = h.shape[0], attn.head_dim
+    q = attn.q_proj(h).view(N, 1, -1, D).transpose(1, 2)  # [N, H_q, 1, D]
+    k = attn.k_proj(h).view(N, 1, -1, D).transpose(1, 2)  # [N, H_kv, 1, D]
+    v = attn.v_proj(h).view(N, 1, -1, D).transpose(1, 2)
+    q = q * cos + _rotate_half(q) * sin
+    k = k * cos + _rotate_half(k) * sin
+    s = cache.length
+    cache.keys[i][:, :, s : s + 1] = k  # in-place write: no per-step concatenation
+    cache.values[i][:, :, s : s + 1] = v
+    K, V = cache.keys[i][:, :, : s + 1], cache.values[i][:, :, : s + 1]  # views, [N, H_kv, s+1, D]
+    # key_mask [N, 1, 1, s+1] bool: False on the prompt's left padding. GQA: each K/V head
+    # serves H_q / H_kv query heads (enable_gqa avoids materialising repeated K/V).
+    out = F.scaled_dot_product_attention(q, K, V, attn_mask=key_mask, scale=attn.scaling,
+                                         enable_gqa=attn.num_key_value_groups > 1)
+    return attn.o_proj(out.transpose(1, 2).reshape(N, 1, -1))
+
+
+def decode_step(model, cache: StaticKVCache, token: torch.Tensor, position: torch.Tensor,
+                key_mask: torch.Tensor) -> torch.Tensor:
+    """token [N] at position [N] through the decoder with ``cache``; returns logits [N, V] fp32.
+
+    key_mask [N, s+1] bool marks real (non-padding) keys, the new token's column included.
+    Advances ``cache.length`` by one.
+    """
+    lm = model.model.language_model
+    x = lm.embed_tokens(token[:, None])  # [N, 1, d]
+    cos, sin = rotary_cos_sin(model, position, x.dtype)
+    mask = key_mask[:, None, None, :]
+    for i, layer in enumerate(lm.layers):
+        x = x + _attention(layer, layer.input_layernorm(x), cos, sin, cache, i, mask)
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    cache.length += 1
+    return model.lm_head(lm.norm(x))[:, -1].float()
