@@ -31,6 +31,8 @@ adds Qwen's default system prompt.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import os
 import random
@@ -211,17 +213,28 @@ def build_tiny_model(out_dir: str | os.PathLike, seed: int = 0, corpus: Sequence
     return out
 
 
+@functools.lru_cache(maxsize=None)
+def _corpus_fingerprint(seed: int) -> str:
+    """First 10 hex digits of sha256 over the default tokenizer corpus (memoised per process)."""
+    corpus, source = _tokenizer_corpus(3000, seed)
+    h = hashlib.sha256(source.encode())
+    for text in corpus:
+        h.update(text.encode("utf-8", "surrogatepass") + b"\x00")
+    return h.hexdigest()[:10]
+
+
 def default_model_dir(seed: int = 0) -> Path:
     """The cached tiny model directory, built on first use.
 
-    $VLGRPO_CACHE (else ~/.cache/vlgrpo) / tiny-qwen2.5-vl-v1[-contract]. The "-contract"
-    suffix marks a build made before data/synthetic.py existed, so it is never mistaken
-    for the real one. Building goes to a temporary directory renamed into place, so
-    several processes starting at once never see a half-written model.
+    $VLGRPO_CACHE (else ~/.cache/vlgrpo) / tiny-qwen2.5-vl-v1-<corpus fingerprint>[-seedN].
+    The fingerprint of the tokenizer corpus is in the name because the tokenizer is
+    trained on it: if data/synthetic.py changes its text, a new tokenizer (and model) is
+    built next to the old one instead of silently mixing the two. Building goes to a
+    temporary directory renamed into place, so several processes starting at once never
+    see a half-written model.
     """
     root = Path(os.environ.get("VLGRPO_CACHE", Path.home() / ".cache" / "vlgrpo"))
-    source = _corpus_source()
-    name = TINY_VERSION + ("" if source == "synthetic" else "-contract") + ("" if seed == 0 else f"-seed{seed}")
+    name = f"{TINY_VERSION}-{_corpus_fingerprint(seed)}" + ("" if seed == 0 else f"-seed{seed}")
     target = root / name
     if (target / "vlgrpo_build.json").exists():
         return target
