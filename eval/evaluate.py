@@ -302,30 +302,10 @@ def _read_completions(path: str, examples: list[Example]) -> tuple[list[list[str
 
 
 def _checkpoint_bundle(path: Path, args: argparse.Namespace) -> Any:
-    """Rebuild a checkpoint's policy: its base model (as configured when it was saved), 4-bit
-    if it was trained 4-bit, LoRA injected with its rank/targets, the saved A/B loaded."""
-    import torch
+    """Rebuild a checkpoint's policy with the trainer's own builder (base chain, 4-bit, LoRA)."""
+    from grpo.policy import load_policy  # lazy: eval sits below grpo
 
-    from grpo.checkpoint import load_checkpoint
-    from grpo.config import from_json
-    from grpo.model import load_bundle
-    from lora import LoRAConfig, inject_lora, load_lora_state_dict
-
-    ckpt = load_checkpoint(path, device="cpu")
-    cfg = from_json(ckpt.config_json)
-    dtype = getattr(torch, cfg.model.dtype)
-    bundle = load_bundle(cfg.model.name, dtype=dtype, device=args.device)
-    if cfg.model.load_in_4bit:
-        from lora import quantize_model_4bit
-
-        quantize_model_4bit(bundle.model, compute_dtype=dtype, device=args.device, verbose=False)
-    lcfg = LoRAConfig(r=cfg.lora.rank, alpha=cfg.lora.alpha, target_modules=tuple(cfg.lora.targets),
-                      lora_dtype=getattr(torch, cfg.lora.dtype))
-    inject_lora(bundle.model, lcfg, verbose=False)
-    lora_keys = {k: v for k, v in ckpt.tensors.items() if k.endswith((".lora_A", ".lora_B"))}
-    load_lora_state_dict(bundle.model, lora_keys)
-    bundle.model.to(args.device).eval()
-    return bundle
+    return load_policy(path, run_dir=args.run_dir, device=args.device)
 
 
 def _resolve_selector(selector: str, args: argparse.Namespace) -> Path | None:

@@ -1,0 +1,105 @@
+"""Building the policy: base model (+ warm-up weights) -> optional 4-bit -> LoRA (+ adapter).
+
+A checkpoint never stores a whole model twice. There are two kinds:
+
+- a *base* checkpoint (``extra["kind"] == "base"``): full weights. Only the embedded tiny
+  model's warm-up writes one, because that warm-up trains every weight of a randomly
+  initialised model (a LoRA on a random base could not learn to see). Tensor keys are
+  ``base.<parameter name>``.
+- an *adapter* checkpoint (everything else): only the LoRA tensors (``*.lora_A``,
+  ``*.lora_B``), plus ``extra["base"]``: the run-relative path of the base checkpoint the
+  adapter was trained on (None = the configured model as loaded from disk or hub).
+
+``load_policy`` rebuilds the policy of any checkpoint from this chain; the trainer uses it
+for cross-phase warm starts and the evaluator for checkpoint selectors.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from grpo.config import TrainConfig
+
+BASE_PREFIX = "base."
+
+
+def lora_config(cfg: TrainConfig):
+    from lora import LoRAConfig
+
+    return LoRAConfig(r=cfg.lora.rank, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
+                      target_modules=tuple(cfg.lora.targets), lora_dtype=getattr(torch, cfg.lora.dtype))
+
+
+def base_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Full weights of a (not yet adapted) model, keyed for a base checkpoint."""
+    return {BASE_PREFIX + k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+
+
+def adapter_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in tensors.items() if k.endswith((".lora_A", ".lora_B"))}
+
+
+def load_base_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    sd = {k[len(BASE_PREFIX):]: v for k, v in tensors.items() if k.startswith(BASE_PREFIX)}
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    missing = [k for k in missing if "lora_" not in k]
+    if missing or unexpected:
+        raise ValueError(f"base checkpoint does not fit this model: missing {missing[:4]}, "
+                         f"unexpected {unexpected[:4]}; was it trained with another model.name?")
+
+
+def base_checkpoint_of(run_dir: str | Path, ckpt) -> Path | None:
+    """The base checkpoint directory an (adapter or base) checkpoint builds on, if any."""
+    extra = ckpt.extra or {}
+    if extra.get("kind") == "base":
+        return Path(ckpt.path)
+    if extra.get("base"):
+        return Path(run_dir) / extra["base"]
+    return None
+
+
+def build_policy(cfg: TrainConfig, device: str, base_ckpt: Path | None = None, verbose: bool = True) -> Any:
+    """Model bundle with the base (from ``base_ckpt`` if given), 4-bit if configured, LoRA injected."""
+    from grpo.checkpoint import load_checkpoint
+    from grpo.model import load_bundle
+    from lora import inject_lora
+
+    dtype = getattr(torch, cfg.model.dtype)
+    bundle = load_bundle(cfg.model.name, dtype=dtype, device="cpu", seed=cfg.run.seed)
+    if base_ckpt is not None:
+        load_base_weights(bundle.model, load_checkpoint(base_ckpt).tensors)
+    bundle.model.to(device)
+    if cfg.model.load_in_4bit:
+        from lora import quantize_model_4bit
+
+        report = quantize_model_4bit(bundle.model, compute_dtype=dtype, device=device, verbose=verbose)
+        if verbose:
+            print(f"4-bit base: {report}")
+    inject_lora(bundle.model, lora_config(cfg), verbose=verbose)
+    bundle.model.to(device)
+    if cfg.model.gradient_checkpointing:
+        from lora import enable_gradient_checkpointing
+
+        enable_gradient_checkpointing(bundle.model)
+    bundle.model.eval()  # no dropout: sampling and log-probs must be the same function
+    return bundle
+
+
+def load_policy(path: str | Path, run_dir: str | Path | None = None, device: str = "cpu") -> Any:
+    """The policy a checkpoint describes (base chain + its adapter), ready to sample."""
+    from grpo.checkpoint import load_checkpoint
+    from grpo.config import from_json
+    from lora import load_lora_state_dict
+
+    path = Path(path)
+    ckpt = load_checkpoint(path)
+    run_dir = Path(run_dir) if run_dir is not None else path.parent.parent  # <run>/<phase>/step_N
+    cfg = from_json(ckpt.config_json)
+    bundle = build_policy(cfg, device, base_checkpoint_of(run_dir, ckpt), verbose=False)
+    lora = adapter_tensors(ckpt.tensors)
+    if lora:
+        load_lora_state_dict(bundle.model, lora)
+    return bundle

@@ -1,0 +1,584 @@
+"""GRPO training: ``python -m grpo.train --phase {warmup,A,B,C} [--key value ...]``.
+
+What is implemented (read top to bottom: it is the algorithm)
+-------------------------------------------------------------
+Group Relative Policy Optimisation (DeepSeekMath's GRPO, TRL's current conventions) for a
+vision-language policy = frozen base (optionally NF4 4-bit) + rank-8 LoRA, run as the
+staged, metric-gated curriculum of the staged-GRPO paper:
+
+    warmup  R1-VL policy warm-up: SFT on worked reasoning (grpo/sft.py)
+    A       stage 1 only, structure-heavy reward weights, from warmup:latest
+    B       stage 1 .7 + stage 2 .3, correctness-heavy, from A:best_structure
+    C       stage 2 .6 + stage 3 .4, tolerance on, from B:best_composite
+
+One GRPO step, for B prompts:
+    1. sample   G completions per prompt; the prompt (and its image) is encoded once and
+                its KV cache copied G times (grpo/sampler.py)
+    2. reward   verifier components (+ step / detail / rubric terms) weighted by the
+                controller's current weights (grpo/rewards)
+    3. logp     completion log-probs under the policy (with grad) and, if beta > 0, the
+                reference = the same model with LoRA switched off (grpo/logprobs.py)
+    4. loss     group-normalised advantages, clipped ratio, k3 KL, aggregation -- one
+                fused pass (kernels/grpo_loss.py: Triton on CUDA, PyTorch on CPU)
+    5. step     backward into the LoRA parameters, clip, AdamW, schedule
+    6. log      one JSON line (eval/plots.py documents the format) + a progress bar
+    every run.eval_every steps and at the end:
+    7. eval     greedy decoding on a fixed held-out subset (eval/evaluate.py)
+    8. gate     the controller changes reward weights only when those metrics say so
+    9. save     atomic checkpoint + aliases latest / best_structure / best_correctness /
+                best_composite (grpo/checkpoint.py)
+
+Simplifications (and why): one policy update per batch (mu = 1), so the "old" policy is
+the current one detached and the ratio is 1 in value (its gradient is not) -- the common
+setting in TRL and the staged paper; no value model (that is GRPO's point); evaluation is
+greedy with one sample per prompt, the staged paper's final protocol.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from grpo.config import (
+    PHASE_INIT,
+    PHASES,
+    PRESETS,
+    ConfigError,
+    TrainConfig,
+    apply_overrides,
+    describe_fields,
+    parse_override_args,
+    phase_preset,
+)
+
+# ----------------------------------------------------------------------------- small helpers
+
+
+def pick_device(name: str) -> str:
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"--model.device {name}: no CUDA device here; use --model.device cpu")
+    return name
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Learning rate for optimiser step ``step`` (0-based): linear warm-up, then the schedule.
+
+    A pure function of the step, so resuming needs only the step to restore the schedule.
+    """
+    o, total = cfg.optim, max(1, cfg.phase.steps)
+    if step < o.warmup_steps:
+        return o.lr * (step + 1) / o.warmup_steps
+    frac = (step - o.warmup_steps) / max(1, total - o.warmup_steps)
+    if o.schedule == "linear":
+        return o.lr * (1.0 - 0.9 * frac)
+    if o.schedule == "cosine":
+        return o.lr * (0.1 + 0.45 * (1.0 + math.cos(math.pi * frac)))
+    return o.lr
+
+
+class Progress:
+    """A one-line progress bar on a terminal; plain periodic lines otherwise (CI logs)."""
+
+    def __init__(self, total: int, label: str, start: int = 0):
+        self.total, self.label, self.t0, self.start = max(1, total), label, time.time(), start
+        self.tty = sys.stderr.isatty()
+
+    def update(self, done: int, info: str = "") -> None:
+        if not self.tty:
+            return
+        frac = done / self.total
+        rate = (done - self.start) / max(1e-9, time.time() - self.t0)
+        eta = (self.total - done) / rate if rate > 0 else float("nan")
+        bar = "#" * int(24 * frac) + "." * (24 - int(24 * frac))
+        sys.stderr.write(f"\r{self.label} [{bar}] {done}/{self.total} eta {eta:4.0f}s {info}   ")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.tty:
+            sys.stderr.write("\n")
+
+
+@dataclass
+class RunFiles:
+    """Where a run writes: <run_dir>/config_<phase>.json, train_log.jsonl, <phase>/step_N."""
+
+    root: Path
+
+    @property
+    def log(self) -> Path:
+        return self.root / "train_log.jsonl"
+
+    def write_log(self, record: dict) -> None:
+        with self.log.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def load_training_data(cfg: TrainConfig) -> tuple[dict[int, list], dict[int, list]]:
+    """(train, val) examples per curriculum stage. Refuses data without gold answers."""
+    from data.mathvista import require_gold_answers
+
+    stages = sorted(cfg.phase.mixture) if cfg.phase.name != "warmup" else [1, 2, 3]
+    if cfg.run.data == "synthetic":
+        from data.synthetic import generate
+
+        n_val = max(cfg.run.eval_size, 8)
+        train = {s: generate("train", s, cfg.run.train_per_stage, cfg.run.seed, cfg.model.image_size) for s in stages}
+        val = {s: generate("val", s, n_val, cfg.run.seed, cfg.model.image_size) for s in stages}
+    else:
+        from data.jsonl import load_jsonl
+        from data.stages import select_stage
+
+        rows = load_jsonl(cfg.run.data)
+        train = {s: select_stage(rows, s) for s in stages}
+        # Hold out a deterministic tail of each stage for the checkpoint-side eval.
+        val = {}
+        for s in stages:
+            k = min(len(train[s]) // 5, cfg.run.eval_size)
+            train[s], val[s] = train[s][: len(train[s]) - k], train[s][len(train[s]) - k:]
+    for s in stages:
+        if not train[s]:
+            raise ConfigError(f"stage {s} has no training examples in {cfg.run.data!r}; "
+                              f"drop it from --phase.mixture or use other data")
+        # The staged paper trained on MathVista `test`, whose answers are empty: its
+        # correctness reward was silently 0 on every step. Refuse, loudly.
+        require_gold_answers(train[s], f"{cfg.run.data} stage {s}")
+    return train, val
+
+
+def eval_subset(cfg: TrainConfig, val: dict[int, list]) -> list:
+    """A fixed held-out subset, split over the phase's stages by the mixture weights."""
+    mix = cfg.phase.mixture if cfg.phase.name != "warmup" else {s: 1.0 for s in val}
+    total = sum(mix.values())
+    out = []
+    for s, p in sorted(mix.items()):
+        out += val[s][: max(1, round(cfg.run.eval_size * p / total))]
+    return out
+
+
+# ----------------------------------------------------------------------------- eval + checkpoint
+
+
+def checkpoint_eval(bundle, examples, cfg: TrainConfig):
+    from eval.evaluate import EvalProtocol, evaluate_model
+
+    protocol = EvalProtocol(max_new_tokens=cfg.sampling.max_new_tokens, temperature=0.0,
+                            seed=cfg.run.seed, batch_size=64)
+    return evaluate_model(bundle, examples, protocol)
+
+
+def print_eval(phase: str, step: int, result) -> None:
+    m, iv = result.metrics, result.overall.intervals
+    parts = []
+    for key, short in (("parseable_rate", "parse"), ("exact_match", "EM"), ("solution_tag_rate", "sol"),
+                       ("reasoning_tag_rate", "reas"), ("truncation_rate", "trunc")):
+        lo, hi = iv.get(key, (float("nan"), float("nan")))
+        parts.append(f"{short} {m[key]:.3f} [{lo:.2f},{hi:.2f}]")
+    s = result.scores
+    print(f"[{phase} eval @ {step}] n={result.overall.n_prompts} " + "  ".join(parts)
+          + f"  struct {s['structure']:.3f} corr {s['correctness']:.3f} comp {s['composite']:.3f}", flush=True)
+
+
+# ----------------------------------------------------------------------------- warm-up (SFT)
+
+
+def run_warmup(cfg: TrainConfig, files: RunFiles, device: str) -> None:
+    """R1-VL policy warm-up. For the tiny model: all weights, imperfect on purpose (grpo/sft.py)."""
+    from grpo.checkpoint import save_checkpoint
+    from grpo.model import load_bundle
+    from grpo.policy import base_tensors
+    from grpo.sft import SFTStyle, build_sft_batch, sft_loss, warmup_target
+
+    train, val = load_training_data(cfg)
+    dtype = getattr(torch, cfg.model.dtype)
+    bundle = load_bundle(cfg.model.name, dtype=dtype, device=device, seed=cfg.run.seed)
+    model = bundle.model
+    tiny = cfg.model.name == "tiny"
+    if not tiny:  # a pretrained model: warm up a LoRA, keep the contract strict
+        from grpo.policy import build_policy
+
+        bundle = build_policy(cfg, device)
+        model = bundle.model
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
+    style = SFTStyle() if tiny else None
+    rng = random.Random(cfg.run.seed)
+    pool = [ex for s in sorted(train) for ex in train[s]]
+    B = cfg.phase.prompts_per_step
+    print(f"warm-up: SFT on worked reasoning, {cfg.phase.steps} steps x {B} examples "
+          f"({'all weights, imperfect contract on purpose' if tiny else 'LoRA'})", flush=True)
+    bar = Progress(cfg.phase.steps, "warmup")
+    model.train()
+    for step in range(cfg.phase.steps):
+        t0 = time.time()
+        examples = rng.sample(pool, min(B, len(pool)))
+        batch = {k: v.to(device) for k, v in build_sft_batch(bundle, examples, [warmup_target(e, rng, style) for e in examples]).items()}
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, cfg)
+        loss = sft_loss(model, batch)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip or float("inf"))
+        opt.step()
+        files.write_log(dict(phase="warmup", step=step + 1, sft_loss=loss.item(), grad_norm=float(gnorm),
+                             lr=lr_at(step, cfg), time=dict(step=time.time() - t0)))
+        bar.update(step + 1, f"loss {loss.item():.3f}")
+        if (step + 1) % cfg.run.log_every == 0 and not bar.tty:
+            print(f"[warmup {step + 1}/{cfg.phase.steps}] sft loss {loss.item():.3f}", flush=True)
+    bar.close()
+    model.eval()
+    result = checkpoint_eval(bundle, eval_subset(cfg, val), cfg)
+    print_eval("warmup", cfg.phase.steps, result)
+    files.write_log(dict(event="eval", phase="warmup", step=cfg.phase.steps, metrics=result.flat()))
+    from grpo.policy import adapter_tensors
+    from lora import lora_state_dict
+
+    tensors = base_tensors(model) if tiny else adapter_tensors(lora_state_dict(model))
+    save_checkpoint(files.root, "warmup", cfg.phase.steps, tensors=tensors, optimizer=None,
+                    scheduler_state={"step": cfg.phase.steps}, controller_state={}, data_position=0,
+                    metrics=result.flat(), scores=result.scores, config_json=cfg.to_json(),
+                    extra={"kind": "base" if tiny else "adapter", "base": None})
+
+
+# ----------------------------------------------------------------------------- GRPO phases
+
+
+def resolve_init(cfg: TrainConfig, files: RunFiles) -> tuple[Path | None, str]:
+    """The checkpoint a phase starts from (None = the configured model as is)."""
+    from grpo.checkpoint import resolve
+
+    init = PHASE_INIT[cfg.phase.name] if cfg.phase.init == "auto" else cfg.phase.init
+    if init == "base":
+        return None, init
+    return resolve(files.root, init), init
+
+
+def run_grpo_phase(cfg: TrainConfig, files: RunFiles, device: str) -> None:
+    from eval.evaluate import _content_tokens
+    from grpo.checkpoint import load_checkpoint, read_registry, restore_rng, save_checkpoint
+    from grpo.controller import Controller
+    from grpo.logprobs import completion_logprobs, reference_logprobs
+    from grpo.model import encode_prompts
+    from grpo.policy import adapter_tensors, base_checkpoint_of, build_policy
+    from grpo.rewards import RewardModel
+    from grpo.sampler import sample
+    from kernels.grpo_loss import grpo_loss
+    from lora import disable_adapters, load_lora_state_dict, lora_parameters, lora_state_dict
+    from data.mixture import MixtureStream
+
+    phase = cfg.phase.name
+    # --- where this phase starts: same-phase resume, or the preset's checkpoint alias
+    latest = read_registry(files.root, phase).get("aliases", {}).get("latest")
+    resume = load_checkpoint(files.root / phase / latest) if latest else None
+    if resume is not None and resume.step >= cfg.phase.steps:
+        print(f"phase {phase} already finished at step {resume.step} in {files.root}; "
+              f"raise --phase.steps to continue it, or use a new --run.run_dir")
+        return
+    init_path, init_name = resolve_init(cfg, files)
+    init_ckpt = load_checkpoint(init_path) if init_path is not None else None
+    base_ckpt = base_checkpoint_of(files.root, init_ckpt) if init_ckpt is not None else None
+
+    # --- model: base (+ warm-up weights) -> 4-bit -> LoRA; warm-start the adapter
+    bundle = build_policy(cfg, device, base_ckpt)
+    model = bundle.model
+    if resume is not None:
+        load_lora_state_dict(model, adapter_tensors(resume.tensors))
+    elif init_ckpt is not None and adapter_tensors(init_ckpt.tensors):
+        load_lora_state_dict(model, adapter_tensors(init_ckpt.tensors))  # cross-phase warm start
+    params = lora_parameters(model)
+    opt = torch.optim.AdamW(params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
+
+    # --- data, rewards, controller
+    train, val = load_training_data(cfg)
+    stream = MixtureStream(train, cfg.phase.mixture, cfg.run.seed)
+    eval_examples = eval_subset(cfg, val)
+    rewards = RewardModel(cfg.rewards, cfg.sampling.max_new_tokens, tokenizer=bundle.tokenizer)
+    rewards.validate([ex for s in train for ex in train[s]])
+    controller = Controller(dict(cfg.rewards.weights), cfg.sampling.max_new_tokens,
+                            temperature=cfg.sampling.temperature, phase=phase)
+    start = 0
+    if resume is not None:
+        opt_state_loaded = load_checkpoint(resume.path, optimizer=opt)  # restores AdamW moments
+        start = resume.step
+        stream.load_state_dict({"position": resume.data_position, "seed": cfg.run.seed})
+        controller.load_state_dict(resume.controller_state)
+        restore_rng(opt_state_loaded.rng)
+        print(f"resuming phase {phase} at step {start} from {resume.path}")
+    else:
+        print(f"phase {phase}: starting from {init_name}" + (f" ({init_path})" if init_path else ""))
+    rewards.set_weights(controller.weights)
+    G, L, B = cfg.sampling.G, cfg.sampling.max_new_tokens, cfg.phase.prompts_per_step
+    gen = torch.Generator(device=device).manual_seed(cfg.run.seed * 1_000_003 + start)
+    zero_spread_since_eval: list[float] = []
+    nan_streak = 0
+    bar = Progress(cfg.phase.steps, f"phase {phase}", start)
+
+    for step in range(start, cfg.phase.steps):
+        t_step = time.time()
+        timing = dict(sampling=0.0, rewards=0.0, logprobs=0.0, backward=0.0)
+        lr = lr_at(step, cfg)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        temperature = controller.temperature
+
+        # ---- 1. sample: B prompts x G completions (all micro-batches first: dapo needs the token count)
+        t0 = time.time()
+        rollouts = []
+        for _ in range(cfg.optim.accumulation):
+            examples = stream.next_batch(B)
+            prompts = encode_prompts(bundle, examples, on_bad_image="skip").to(device)
+            out = sample(bundle, prompts, G=G, max_new_tokens=L, temperature=temperature,
+                         top_k=cfg.sampling.top_k, top_p=cfg.sampling.top_p, generator=gen)
+            rollouts.append(([examples[i] for i in prompts.kept], out))
+        timing["sampling"] = time.time() - t0
+        active_tokens = sum(float(out.completion_mask.sum()) for _, out in rollouts)
+
+        opt.zero_grad(set_to_none=True)
+        logs, loss_sum = [], 0.0
+        for examples, out in rollouts:
+            # ---- 2. reward: every completion of the group is scored against its prompt's example
+            t0 = time.time()
+            ex_rows = [examples[n // G] for n in range(len(out.texts))]
+            rb = rewards(ex_rows, out.texts, num_tokens=_content_tokens(out), completion_ids=out.completion_ids)
+            timing["rewards"] += time.time() - t0
+
+            # ---- 3. log-probs: reference (LoRA off, no grad) and policy (with grad), vision reused
+            t0 = time.time()
+            ids, mask = out.completion_ids, out.completion_mask
+            ref_logp = None
+            if cfg.optim.beta > 0:
+                ref_logp = reference_logprobs(model, out.context, ids, mask, G, temperature=temperature,
+                                              ref_context=lambda: disable_adapters(model))
+            logp = completion_logprobs(model, out.context, ids, mask, G, temperature=temperature)
+            timing["logprobs"] += time.time() - t0
+
+            # ---- 4. loss: group-normalised advantages, clipped ratio, k3 KL, aggregation
+            t0 = time.time()
+            prefix = None
+            if cfg.rewards.rubric_mode == "prefix" and rb.prefix is not None:
+                from kernels.grpo_loss import PrefixRubrics
+
+                p = rb.prefix
+                prefix = PrefixRubrics(R_ans=p.R_ans.to(device), s=p.s.to(device), scored=p.scored.to(device),
+                                       rho=p.rho.to(device), t_end=p.t_end.to(device), a=cfg.rewards.prefix_answer_weight)
+            loss, stats = grpo_loss(
+                logp, mask.float(), None if prefix is not None else rb.total.to(device), G=G,
+                ref_logp=ref_logp, beta=cfg.optim.beta, eps_low=cfg.optim.eps_low, eps_high=cfg.optim.eps_high,
+                loss_type=cfg.optim.loss_type, scale=cfg.optim.adv_scale, importance=cfg.optim.importance,
+                max_len=L, prefix=prefix, num_active_tokens=active_tokens,
+            )
+            if cfg.optim.loss_type != "dapo":  # dapo already divides by the whole batch's tokens
+                loss = loss / cfg.optim.accumulation
+
+            # ---- 5. backward into the LoRA parameters
+            if torch.isfinite(loss):
+                loss.backward()
+            loss_sum += float(loss)
+            timing["backward"] += time.time() - t0
+            logs.append((rb, stats, out))
+
+        # NaN guard: skip the update, log it, stop after three in a row.
+        if not math.isfinite(loss_sum):
+            nan_streak += 1
+            opt.zero_grad(set_to_none=True)
+            files.write_log(dict(event="nan", phase=phase, step=step + 1, loss=str(loss_sum)))
+            print(f"[{phase} {step + 1}] non-finite loss {loss_sum}: update skipped ({nan_streak} in a row)")
+            if nan_streak >= 3:
+                raise RuntimeError(f"phase {phase}: 3 non-finite losses in a row at step {step + 1}; lower "
+                                   f"--optim.lr (now {cfg.optim.lr}) or check the rewards; the last good "
+                                   f"checkpoint is in {files.root / phase}")
+        else:
+            nan_streak = 0
+            t0 = time.time()
+            gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip or float("inf"))
+            opt.step()
+            timing["backward"] += time.time() - t0
+
+        # ---- 6. log: one JSON line per optimiser step
+        rb0 = logs[0][0]
+        comps = {k: float(torch.cat([r.components[k] for r, _, _ in logs]).mean()) for k in rb0.components}
+        totals = torch.cat([r.total for r, _, _ in logs])
+        lengths = torch.cat([o.lengths.float() for _, _, o in logs])
+        trunc = torch.cat([o.truncated.float() for _, _, o in logs])
+        st = {k: float(sum(float(getattr(s, k)) for _, s, _ in logs) / len(logs))
+              for k in ("kl_mean", "clip_low_frac", "clip_high_frac", "zero_spread_frac", "adv_abs_mean")}
+        zero_spread_since_eval.append(st["zero_spread_frac"])
+        record = dict(phase=phase, step=step + 1, reward=float(totals.mean()), components=comps,
+                      weights=dict(rewards.weights), loss=loss_sum, kl=st["kl_mean"],
+                      clip_low=st["clip_low_frac"], clip_high=st["clip_high_frac"],
+                      zero_spread=st["zero_spread_frac"], adv_abs=st["adv_abs_mean"],
+                      completion_len=float(lengths.mean()), truncation=float(trunc.mean()), lr=lr,
+                      temperature=temperature, grad_norm=float(gnorm) if nan_streak == 0 else None,
+                      time=dict(timing, step=time.time() - t_step))
+        files.write_log(record)
+        bar.update(step + 1, f"reward {record['reward']:.2f} len {record['completion_len']:.0f}")
+        if (step + 1) % cfg.run.log_every == 0:
+            bar.close() if bar.tty else None
+            print(f"[{phase} {step + 1}/{cfg.phase.steps}] reward {record['reward']:.3f}  "
+                  + " ".join(f"{k} {v:.2f}" for k, v in comps.items())
+                  + f"  len {record['completion_len']:.1f}  zero-spread {record['zero_spread']:.2f}"
+                  f"  {record['time']['step']:.2f}s/step", flush=True)
+
+        # ---- 7-9. eval -> gates -> checkpoint
+        last = step + 1 == cfg.phase.steps
+        if (step + 1) % cfg.run.eval_every == 0 or last:
+            bar.close()
+            result = checkpoint_eval(bundle, eval_examples, cfg)
+            print_eval(phase, step + 1, result)
+            files.write_log(dict(event="eval", phase=phase, step=step + 1, metrics=result.flat()))
+            if cfg.phase.controller:
+                metrics = dict(result.metrics, zero_spread=float(np.mean(zero_spread_since_eval)))
+                for d in controller.update(metrics, result.overall.intervals, n=result.overall.n_prompts):
+                    print(f"  gate: {d}")
+                    files.write_log(dict(event="gate", phase=phase, step=step + 1, rule=d.rule,
+                                         changes={d.target: [d.old, d.new]}, decision=d.to_dict()))
+                rewards.set_weights(controller.weights)
+            zero_spread_since_eval = []
+            save_checkpoint(files.root, phase, step + 1, tensors=adapter_tensors(lora_state_dict(model)),
+                            optimizer=opt, scheduler_state={"step": step + 1},
+                            controller_state=controller.state_dict(), data_position=stream.position,
+                            metrics=result.flat(), scores=result.scores, config_json=cfg.to_json(),
+                            extra={"kind": "adapter",
+                                   "base": str(base_ckpt.relative_to(files.root)) if base_ckpt else None})
+            bar = Progress(cfg.phase.steps, f"phase {phase}", step + 1)
+    bar.close()
+
+
+# ----------------------------------------------------------------------------- phases and CLI
+
+
+def phase_config(phase: str, preset: str, overrides: dict[str, str], requested: str) -> TrainConfig:
+    """The resolved config of one phase: its preset, then --preset, then the CLI overrides.
+
+    Overrides of phase.* and rewards.weights belong to the requested phase only (steps of
+    phase B are not the warm-up's steps); every other override applies to all phases.
+    """
+    cfg = phase_preset(phase)
+    apply_overrides(cfg, PRESETS[preset])
+    if phase == "warmup":  # SFT defaults: bigger batches, more steps, a higher learning rate
+        apply_overrides(cfg, {"phase.steps": 300, "phase.prompts_per_step": 32, "optim.lr": 3e-3,
+                              "optim.warmup_steps": 30, "optim.schedule": "linear"})
+    for key, value in overrides.items():
+        head, _, tail = key.partition(".")
+        if head in PHASES:  # --A.steps 10: for phase A only
+            if head == phase:
+                apply_overrides(cfg, {tail: value})
+        elif phase == requested or not _phase_local(key):
+            apply_overrides(cfg, {key: value})
+    return cfg.validate()
+
+
+def _phase_local(key: str) -> bool:
+    """Keys that describe one phase (its length, batch, mixture, start, reward weights)."""
+    key = key.replace("-", "_")
+    return key.split(".")[0] == "phase" or key in ("rewards.weights", "weights", "steps", "prompts_per_step",
+                                                   "mixture", "init", "controller")
+
+
+def phases_to_run(requested: str, files: RunFiles, init: str) -> list[str]:
+    """The requested phase, preceded by every earlier phase whose checkpoint is missing."""
+    from grpo.checkpoint import read_registry
+
+    order = list(PHASES[: PHASES.index(requested) + 1])
+    if init != "auto":
+        return [requested]
+    plan = [requested]
+    for phase in reversed(order[:-1]):
+        need = PHASE_INIT[plan[0]].split(":")[0]
+        if need != phase or read_registry(files.root, phase).get("aliases"):
+            break
+        plan.insert(0, phase)
+    return plan
+
+
+HELP = """\
+python -m grpo.train --phase {warmup,A,B,C} [--preset tiny|qwen7b] [--init base|SELECTOR|PATH] [--key value ...]
+
+Phases (the staged, metric-gated curriculum):
+  warmup  R1-VL policy warm-up: SFT on worked reasoning (for the embedded tiny model it also
+          teaches perception and leaves an imperfect, partly-compliant base on purpose)
+  A       GRPO on stage 1, structure-heavy weights; starts from warmup:latest
+  B       GRPO on stage 1 (.7) + stage 2 (.3), correctness-heavy; starts from A:best_structure
+  C       GRPO on stage 2 (.6) + stage 3 (.4), tolerance on; starts from B:best_composite
+A phase whose starting checkpoint is missing from the run directory runs the earlier phases
+first, so `python -m grpo.train --phase B` runs warm-up, A and B. --init overrides the start:
+'base' (the model as loaded), a selector such as A:best_structure, or a checkpoint path.
+The same run directory resumes: the adapter, optimiser, schedule, controller, RNG and data
+position of <phase>:latest are restored.
+
+Options (--section.key VALUE, or --key VALUE where the key is unique). phase.* keys and
+rewards.weights apply to the requested phase only; prefix a key with a phase name to set it
+for that phase alone, e.g. --warmup.phase.steps 100 --A.optim.lr 1e-3:
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        print(HELP + describe_fields())
+        return 0
+    ap = argparse.ArgumentParser(add_help=False)
+    ap.add_argument("--phase", default="B", choices=PHASES)
+    ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    ap.add_argument("--init", default="auto")
+    known, rest = ap.parse_known_args(argv)
+    try:
+        overrides = parse_override_args(rest)
+        cfg = phase_config(known.phase, known.preset, overrides, known.phase)
+        if known.init != "auto":
+            cfg.phase.init = known.init
+        files = RunFiles(Path(cfg.run.run_dir))
+        files.root.mkdir(parents=True, exist_ok=True)
+        device = pick_device(cfg.model.device)
+        plan = phases_to_run(known.phase, files, cfg.phase.init) if cfg.run.run_prior_phases else [known.phase]
+        if len(plan) > 1:
+            print(f"phase {known.phase} starts from {PHASE_INIT[known.phase]}, which {files.root} does not have "
+                  f"yet: running {' -> '.join(plan)}")
+        t_run = time.time()
+        for phase in plan:
+            pcfg = cfg if phase == known.phase else phase_config(phase, known.preset, overrides, known.phase)
+            from grpo.checkpoint import check_compatible
+
+            check_compatible(files.root, pcfg)
+            print(f"\n===== phase {phase} =====\nresolved config:\n{pcfg.to_json()}", flush=True)
+            (files.root / f"config_{phase}.json").write_text(pcfg.to_json())
+            seed_everything(pcfg.run.seed)
+            t_phase = time.time()
+            if phase == "warmup":
+                from grpo.checkpoint import read_registry
+
+                if read_registry(files.root, "warmup").get("aliases"):
+                    print("warm-up already done in this run directory; skipping")
+                else:
+                    run_warmup(pcfg, files, device)
+            else:
+                run_grpo_phase(pcfg, files, device)
+            print(f"phase {phase} took {time.time() - t_phase:.0f}s", flush=True)
+        print(f"done in {time.time() - t_run:.0f}s; checkpoints and train_log.jsonl in {files.root}")
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
