@@ -62,6 +62,8 @@ from grpo.config import (
 
 # ----------------------------------------------------------------------------- small helpers
 
+GEN_KEY = "sampler_generator_state"  # checkpoint tensor: the rollout sampler's torch.Generator state
+
 
 def pick_device(name: str) -> str:
     if name == "auto":
@@ -322,12 +324,16 @@ def run_grpo_phase(cfg: TrainConfig, files: RunFiles, device: str) -> None:
         stream.load_state_dict({"position": resume.data_position, "seed": cfg.run.seed})
         controller.load_state_dict(resume.controller_state)
         restore_rng(opt_state_loaded.rng)
+        if GEN_KEY in resume.tensors:  # the sampler's own generator: resumed runs draw what a straight run draws
+            gen_state = resume.tensors[GEN_KEY]
         print(f"resuming phase {phase} at step {start} from {resume.path}")
     else:
         print(f"phase {phase}: starting from {init_name}" + (f" ({init_path})" if init_path else ""))
     rewards.set_weights(controller.weights)
     G, L, B = cfg.sampling.G, cfg.sampling.max_new_tokens, cfg.phase.prompts_per_step
-    gen = torch.Generator(device=device).manual_seed(cfg.run.seed * 1_000_003 + start)
+    gen = torch.Generator(device=device).manual_seed(cfg.run.seed)
+    if resume is not None and GEN_KEY in resume.tensors:
+        gen.set_state(gen_state)
     zero_spread_since_eval: list[float] = []
     nan_streak = 0
     bar = Progress(cfg.phase.steps, f"phase {phase}", start)
@@ -453,7 +459,8 @@ def run_grpo_phase(cfg: TrainConfig, files: RunFiles, device: str) -> None:
                                          changes={d.target: [d.old, d.new]}, decision=d.to_dict()))
                 rewards.set_weights(controller.weights)
             zero_spread_since_eval = []
-            save_checkpoint(files.root, phase, step + 1, tensors=adapter_tensors(lora_state_dict(model)),
+            tensors = dict(adapter_tensors(lora_state_dict(model)), **{GEN_KEY: gen.get_state()})
+            save_checkpoint(files.root, phase, step + 1, tensors=tensors,
                             optimizer=opt, scheduler_state={"step": step + 1},
                             controller_state=controller.state_dict(), data_position=stream.position,
                             metrics=result.flat(), scores=result.scores, config_json=cfg.to_json(),
@@ -533,6 +540,9 @@ for that phase alone, e.g. --warmup.phase.steps 100 --A.optim.lr 1e-3:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one "Loading weights" bar per model load is noise in a training log
     if "-h" in argv or "--help" in argv:
         print(HELP + describe_fields())
         return 0
