@@ -126,6 +126,11 @@ class RunFiles:
             f.write(json.dumps(record) + "\n")
 
 
+def set_threads(n: int) -> None:
+    if n > 0:
+        torch.set_num_threads(n)
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
@@ -572,6 +577,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\n===== phase {phase} =====\nresolved config:\n{pcfg.to_json()}", flush=True)
             (files.root / f"config_{phase}.json").write_text(pcfg.to_json())
             seed_everything(pcfg.run.seed)
+            set_threads(pcfg.run.cpu_threads)
             t_phase = time.time()
             if phase == "warmup":
                 from grpo.checkpoint import read_registry
