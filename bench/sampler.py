@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per side, median (tiny)")
-    p.add_argument("--mid-repeats", type=int, default=1, help="timed runs per side, median (mid)")
+    p.add_argument("--mid-repeats", type=int, default=2, help="timed runs per side, median (mid)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (0 = torch's default)")
     args = p.parse_args(argv)
     if args.threads > 0:
