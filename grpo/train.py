@@ -281,7 +281,7 @@ def resolve_init(cfg: TrainConfig, files: RunFiles) -> tuple[Path | None, str]:
 
 def run_grpo_phase(cfg: TrainConfig, files: RunFiles, device: str) -> None:
     from eval.evaluate import _content_tokens
-    from grpo.checkpoint import load_checkpoint, read_registry, restore_rng, save_checkpoint
+    from grpo.checkpoint import load_checkpoint, read_registry, restore_rng, save_checkpoint, step_dirname
     from grpo.controller import Controller
     from grpo.logprobs import completion_logprobs, reference_logprobs
     from grpo.model import encode_prompts
@@ -295,13 +295,16 @@ def run_grpo_phase(cfg: TrainConfig, files: RunFiles, device: str) -> None:
     phase = cfg.phase.name
     # --- where this phase starts: same-phase resume, or the preset's checkpoint alias
     latest = read_registry(files.root, phase).get("aliases", {}).get("latest")
-    resume = load_checkpoint(files.root / phase / latest) if latest else None
+    resume = load_checkpoint(files.root / phase / step_dirname(latest)) if latest is not None else None
     if resume is not None and resume.step >= cfg.phase.steps:
         print(f"phase {phase} already finished at step {resume.step} in {files.root}; "
               f"raise --phase.steps to continue it, or use a new --run.run_dir")
         return
-    init_path, init_name = resolve_init(cfg, files)
-    init_ckpt = load_checkpoint(init_path) if init_path is not None else None
+    if resume is not None:  # continue on the base this phase was trained on, whatever --init says now
+        init_path, init_name, init_ckpt = resume.path, f"{phase}:latest", resume
+    else:
+        init_path, init_name = resolve_init(cfg, files)
+        init_ckpt = load_checkpoint(init_path) if init_path is not None else None
     base_ckpt = base_checkpoint_of(files.root, init_ckpt) if init_ckpt is not None else None
 
     # --- model: base (+ warm-up weights) -> 4-bit -> LoRA; warm-start the adapter
@@ -511,7 +514,7 @@ def phases_to_run(requested: str, files: RunFiles, init: str) -> list[str]:
     from grpo.checkpoint import read_registry
 
     order = list(PHASES[: PHASES.index(requested) + 1])
-    if init != "auto":
+    if init != "auto" or read_registry(files.root, requested).get("aliases"):  # explicit start, or a resume
         return [requested]
     plan = [requested]
     for phase in reversed(order[:-1]):
