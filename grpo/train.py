@@ -65,6 +65,10 @@ from grpo.config import (
 GEN_KEY = "sampler_generator_state"  # checkpoint tensor: the rollout sampler's torch.Generator state
 
 
+class TrainingDiverged(RuntimeError):
+    """Losses stayed non-finite: the run stops (main() prints one line, exit code 1)."""
+
+
 def pick_device(name: str) -> str:
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
@@ -155,7 +159,14 @@ def load_training_data(cfg: TrainConfig) -> tuple[dict[int, list], dict[int, lis
         from data.jsonl import load_jsonl
         from data.stages import select_stage
 
-        rows = load_jsonl(cfg.run.data)
+        try:
+            rows = load_jsonl(cfg.run.data)
+            # The stage filters keep numeric gold answers only, so rows with an empty answer
+            # would vanish without a word (MathVista `test` is all such rows): name them.
+            if any(not str(ex.answer).strip() for ex in rows):
+                require_gold_answers(rows, cfg.run.data)
+        except (OSError, ValueError) as err:
+            raise ConfigError(f"--run.data: {err}") from None
         train = {s: select_stage(rows, s) for s in stages}
         # Hold out a deterministic tail of each stage for the checkpoint-side eval.
         val = {}
@@ -406,7 +417,7 @@ def run_grpo_phase(cfg: TrainConfig, files: RunFiles, device: str) -> None:
             # ---- 5. backward into the LoRA parameters
             if torch.isfinite(loss):
                 loss.backward()
-            loss_sum += float(loss)
+            loss_sum += float(loss.detach())
             timing["backward"] += time.time() - t0
             logs.append((rb, stats, out))
 
@@ -417,9 +428,9 @@ def run_grpo_phase(cfg: TrainConfig, files: RunFiles, device: str) -> None:
             files.write_log(dict(event="nan", phase=phase, step=step + 1, loss=str(loss_sum)))
             print(f"[{phase} {step + 1}] non-finite loss {loss_sum}: update skipped ({nan_streak} in a row)")
             if nan_streak >= 3:
-                raise RuntimeError(f"phase {phase}: 3 non-finite losses in a row at step {step + 1}; lower "
-                                   f"--optim.lr (now {cfg.optim.lr}) or check the rewards; the last good "
-                                   f"checkpoint is in {files.root / phase}")
+                raise TrainingDiverged(f"phase {phase}: 3 non-finite losses in a row at step {step + 1}; lower "
+                                       f"--optim.lr (now {cfg.optim.lr}) or check the rewards; the last good "
+                                       f"checkpoint is in {files.root / phase}")
         else:
             nan_streak = 0
             t0 = time.time()
@@ -548,6 +559,7 @@ for that phase alone, e.g. --warmup.phase.steps 100 --A.optim.lr 1e-3:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    from grpo.checkpoint import CheckpointError, SelectorError
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # one "Loading weights" bar per model load is noise in a training log
@@ -593,9 +605,12 @@ def main(argv: list[str] | None = None) -> int:
                 run_grpo_phase(pcfg, files, device)
             print(f"phase {phase} took {time.time() - t_phase:.0f}s", flush=True)
         print(f"done in {time.time() - t_run:.0f}s; checkpoints and train_log.jsonl in {files.root}")
-    except ConfigError as err:
+    except (ConfigError, SelectorError) as err:  # the command asks for something wrong: say what
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except (CheckpointError, TrainingDiverged) as err:  # the run failed; its earlier checkpoints are intact
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     return 0
 
 
