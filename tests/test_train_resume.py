@@ -1,0 +1,175 @@
+"""The trainer's resume, crash and NaN paths (issue 7), end to end on the tiny model.
+
+- Resume equality: 4 steps straight == 2 steps, stop, resume for 2 more, bit for bit
+  (every LoRA tensor, the sampler generator, the logged rewards). The checkpoint eval at
+  step 2 runs in both, so this also checks it does not perturb training's RNG.
+- A checkpoint write that fails midway leaves the previous `latest` loadable, and resuming
+  from it reproduces the straight run.
+- Non-finite losses: one is skipped and logged; three in a row stop the run cleanly.
+
+The embedded model starts from random weights here (`--init base`, no warm-up): all its
+completions are truncated garbage with equal verifier rewards, so every advantage would be
+zero and the adapter would never move, making equality trivial. A deterministic bonus that
+depends on the completion text gives each group a reward spread, so the updates are real.
+"""
+
+import contextlib
+import errno
+import io
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import grpo.checkpoint as ckpt_mod
+import kernels.grpo_loss as loss_mod
+from grpo.checkpoint import load_checkpoint, read_registry, resolve
+from grpo.policy import adapter_tensors
+from grpo.rewards import RewardModel
+from grpo.train import GEN_KEY, main
+
+TINY = [
+    "--model.device", "cpu", "--run.train_per_stage", "20", "--run.eval_size", "4",
+    "--sampling.G", "3", "--sampling.max_new_tokens", "8", "--phase.prompts_per_step", "2",
+    "--phase", "A", "--init", "base", "--run.eval_every", "2", "--optim.lr", "1e-2",
+]
+
+
+def train(run_dir: Path, *args: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(["--run.run_dir", str(run_dir), *TINY, *args])
+    return rc, out.getvalue(), err.getvalue()
+
+
+def log_lines(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "train_log.jsonl").read_text().splitlines()]
+
+
+@contextlib.contextmanager
+def reward_spread():
+    """Add a text-dependent bonus in [0, 1] to every reward (see the module docstring)."""
+    original = RewardModel.__call__
+
+    def with_spread(self, examples, completions, **kw):
+        rb = original(self, examples, completions, **kw)
+        rb.total = rb.total + torch.tensor([sum(map(ord, c)) % 5 / 4 for c in completions])
+        return rb
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(RewardModel, "__call__", with_spread)
+        yield
+
+
+def adapter_at(run_dir: Path, selector: str) -> dict[str, torch.Tensor]:
+    return load_checkpoint(resolve(run_dir, selector)).tensors
+
+
+def assert_same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    different = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not different, f"{len(different)} of {len(a)} tensors differ, e.g. {different[:3]}"
+
+
+def rewards_by_step(run_dir: Path) -> dict[int, float]:
+    # later lines win: a crashed run's steps 3-4 are overwritten by the resumed ones
+    return {r["step"]: r["reward"] for r in log_lines(run_dir) if r.get("phase") == "A" and "event" not in r}
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """Four steps in one go (checkpoints at 2 and 4)."""
+    run = tmp_path_factory.mktemp("straight") / "run"
+    with reward_spread():
+        rc, out, err = train(run, "--phase.steps", "4")
+    assert rc == 0, err
+    return run
+
+
+def test_straight_run_trains_the_adapter(straight):
+    t = adapter_tensors(adapter_at(straight, "A:latest"))
+    lora_B = [v for k, v in t.items() if k.endswith(".lora_B")]
+    assert lora_B and any(bool(v.abs().sum() > 0) for v in lora_B), "lora_B is still zero: nothing was learned"
+    assert [c["step"] for c in read_registry(straight, "A")["checkpoints"]] == [2, 4]
+
+
+def test_stop_and_resume_matches_the_straight_run(straight, tmp_path):
+    run = tmp_path / "run"
+    with reward_spread():
+        rc, out, err = train(run, "--phase.steps", "2")
+        assert rc == 0, err
+        assert_same_tensors(adapter_at(run, "A:2"), adapter_at(straight, "A:2"))
+        rc, out, err = train(run, "--phase.steps", "4")
+    assert rc == 0, err
+    assert "resuming phase A at step 2" in out
+    assert_same_tensors(adapter_at(run, "A:latest"), adapter_at(straight, "A:latest"))
+    assert GEN_KEY in adapter_at(run, "A:latest")
+    assert rewards_by_step(run) == rewards_by_step(straight)
+    opt_a = (run / "A" / "step_000004" / "optimizer.safetensors").read_bytes()
+    assert opt_a == (straight / "A" / "step_000004" / "optimizer.safetensors").read_bytes()
+
+
+def test_failed_checkpoint_write_keeps_latest_loadable_and_resumable(straight, tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    real_write = ckpt_mod._write_bytes
+
+    def dies_on_step_4(path: Path, data: bytes) -> None:
+        if "step_000004" in str(path) and path.name == ckpt_mod.OPTIM_TENSORS:  # after the adapter file
+            raise OSError(errno.EIO, "simulated I/O error")
+        real_write(path, data)
+
+    with reward_spread():
+        monkeypatch.setattr(ckpt_mod, "_write_bytes", dies_on_step_4)
+        rc, out, err = train(run, "--phase.steps", "4")
+        assert rc == 1
+        assert err.startswith("error: could not write checkpoint") and "simulated I/O error" in err
+        assert "Traceback" not in err
+        reg = read_registry(run, "A")
+        assert reg["aliases"]["latest"] == 2 and [c["step"] for c in reg["checkpoints"]] == [2]
+        assert not [p.name for p in (run / "A").iterdir() if p.name.startswith((".tmp-", "step_000004"))]
+        assert_same_tensors(adapter_at(run, "A:latest"), adapter_at(straight, "A:2"))
+
+        monkeypatch.setattr(ckpt_mod, "_write_bytes", real_write)
+        rc, out, err = train(run, "--phase.steps", "4")
+    assert rc == 0, err
+    assert "resuming phase A at step 2" in out
+    assert_same_tensors(adapter_at(run, "A:latest"), adapter_at(straight, "A:latest"))
+
+
+def nan_loss_on(calls: set[int]):
+    """grpo_loss that returns NaN on the given (1-based) calls, the real loss otherwise."""
+    real = loss_mod.grpo_loss
+    n = [0]
+
+    def loss(*args, **kw):
+        n[0] += 1
+        value, stats = real(*args, **kw)
+        return (value * float("nan") if n[0] in calls else value), stats
+
+    return loss
+
+
+def test_a_nan_step_is_skipped_and_logged(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    monkeypatch.setattr(loss_mod, "grpo_loss", nan_loss_on({1}))
+    with reward_spread():
+        rc, out, err = train(run, "--phase.steps", "2")
+    assert rc == 0, err
+    nan = [r for r in log_lines(run) if r.get("event") == "nan"]
+    assert [(r["phase"], r["step"], r["loss"]) for r in nan] == [("A", 1, "nan")]
+    steps = {r["step"]: r for r in log_lines(run) if r.get("phase") == "A" and "event" not in r}
+    assert steps[1]["grad_norm"] is None and steps[2]["grad_norm"] is not None
+    assert "non-finite loss nan: update skipped (1 in a row)" in out
+    assert read_registry(run, "A")["aliases"]["latest"] == 2
+
+
+def test_three_nan_steps_in_a_row_stop_the_run(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    monkeypatch.setattr(loss_mod, "grpo_loss", nan_loss_on({1, 2, 3}))
+    rc, out, err = train(run, "--phase.steps", "5", "--run.eval_every", "10")
+    assert rc == 1
+    assert err.startswith("error: phase A: 3 non-finite losses in a row at step 3") and "--optim.lr" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert [r["step"] for r in log_lines(run) if r.get("event") == "nan"] == [1, 2, 3]
+    assert not read_registry(run, "A")["checkpoints"]  # nothing half-trained was saved
