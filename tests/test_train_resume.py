@@ -110,6 +110,20 @@ def test_stop_and_resume_matches_the_straight_run(straight, tmp_path):
     assert opt_a == (straight / "A" / "step_000004" / "optimizer.safetensors").read_bytes()
 
 
+def test_checkpoint_eval_does_not_perturb_training(tmp_path):
+    """With the controller off, evaluating + saving at step 2 must change nothing at step 4."""
+    runs = {}
+    with reward_spread():
+        for every in ("2", "4"):
+            rc, _, err = train(tmp_path / every, "--phase.steps", "4", "--run.eval_every", every,
+                               "--phase.controller", "false")
+            assert rc == 0, err
+            runs[every] = tmp_path / every
+    assert [c["step"] for c in read_registry(runs["2"], "A")["checkpoints"]] == [2, 4]
+    assert [c["step"] for c in read_registry(runs["4"], "A")["checkpoints"]] == [4]
+    assert_same_tensors(adapter_at(runs["2"], "A:latest"), adapter_at(runs["4"], "A:latest"))
+
+
 def test_failed_checkpoint_write_keeps_latest_loadable_and_resumable(straight, tmp_path, monkeypatch):
     run = tmp_path / "run"
     real_write = ckpt_mod._write_bytes
