@@ -14,6 +14,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from grpo.checkpoint import ALIASES, load_checkpoint, read_registry, resolve, step_dirname
 from grpo.config import PHASE_WEIGHTS
@@ -29,8 +30,12 @@ TINY = [
 def train(run_dir: Path, *args: str) -> tuple[int, str, str]:
     """main() on run_dir with the tiny settings: (exit code, stdout, stderr)."""
     out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        rc = main(["--run.run_dir", str(run_dir), *TINY, *args])
+    threads = torch.get_num_threads()  # main() applies --run.cpu_threads to this whole process
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            rc = main(["--run.run_dir", str(run_dir), *TINY, *args])
+    finally:
+        torch.set_num_threads(threads)
     return rc, out.getvalue(), err.getvalue()
 
 

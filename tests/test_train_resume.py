@@ -38,8 +38,12 @@ TINY = [
 
 def train(run_dir: Path, *args: str) -> tuple[int, str, str]:
     out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        rc = main(["--run.run_dir", str(run_dir), *TINY, *args])
+    threads = torch.get_num_threads()  # main() applies --run.cpu_threads to this whole process
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            rc = main(["--run.run_dir", str(run_dir), *TINY, *args])
+    finally:
+        torch.set_num_threads(threads)
     return rc, out.getvalue(), err.getvalue()
 
 
