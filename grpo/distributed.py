@@ -1,0 +1,411 @@
+"""Data-parallel GRPO over processes: ``torchrun --nproc_per_node W -m grpo.train ...``.
+
+What is implemented
+-------------------
+Plain data parallelism on the existing engine, written out (no DDP wrapper, no FSDP).
+Every process ("rank") holds the whole policy -- frozen (4-bit) base + LoRA -- and one GRPO
+step of B prompts (``phase.prompts_per_step`` is the GLOBAL batch) is split over W ranks:
+
+    prompts  every rank reads the same seeded stream and keeps positions r, r+W, r+2W, ...
+             of the step's B prompts (B must be a multiple of W): the union over ranks is
+             exactly the batch one process would take
+    sample   G completions per kept prompt with the rank's own generator, seeded from
+             (seed, rank); a group never straddles ranks, so group advantages stay local
+    loss     each rank scales its micro-batch loss to its *share* of the global loss (table
+             below); the LoRA gradients are then SUMMED over ranks: one all-reduce of the
+             flattened gradients (20M fp32 numbers = 80 MB for the 7B's rank-8 LoRA, about a
+             millisecond over NVLink, so there is no bucketing or overlap with backward)
+    step     identical summed gradients -> identical clipping and AdamW update everywhere:
+             replicas stay equal with no weight broadcast (``check_replicas`` verifies it,
+             exactly, at every checkpoint)
+    log      rank 0 writes the log and checkpoints; logged statistics are averaged over
+             ranks; other ranks' stdout is silenced (stderr, i.e. errors, is kept)
+    eval     rank r greedy-decodes eval prompts r, r+W, ...; the completions are gathered so
+             that every rank scores the same list: the controller must move the reward
+             weights identically on every rank, or the ranks would train different objectives
+
+Loss normalisation: why W ranks equal one process on the global batch
+---------------------------------------------------------------------
+Rank r's micro-batch has n_r rows (completions) and m_r active tokens; N = sum_r n_r and
+M = sum_r m_r are the global micro-batch's counts. ``kernels.grpo_loss`` returns the loss of
+the rows it is given; the global loss is a weighted sum of those per-rank losses:
+
+    loss_type  one process, global micro-batch         share of rank r (times its local loss)
+    grpo       (1/N) sum_i (1/n_i) sum_t l_it           n_r / N
+    dr_grpo    (1/(N L)) sum_it l_it                     n_r / N
+    bnpo       (1/M) sum_it l_it                         m_r / M
+    dapo       (1/M_step) sum_it l_it                    1, and the kernel is given M_step = the
+                                                         active tokens of every micro-batch of
+                                                         every rank (one all-reduce)
+
+Summing the shared-out gradients over ranks then gives the gradient of the global loss.
+adv_scale="batch" (one std over the whole micro-batch, TRL's option) would otherwise use each
+rank's own std: ``advantage_inputs`` computes the global std with two all-reduces and hands
+the kernel r / (std + eps) with scale "none", which is the same advantage
+((r - mean_g) / (std + eps) = r/(std + eps) - mean_g(r/(std + eps))).
+
+What is exact and what is not
+-----------------------------
+- Exact in real arithmetic: given the same rollouts, the summed gradient equals a single
+  process's gradient on the global micro-batch for all four loss types, both advantage scales
+  and gradient accumulation. In floats the sums run in another order (and prompts are padded
+  to another length), so results agree to ~1e-6 relative, not bit for bit. tests/
+  test_distributed.py checks this with fixed rollouts, and checks that a naive average of
+  per-rank losses would NOT match (so the check has teeth).
+- Not the same draws: W ranks sample with W generators, a single process with one, so a
+  W-rank run is a run on the same prompts with other random completions. Equality of whole
+  training runs is therefore not claimed; equality of updates given rollouts is.
+- Logged diagnostics (KL, clip fractions, lengths, reward) are means of per-rank means:
+  exact when ranks hold equal row/token counts. The logged loss and grad norm are exact.
+- The SFT warm-up is not data-parallel: rank 0 runs it while the others wait at a barrier
+  (the process group is created with a 2-hour timeout for that reason).
+
+Backends: NCCL on GPUs (rank r uses cuda:LOCAL_RANK), gloo on CPUs. A run without torchrun's
+environment (WORLD_SIZE unset or 1) gets a single-process ``DataParallel`` whose methods are
+identities, so the trainer has one code path.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+
+
+class DistributedError(ValueError):
+    """A distributed setting that cannot work; the message says which value and what to do."""
+
+
+# ----------------------------------------------------------------------------- the pure parts
+
+
+def shard_positions(n: int, rank: int, world: int) -> list[int]:
+    """Positions of a batch of n that rank ``rank`` of ``world`` keeps: rank, rank+W, ..."""
+    return list(range(rank, n, world))
+
+
+def sampling_seed(seed: int, rank: int, world: int) -> int:
+    """The rank's sampler seed. A single process keeps ``seed`` (runs stay reproducible
+    against older single-process runs); with W > 1 every rank gets an independent stream
+    derived from (seed, rank) by numpy's SeedSequence (not seed + rank, which would make
+    rank 1 of seed 0 draw what rank 0 of seed 1 draws)."""
+    if world == 1:
+        return seed
+    return int(np.random.SeedSequence([seed, rank]).generate_state(1, dtype=np.uint64)[0] >> 1)
+
+
+def loss_share(loss_type: str, rows: float, tokens: float, global_rows: float, global_tokens: float) -> float:
+    """The factor that turns a rank's micro-batch loss into its share of the global loss.
+
+    rows/tokens: this rank's completions and active tokens in the micro-batch; global_*:
+    their sums over ranks. dapo returns 1: its kernel already divides by the global count.
+    """
+    if loss_type not in LOSS_TYPES:
+        raise DistributedError(f"loss_type={loss_type!r}: use one of {', '.join(LOSS_TYPES)}")
+    if loss_type in ("grpo", "dr_grpo"):
+        return rows / max(global_rows, 1.0)
+    if loss_type == "bnpo":
+        return tokens / max(global_tokens, 1.0)
+    return 1.0
+
+
+# ----------------------------------------------------------------------------- the process group
+
+
+@dataclass
+class DataParallel:
+    """This process's place in a data-parallel run; world 1 = a plain single process."""
+
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    device: str = "cpu"
+    owns_group: bool = False  # we created the process group (so we destroy it)
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the one that prints, logs and checkpoints."""
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world > 1
+
+    # -------------------------------------------------------------- batch and sampling
+
+    def check_batch(self, B: int, adv_scale: str = "group", prefix_rubrics: bool = False) -> None:
+        """Refuse settings the split cannot honour, before any work is done."""
+        if B % self.world != 0:
+            raise DistributedError(
+                f"phase.prompts_per_step={B} is the global batch and must split evenly over {self.world} "
+                f"processes; use a multiple of {self.world} (e.g. {self.world * max(1, B // self.world)}) "
+                f"or change --nproc_per_node")
+        if self.enabled and prefix_rubrics and adv_scale == "batch":
+            raise DistributedError(
+                "optim.adv_scale='batch' with rewards.rubric_mode='prefix' is not supported across processes "
+                "(the batch std of every rubric column would need gathering); use adv_scale group or none")
+
+    def shard(self, examples: Sequence[Any]) -> list[Any]:
+        """This rank's prompts of a global batch (positions rank, rank+W, ...)."""
+        return [examples[i] for i in shard_positions(len(examples), self.rank, self.world)]
+
+    def sampling_seed(self, seed: int) -> int:
+        return sampling_seed(seed, self.rank, self.world)
+
+    # -------------------------------------------------------------- loss normalisation
+
+    def loss_shares(self, loss_type: str, masks: Sequence[torch.Tensor]) -> tuple[float, list[float]]:
+        """(active tokens of the whole step, share of each micro-batch) -- see the module table.
+
+        masks: this rank's completion masks, one [n_r, T] per micro-batch. One all-reduce of
+        a [A, 2] tensor of (rows, tokens) gives every micro-batch's global counts.
+        """
+        local = torch.tensor([[float(m.shape[0]), float(m.sum())] for m in masks], dtype=torch.float64)
+        glob = self._all_reduce(local.clone())
+        shares = [loss_share(loss_type, float(n), float(m), float(gn), float(gm))
+                  for (n, m), (gn, gm) in zip(local.tolist(), glob.tolist())]
+        return float(glob[:, 1].sum()), shares
+
+    def advantage_inputs(self, rewards: torch.Tensor, adv_scale: str, eps: float = 1e-4) -> tuple[torch.Tensor, str]:
+        """(rewards, scale) to hand the loss kernel so that scale="batch" uses the global std.
+
+        Single process, or another scale: unchanged. Otherwise the unbiased std of the
+        micro-batch's rewards over all ranks (two all-reduces: mean, then squared
+        deviations, which avoids the cancellation of sum-of-squares) and the rewards
+        divided by (std + eps) with scale "none" -- the same advantages (module doc).
+        """
+        if not self.enabled or adv_scale != "batch":
+            return rewards, adv_scale
+        r = rewards.double()
+        n_sum = self._all_reduce(torch.stack([r.new_tensor(float(r.numel())), r.sum()]))
+        mean = n_sum[1] / n_sum[0].clamp(min=1)
+        sq = self._all_reduce((r - mean).square().sum().reshape(1))[0]
+        std = (sq / (n_sum[0] - 1).clamp(min=1)).sqrt()
+        return (r / (std + eps)).to(rewards.dtype), "none"
+
+    # -------------------------------------------------------------- collectives
+
+    def _all_reduce(self, x: torch.Tensor, op=None) -> torch.Tensor:
+        """In-place all-reduce (SUM by default) through this rank's device; returns x."""
+        if not self.enabled:
+            return x
+        y = x.to(self.device)
+        dist.all_reduce(y, op=op or dist.ReduceOp.SUM)
+        if y is not x:
+            x.copy_(y.to(x.device))
+        return x
+
+    def all_reduce_sum(self, value: float) -> float:
+        """Sum of a Python number over ranks (NaN anywhere -> NaN everywhere)."""
+        return float(self._all_reduce(torch.tensor([value], dtype=torch.float64))[0])
+
+    def all_reduce_gradients(self, params: Sequence[torch.nn.Parameter]) -> None:
+        """Sum the gradients of ``params`` over ranks, in place: one flat all-reduce per dtype.
+
+        A rank whose loss was not finite skipped backward and may hold no gradient: it
+        contributes zeros (the caller's NaN guard then skips the step on every rank).
+        """
+        if not self.enabled:
+            return
+        by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            by_dtype.setdefault(p.grad.dtype, []).append(p)
+        for group in by_dtype.values():
+            flat = torch.cat([p.grad.reshape(-1) for p in group])  # one copy: ~80 MB for the 7B's LoRA
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+            for p, g in zip(group, flat.split([p.numel() for p in group])):
+                p.grad.copy_(g.view_as(p.grad))
+
+    def broadcast_parameters(self, params: Sequence[torch.nn.Parameter]) -> None:
+        """Start every rank from rank 0's values (seeded inits agree anyway; this makes sure)."""
+        if not self.enabled:
+            return
+        with torch.no_grad():
+            for p in params:
+                dist.broadcast(p.data, src=0)
+
+    def check_replicas(self, params: Sequence[torch.nn.Parameter]) -> None:
+        """Raise if any parameter differs between ranks, bit for bit.
+
+        Elementwise max and min over ranks are equal iff every rank holds the same value:
+        two all-reduces of the flattened parameters, run at checkpoints only.
+        """
+        if not self.enabled:
+            return
+        with torch.no_grad():
+            flat = torch.cat([p.detach().float().reshape(-1) for p in params])
+            hi = flat.clone()
+            dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+            dist.all_reduce(flat, op=dist.ReduceOp.MIN)
+            bad = int((hi != flat).sum())
+        if bad:
+            raise RuntimeError(f"rank {self.rank}: {bad} LoRA parameters differ between ranks; the replicas "
+                               "drifted apart (a rank took a different step) -- this is a bug, please report it")
+
+    def mean_over_ranks(self, record: dict[str, Any]) -> dict[str, Any]:
+        """The same dict with every float/int leaf averaged over ranks (nested dicts too).
+
+        Strings, bools and None pass through; values that are equal on every rank (the
+        learning rate, the weights, the global loss) come back unchanged up to rounding.
+        """
+        if not self.enabled:
+            return record
+        keys: list[tuple[str, ...]] = []
+
+        def walk(d: dict, path: tuple[str, ...]) -> None:
+            for k, v in d.items():
+                if isinstance(v, dict):
+                    walk(v, path + (k,))
+                elif isinstance(v, (int, float)) and not isinstance(v, bool):
+                    keys.append(path + (k,))
+
+        walk(record, ())
+
+        def get(path):
+            d = record
+            for k in path:
+                d = d[k]
+            return d
+
+        vals = self._all_reduce(torch.tensor([float(get(p)) for p in keys], dtype=torch.float64)) / self.world
+        out = _deep_copy_dicts(record)
+        for path, v in zip(keys, vals.tolist()):
+            d = out
+            for k in path[:-1]:
+                d = d[k]
+            d[path[-1]] = v
+        return out
+
+    def gather_objects(self, obj: Any) -> list[Any]:
+        """[obj of rank 0, obj of rank 1, ...] on every rank (pickled; small objects only)."""
+        if not self.enabled:
+            return [obj]
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
+
+    def barrier(self) -> None:
+        if self.enabled:
+            dist.barrier()
+
+    # -------------------------------------------------------------- checkpoint pieces
+
+    @staticmethod
+    def _rank_key(key: str, rank: int) -> str:
+        return key if rank == 0 else f"{key}.rank{rank}"
+
+    def generator_key(self, key: str) -> str:
+        """Checkpoint key of this rank's sampler generator state (rank 0 keeps ``key``)."""
+        return self._rank_key(key, self.rank)
+
+    def generator_states(self, key: str, gen: torch.Generator) -> dict[str, torch.Tensor]:
+        """{key: rank 0's state, key.rank1: rank 1's, ...}: what rank 0 saves, so a resumed
+        W-rank run draws what a straight one draws (a collective: call it on every rank)."""
+        states = self.gather_objects(gen.get_state())
+        return {self._rank_key(key, r): s for r, s in enumerate(states)}
+
+    # -------------------------------------------------------------- evaluation
+
+    def evaluate(self, bundle: Any, examples: Sequence[Any], protocol: Any) -> Any:
+        """eval.evaluate.evaluate_model, with the prompts split over ranks and the completions
+        gathered: every rank returns the same EvalResult.
+
+        Each rank decodes its share in batches seeded like evaluate_model's (seed + batch
+        start within the share): greedy results equal a single process's; sampled ones
+        (temperature > 0) are other draws.
+        """
+        from eval.evaluate import evaluate_completions, evaluate_model
+
+        if not self.enabled:
+            return evaluate_model(bundle, examples, protocol)
+        mine = shard_positions(len(examples), self.rank, self.world)
+        local = _completions(bundle, [examples[i] for i in mine], protocol)
+        completions: list[list[str]] = [[] for _ in examples]
+        token_counts: list[list[int]] = [[] for _ in examples]
+        for positions, results in self.gather_objects((mine, local)):
+            for i, (texts, counts) in zip(positions, results):
+                completions[i], token_counts[i] = texts, counts
+        result = evaluate_completions(examples, completions, token_counts, protocol.max_new_tokens)
+        lost = result.skipped.pop("no_completions", 0)
+        if lost:
+            result.skipped["sampler_skipped"] = lost
+        return result
+
+    def close(self) -> None:
+        """Destroy the process group if this object created it."""
+        if self.owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+            self.owns_group = False
+
+
+def _deep_copy_dicts(d: dict) -> dict:
+    return {k: _deep_copy_dicts(v) if isinstance(v, dict) else v for k, v in d.items()}
+
+
+def _completions(bundle: Any, examples: Sequence[Any], protocol: Any) -> list[tuple[list[str], list[int]]]:
+    """(texts, content token counts) per example, as eval.evaluate.evaluate_model samples them."""
+    from eval.evaluate import _content_tokens
+    from grpo.model import encode_prompts
+    from grpo.sampler import sample
+
+    out: list[tuple[list[str], list[int]]] = [([], []) for _ in examples]
+    for start in range(0, len(examples), protocol.batch_size):
+        batch = list(examples[start : start + protocol.batch_size])
+        try:
+            prompts = encode_prompts(bundle, batch, on_bad_image="skip").to(bundle.device)
+        except ValueError:  # every image of the batch failed: no completions for them
+            continue
+        res = sample(bundle, prompts, G=protocol.samples_per_prompt, max_new_tokens=protocol.max_new_tokens,
+                     temperature=protocol.temperature, top_k=protocol.top_k, top_p=protocol.top_p,
+                     seed=protocol.seed + start)
+        ntok = _content_tokens(res)
+        for n, text in enumerate(res.texts):  # row n belongs to kept prompt n // G
+            texts, counts = out[start + prompts.kept[n // res.G]]
+            texts.append(text)
+            counts.append(int(ntok[n]))
+    return out
+
+
+def init_distributed(device: str, quiet: bool = True) -> DataParallel:
+    """Join the process group torchrun describes (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_*).
+
+    Without those variables (or WORLD_SIZE=1): a single-process DataParallel on ``device``.
+    With them: NCCL and cuda:LOCAL_RANK when ``device`` is a CUDA device, gloo otherwise.
+    ``quiet``: silence stdout on ranks > 0 (every rank runs the same prints).
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return DataParallel(device=device)
+    try:
+        rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
+    except KeyError as e:
+        raise DistributedError(f"WORLD_SIZE={world} but {e.args[0]} is not set; launch with "
+                               "`torchrun --nproc_per_node N -m grpo.train ...`") from None
+    if device.startswith("cuda"):
+        n_gpus = torch.cuda.device_count()
+        if local_rank >= n_gpus:
+            raise DistributedError(f"LOCAL_RANK={local_rank} but this machine has {n_gpus} CUDA device(s); "
+                                   f"use --nproc_per_node {n_gpus} or fewer")
+        device, backend = f"cuda:{local_rank}", "nccl"
+        torch.cuda.set_device(local_rank)
+    else:
+        backend = "gloo"
+    owns = False
+    if not dist.is_initialized():
+        # 2 hours: ranks > 0 wait at a barrier while rank 0 runs the (not data-parallel) warm-up.
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(hours=2))
+        owns = True
+    if quiet and rank != 0:
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 -- lives as long as the process
+    return DataParallel(rank=rank, world=world, local_rank=local_rank, device=device, owns_group=owns)
