@@ -120,12 +120,15 @@ class RunFiles:
     """Where a run writes: <run_dir>/config_<phase>.json, train_log.jsonl, <phase>/step_N."""
 
     root: Path
+    writer: bool = True  # False on ranks > 0 of a data-parallel run: rank 0 writes the log
 
     @property
     def log(self) -> Path:
         return self.root / "train_log.jsonl"
 
     def write_log(self, record: dict) -> None:
+        if not self.writer:
+            return
         with self.log.open("a") as f:
             f.write(json.dumps(record) + "\n")
 
@@ -196,11 +199,13 @@ def eval_subset(cfg: TrainConfig, val: dict[int, list]) -> list:
 # ----------------------------------------------------------------------------- eval + checkpoint
 
 
-def checkpoint_eval(bundle, examples, cfg: TrainConfig):
+def checkpoint_eval(bundle, examples, cfg: TrainConfig, dp=None):
     from eval.evaluate import EvalProtocol, evaluate_model
 
     protocol = EvalProtocol(max_new_tokens=cfg.sampling.max_new_tokens, temperature=0.0,
                             seed=cfg.run.seed, batch_size=64)
+    if dp is not None and dp.enabled:  # prompts split over ranks, completions gathered (grpo/distributed.py)
+        return dp.evaluate(bundle, examples, protocol)
     return evaluate_model(bundle, examples, protocol)
 
 
