@@ -295,8 +295,9 @@ def resolve_init(cfg: TrainConfig, files: RunFiles) -> tuple[Path | None, str]:
     return resolve(files.root, init), init
 
 
-def run_grpo_phase(cfg: TrainConfig, files: RunFiles, device: str) -> None:
+def run_grpo_phase(cfg: TrainConfig, files: RunFiles, device: str, dp=None) -> None:
     from eval.evaluate import _content_tokens
+    from grpo.distributed import DataParallel
     from grpo.checkpoint import load_checkpoint, read_registry, restore_rng, save_checkpoint, step_dirname
     from grpo.controller import Controller
     from grpo.logprobs import completion_logprobs, reference_logprobs
@@ -309,6 +310,9 @@ def run_grpo_phase(cfg: TrainConfig, files: RunFiles, device: str) -> None:
     from data.mixture import MixtureStream
 
     phase = cfg.phase.name
+    dp = dp if dp is not None else DataParallel(device=device)  # world 1 unless under torchrun
+    dp.check_batch(cfg.phase.prompts_per_step, cfg.optim.adv_scale, cfg.rewards.rubric_mode == "prefix")
+    gen_key = dp.generator_key(GEN_KEY)  # each rank saves and restores its own sampler generator
     # --- where this phase starts: same-phase resume, or the preset's checkpoint alias
     latest = read_registry(files.root, phase).get("aliases", {}).get("latest")
     resume = load_checkpoint(files.root / phase / step_dirname(latest)) if latest is not None else None
@@ -331,6 +335,7 @@ def run_grpo_phase(cfg: TrainConfig, files: RunFiles, device: str) -> None:
     elif init_ckpt is not None and adapter_tensors(init_ckpt.tensors):
         load_lora_state_dict(model, adapter_tensors(init_ckpt.tensors))  # cross-phase warm start
     params = lora_parameters(model)
+    dp.broadcast_parameters(params)  # all ranks start from rank 0's adapter
     opt = torch.optim.AdamW(params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
 
     # --- data, rewards, controller
@@ -348,15 +353,15 @@ def run_grpo_phase(cfg: TrainConfig, files: RunFiles, device: str) -> None:
         stream.load_state_dict({"position": resume.data_position, "seed": cfg.run.seed})
         controller.load_state_dict(resume.controller_state)
         restore_rng(opt_state_loaded.rng)
-        if GEN_KEY in resume.tensors:  # the sampler's own generator: resumed runs draw what a straight run draws
-            gen_state = resume.tensors[GEN_KEY]
+        if gen_key in resume.tensors:  # the sampler's own generator: resumed runs draw what a straight run draws
+            gen_state = resume.tensors[gen_key]
         print(f"resuming phase {phase} at step {start} from {resume.path}")
     else:
         print(f"phase {phase}: starting from {init_name}" + (f" ({init_path})" if init_path else ""))
     rewards.set_weights(controller.weights)
     G, L, B = cfg.sampling.G, cfg.sampling.max_new_tokens, cfg.phase.prompts_per_step
-    gen = torch.Generator(device=device).manual_seed(cfg.run.seed)
-    if resume is not None and GEN_KEY in resume.tensors:
+    gen = torch.Generator(device=device).manual_seed(dp.sampling_seed(cfg.run.seed))
+    if resume is not None and gen_key in resume.tensors:
         gen.set_state(gen_state)
     zero_spread_since_eval: list[float] = []
     nan_streak = 0
@@ -374,7 +379,7 @@ def run_grpo_phase(cfg: TrainConfig, files: RunFiles, device: str) -> None:
         t0 = time.time()
         rollouts = []
         for _ in range(cfg.optim.accumulation):
-            examples = stream.next_batch(B)
+            examples = dp.shard(stream.next_batch(B))  # B is global: this rank's B / world prompts
             prompts = encode_prompts(bundle, examples, on_bad_image="skip").to(device)
             out = sample(bundle, prompts, G=G, max_new_tokens=L, temperature=temperature,
                          top_k=cfg.sampling.top_k, top_p=cfg.sampling.top_p, generator=gen)
