@@ -385,11 +385,13 @@ def run_grpo_phase(cfg: TrainConfig, files: RunFiles, device: str, dp=None) -> N
                          top_k=cfg.sampling.top_k, top_p=cfg.sampling.top_p, generator=gen)
             rollouts.append(([examples[i] for i in prompts.kept], out))
         timing["sampling"] = time.time() - t0
-        active_tokens = sum(float(out.completion_mask.sum()) for _, out in rollouts)
+        # dapo divides by the active tokens of the whole step (every micro-batch of every rank);
+        # share scales a micro-batch's loss to this rank's part of the global loss (1 on one process)
+        active_tokens, shares = dp.loss_shares(cfg.optim.loss_type, [out.completion_mask for _, out in rollouts])
 
         opt.zero_grad(set_to_none=True)
         logs, loss_sum = [], 0.0
-        for examples, out in rollouts:
+        for (examples, out), share in zip(rollouts, shares):
             # ---- 2. reward: every completion of the group is scored against its prompt's example
             t0 = time.time()
             ex_rows = [examples[n // G] for n in range(len(out.texts))]
@@ -415,12 +417,14 @@ def run_grpo_phase(cfg: TrainConfig, files: RunFiles, device: str, dp=None) -> N
                 p = rb.prefix
                 prefix = PrefixRubrics(R_ans=p.R_ans.to(device), s=p.s.to(device), scored=p.scored.to(device),
                                        rho=p.rho.to(device), t_end=p.t_end.to(device), a=cfg.rewards.prefix_answer_weight)
+            adv_rewards, adv_scale = dp.advantage_inputs(rb.total.to(device), cfg.optim.adv_scale)  # batch std over ranks
             loss, stats = grpo_loss(
-                logp, mask.float(), None if prefix is not None else rb.total.to(device), G=G,
+                logp, mask.float(), None if prefix is not None else adv_rewards, G=G,
                 ref_logp=ref_logp, beta=cfg.optim.beta, eps_low=cfg.optim.eps_low, eps_high=cfg.optim.eps_high,
-                loss_type=cfg.optim.loss_type, scale=cfg.optim.adv_scale, importance=cfg.optim.importance,
+                loss_type=cfg.optim.loss_type, scale=adv_scale, importance=cfg.optim.importance,
                 max_len=L, prefix=prefix, num_active_tokens=active_tokens,
             )
+            loss = loss * share
             if cfg.optim.loss_type != "dapo":  # dapo already divides by the whole batch's tokens
                 loss = loss / cfg.optim.accumulation
 
@@ -431,6 +435,7 @@ def run_grpo_phase(cfg: TrainConfig, files: RunFiles, device: str, dp=None) -> N
             timing["backward"] += time.time() - t0
             logs.append((rb, stats, out))
 
+        loss_sum = dp.all_reduce_sum(loss_sum)  # the global loss: non-finite on any rank skips the step on all
         # NaN guard: skip the update, log it, stop after three in a row.
         if not math.isfinite(loss_sum):
             nan_streak += 1
@@ -444,6 +449,7 @@ def run_grpo_phase(cfg: TrainConfig, files: RunFiles, device: str, dp=None) -> N
         else:
             nan_streak = 0
             t0 = time.time()
+            dp.all_reduce_gradients(params)  # sum of the ranks' shares = the global batch's gradient
             gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip or float("inf"))
             opt.step()
             timing["backward"] += time.time() - t0
@@ -454,8 +460,10 @@ def run_grpo_phase(cfg: TrainConfig, files: RunFiles, device: str, dp=None) -> N
         totals = torch.cat([r.total for r, _, _ in logs])
         lengths = torch.cat([o.lengths.float() for _, _, o in logs])
         trunc = torch.cat([o.truncated.float() for _, _, o in logs])
-        st = {k: float(sum(float(getattr(s, k)) for _, s, _ in logs) / len(logs))
-              for k in ("kl_mean", "clip_low_frac", "clip_high_frac", "zero_spread_frac", "adv_abs_mean")}
+        # averaged over ranks: the controller's zero-spread gate must see the same value on every rank
+        st = dp.mean_over_ranks({k: float(sum(float(getattr(s, k)) for _, s, _ in logs) / len(logs))
+                                 for k in ("kl_mean", "clip_low_frac", "clip_high_frac", "zero_spread_frac",
+                                           "adv_abs_mean")})
         zero_spread_since_eval.append(st["zero_spread_frac"])
         record = dict(phase=phase, step=step + 1, reward=float(totals.mean()), components=comps,
                       weights=dict(rewards.weights), loss=loss_sum, kl=st["kl_mean"],
@@ -464,12 +472,13 @@ def run_grpo_phase(cfg: TrainConfig, files: RunFiles, device: str, dp=None) -> N
                       completion_len=float(lengths.mean()), truncation=float(trunc.mean()), lr=lr,
                       temperature=temperature, grad_norm=float(gnorm) if nan_streak == 0 else None,
                       time=dict(timing, step=time.time() - t_step))
+        record = dp.mean_over_ranks(record)  # rank 0 logs the means over ranks
         files.write_log(record)
         bar.update(step + 1, f"reward {record['reward']:.2f} len {record['completion_len']:.0f}")
         if (step + 1) % cfg.run.log_every == 0:
             bar.close() if bar.tty else None
             print(f"[{phase} {step + 1}/{cfg.phase.steps}] reward {record['reward']:.3f}  "
-                  + " ".join(f"{k} {v:.2f}" for k, v in comps.items())
+                  + " ".join(f"{k} {v:.2f}" for k, v in record["components"].items())
                   + f"  len {record['completion_len']:.1f}  zero-spread {record['zero_spread']:.2f}"
                   f"  {record['time']['step']:.2f}s/step", flush=True)
 
