@@ -486,7 +486,7 @@ def run_grpo_phase(cfg: TrainConfig, files: RunFiles, device: str, dp=None) -> N
         last = step + 1 == cfg.phase.steps
         if (step + 1) % cfg.run.eval_every == 0 or last:
             bar.close()
-            result = checkpoint_eval(bundle, eval_examples, cfg)
+            result = checkpoint_eval(bundle, eval_examples, cfg, dp)
             print_eval(phase, step + 1, result)
             files.write_log(dict(event="eval", phase=phase, step=step + 1, metrics=result.flat()))
             if cfg.phase.controller:
@@ -497,13 +497,15 @@ def run_grpo_phase(cfg: TrainConfig, files: RunFiles, device: str, dp=None) -> N
                                          changes={d.target: [d.old, d.new]}, decision=d.to_dict()))
                 rewards.set_weights(controller.weights)
             zero_spread_since_eval = []
-            tensors = dict(adapter_tensors(lora_state_dict(model)), **{GEN_KEY: gen.get_state()})
-            save_checkpoint(files.root, phase, step + 1, tensors=tensors,
-                            optimizer=opt, scheduler_state={"step": step + 1},
-                            controller_state=controller.state_dict(), data_position=stream.position,
-                            metrics=result.flat(), scores=result.scores, config_json=cfg.to_json(),
-                            extra={"kind": "adapter",
-                                   "base": str(base_ckpt.relative_to(files.root)) if base_ckpt else None})
+            dp.check_replicas(params)  # every rank must hold the adapter rank 0 is about to save
+            tensors = dict(adapter_tensors(lora_state_dict(model)), **dp.generator_states(GEN_KEY, gen))
+            if dp.is_main:
+                save_checkpoint(files.root, phase, step + 1, tensors=tensors,
+                                optimizer=opt, scheduler_state={"step": step + 1},
+                                controller_state=controller.state_dict(), data_position=stream.position,
+                                metrics=result.flat(), scores=result.scores, config_json=cfg.to_json(),
+                                extra={"kind": "adapter",
+                                       "base": str(base_ckpt.relative_to(files.root)) if base_ckpt else None})
             bar = Progress(cfg.phase.steps, f"phase {phase}", step + 1)
     bar.close()
 
