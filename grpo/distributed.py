@@ -78,10 +78,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from grpo.config import ConfigError
+
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 
 
-class DistributedError(ValueError):
+class DistributedError(ConfigError):
     """A distributed setting that cannot work; the message says which value and what to do."""
 
 

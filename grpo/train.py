@@ -592,6 +592,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     ap.add_argument("--init", default="auto")
     known, rest = ap.parse_known_args(argv)
+    dp = None
     try:
         overrides = parse_override_args(rest)
         cfg = phase_config(known.phase, known.preset, overrides, known.phase)
@@ -600,6 +601,10 @@ def main(argv: list[str] | None = None) -> int:
         files = RunFiles(Path(cfg.run.run_dir))
         files.root.mkdir(parents=True, exist_ok=True)
         device = pick_device(cfg.model.device)
+        from grpo.distributed import init_distributed
+
+        dp = init_distributed(device)  # torchrun: this rank's process group and device; else one process
+        device, files.writer = dp.device, dp.is_main
         plan = phases_to_run(known.phase, files, cfg.phase.init) if cfg.run.run_prior_phases else [known.phase]
         if len(plan) > 1:
             print(f"phase {known.phase} starts from {PHASE_INIT[known.phase]}, which {files.root} does not have "
@@ -610,8 +615,10 @@ def main(argv: list[str] | None = None) -> int:
             from grpo.checkpoint import check_compatible
 
             check_compatible(files.root, pcfg)
+            dp.barrier()  # every rank has read the run directory (and rank 0 finished writing it)
             print(f"\n===== phase {phase} =====\nresolved config:\n{pcfg.to_json()}", flush=True)
-            (files.root / f"config_{phase}.json").write_text(pcfg.to_json())
+            if dp.is_main:
+                (files.root / f"config_{phase}.json").write_text(pcfg.to_json())
             seed_everything(pcfg.run.seed)
             set_threads(pcfg.run.cpu_threads)
             t_phase = time.time()
@@ -620,10 +627,10 @@ def main(argv: list[str] | None = None) -> int:
 
                 if read_registry(files.root, "warmup").get("aliases"):
                     print("warm-up already done in this run directory; skipping")
-                else:
+                elif dp.is_main:  # the SFT warm-up is not data-parallel: rank 0 runs it, the others wait
                     run_warmup(pcfg, files, device)
             else:
-                run_grpo_phase(pcfg, files, device)
+                run_grpo_phase(pcfg, files, device, dp)
             print(f"phase {phase} took {time.time() - t_phase:.0f}s", flush=True)
         print(f"done in {time.time() - t_run:.0f}s; checkpoints and train_log.jsonl in {files.root}")
     except (ConfigError, SelectorError) as err:  # the command asks for something wrong: say what
@@ -632,6 +639,9 @@ def main(argv: list[str] | None = None) -> int:
     except (CheckpointError, TrainingDiverged) as err:  # the run failed; its earlier checkpoints are intact
         print(f"error: {err}", file=sys.stderr)
         return 1
+    finally:
+        if dp is not None:
+            dp.close()
     return 0
 
 
