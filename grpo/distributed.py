@@ -256,7 +256,7 @@ class DataParallel:
                                "drifted apart (a rank took a different step) -- this is a bug, please report it")
 
     def mean_over_ranks(self, record: dict[str, Any]) -> dict[str, Any]:
-        """The same dict with every float/int leaf averaged over ranks (nested dicts too).
+        """The same dict with every float leaf averaged over ranks (nested dicts too).
 
         Strings, bools and None pass through; values that are equal on every rank (the
         learning rate, the weights, the global loss) come back unchanged up to rounding.
@@ -269,7 +269,7 @@ class DataParallel:
             for k, v in d.items():
                 if isinstance(v, dict):
                     walk(v, path + (k,))
-                elif isinstance(v, (int, float)) and not isinstance(v, bool):
+                elif isinstance(v, float):  # ints (the step) and bools are the same on every rank
                     keys.append(path + (k,))
 
         walk(record, ())
