@@ -1,0 +1,260 @@
+"""Fast rollouts: decode from a bf16 copy of the language model with LoRA merged in.
+
+Why. The policy is a 4-bit (NF4) base plus LoRA. For a *batch* of rows, bitsandbytes runs
+an NF4 linear as dequantise-to-bf16 + bf16 matmul, so every decode step reads the packed
+weights (0.5 B/param), writes a bf16 copy (2 B/param) and reads it back (2 B/param), and
+runs the LoRA branch as two extra skinny matmuls per layer. Decode is memory-bound, so that
+is ~4.5 bytes of traffic per parameter per step against 2 for a bf16 model: about 2x
+slower. Training needs the 4-bit base (the backward pass fits); sampling does not.
+
+What is implemented
+-------------------
+``MergedRollout(model)`` keeps, next to the policy, one bf16 weight per adapted (or 4-bit)
+projection of the language model:
+
+    W' = dequant(W_nf4) + (alpha / r) B A        computed in fp32, rounded once to bf16
+
+and ``refresh()`` recomputes them *in place* after every optimiser step (cost: one
+dequantisation of the base, ~0.1 s for the 7B on a GPU; the addresses stay fixed, which is
+what a captured CUDA graph needs). Everything else -- embeddings, norms, rotary tables,
+lm_head, the vision tower -- is the policy's own module, shared, not copied. For the 7B
+the copy is the 28 x 7 projections, 6.5B parameters = 13 GB of bf16.
+
+``MergedRollout.sample`` is ``grpo.sampler.sample`` with the decode loop swapped:
+
+    prefill     the policy itself (vision tower + M-RoPE via transformers, 4-bit + LoRA):
+                once per prompt, compute-bound, so the dequantisation cost is amortised
+    KV cache    static: [N, H_kv, S, D] per layer, S = prompt + max_new_tokens rounded up to
+                64, zero-filled (masked columns must hold finite numbers: 0 * NaN = NaN)
+    decode      ``_decode_step``: the decoder layer written with F.linear over the merged
+                weights; every tensor has a fixed shape (the new K/V go in with
+                index_copy_ at a column held in a device tensor, attention reads all S
+                columns under a key mask), so on CUDA the whole step -- 28 layers, ~600
+                kernels -- is captured once per ``sample`` call into a CUDA graph and
+                replayed: one launch per token instead of ~600 (``graphs``)
+    sampling    grpo.sampler.sample_token, eager, outside the graph (it owns the RNG)
+
+GQA without copies: the H_q / H_kv query heads that share one K/V head are laid out as that
+head's "query rows" ([N, H_kv, g, D] against K [N, H_kv, S, D]), so attention reads each K/V
+head once; ``enable_gqa`` would fall back to repeating K/V g times on kernels that take a
+mask.
+
+Numerics. Sampling from W' instead of (W_nf4, B, A) changes the logits by bf16 rounding
+(the policy rounds W x and B A x separately). The trainer's loss does not use the sampler's
+log-probs (old = detached current, mu = 1), so this only makes rollouts off-policy by
+rounding, as in every setup that samples with a separate inference engine. On the tiny
+fp32 model the two paths give the same greedy tokens (tests/test_rollout_fast.py).
+
+Simplified / left out: no batch compaction (finished rows keep decoding: shapes must stay
+fixed for the graph, and at decode batch sizes a step costs the weight reads, not the rows);
+no torch.compile (the graph removes the launch overhead, the matmuls are cuBLAS already);
+one graph per ``sample`` call, recaptured each time (~3 steps' worth of work out of 256),
+so the KV cache is freed between rollouts; the plain path (grpo/sampler.py) stays the
+default and the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from grpo import fast_decode
+from grpo.model import ModelBundle, PromptBatch
+from grpo.prompt_context import build_prompt_context, group_rows
+from grpo.sampler import SampleOutput, _check_args, prefill, sample_token, stop_token_ids
+from lora.layer import LoRALinear, is_linear4bit
+from lora.quant import dequantize_weight
+
+PROJECTIONS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"), ("self_attn", "o_proj"),
+               ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
+S_ROUND = 64  # KV cache length rounded up to this (aligned key masks for the fused attention kernels)
+
+
+def _merged_fp32(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(W' [out, in] fp32, bias) of a plain, 4-bit or LoRA-wrapped linear layer."""
+    if isinstance(module, LoRALinear):
+        # The adapter is merged even if it is switched off at this moment: rollouts come from the policy.
+        return dequantize_weight(module.base_layer) + module.delta_weight(), module.base_layer.bias
+    return dequantize_weight(module), module.bias
+
+
+def _needs_copy(module: nn.Module) -> bool:
+    return isinstance(module, LoRALinear) or is_linear4bit(module)
+
+
+class MergedRollout:
+    """A bf16 (the model's compute dtype) merged copy of the LM projections + a graph-captured decode step."""
+
+    def __init__(self, model: nn.Module, graphs: str | bool = "auto"):
+        if not fast_decode.supports(model):
+            raise ValueError("MergedRollout supports Qwen2.5-VL-style text decoders with default rotary, full "
+                             "attention and sdpa/eager attention; set sampling.rollout=plain for this model")
+        if graphs not in ("auto", True, False):
+            raise ValueError(f"graphs={graphs!r}: use 'auto' (CUDA graphs on CUDA), True or False")
+        self.model = model
+        self.lm = model.model.language_model
+        self.dtype = self.lm.embed_tokens.weight.dtype  # bf16 for the 7B, fp32 for the tiny CPU model
+        self.device = self.lm.embed_tokens.weight.device
+        self.graphs = (self.device.type == "cuda") if graphs == "auto" else bool(graphs)
+        if self.graphs and self.device.type != "cuda":
+            raise ValueError("graphs=True needs the model on a CUDA device; use graphs='auto' or False on a CPU")
+        # One [out, in] weight (and bias) per projection per layer, allocated once, refreshed in place.
+        self.weights: list[dict[str, tuple[torch.Tensor, torch.Tensor | None]]] = []
+        for layer in self.lm.layers:
+            per_layer = {}
+            for block, name in PROJECTIONS:
+                module = getattr(getattr(layer, block), name)
+                W, b = _merged_fp32(module)
+                per_layer[name] = (W.to(self.dtype), None if b is None else b.detach().to(self.dtype).clone())
+            self.weights.append(per_layer)
+        head = model.lm_head
+        self.lm_head = _merged_fp32(head)[0].to(self.dtype) if _needs_copy(head) else head.weight
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the merged copy (what it costs on top of the policy)."""
+        n = sum(W.numel() * W.element_size() for layer in self.weights for W, _ in layer.values())
+        return n + (self.lm_head.numel() * self.lm_head.element_size() if _needs_copy(self.model.lm_head) else 0)
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Re-merge the current adapter into the copy, in place (call after every optimiser step)."""
+        for layer, per_layer in zip(self.lm.layers, self.weights):
+            for block, name in PROJECTIONS:
+                W, _ = per_layer[name]
+                W.copy_(_merged_fp32(getattr(getattr(layer, block), name))[0])
+        if _needs_copy(self.model.lm_head):
+            self.lm_head.copy_(_merged_fp32(self.model.lm_head)[0])
+
+    # ------------------------------------------------------------------ the decode step
+
+    def _decode_step(self, token: torch.Tensor, position: torch.Tensor, col: torch.Tensor,
+                     key_mask: torch.Tensor) -> torch.Tensor:
+        """token [N] at position [N], written to cache column col [1]; key_mask [N, S] bool -> logits [N, V] fp32.
+
+        Fixed shapes, no host syncs, no Python branches on tensor values: capturable.
+        """
+        N = token.shape[0]
+        x = self.lm.embed_tokens(token[:, None])  # [N, 1, d]
+        cos, sin = fast_decode.rotary_cos_sin(self.model, position, x.dtype)  # [N, 1, 1, D]
+        mask = key_mask[:, None, None, :]  # [N, 1, 1, S]: broadcast over heads and grouped query rows
+        for i, layer in enumerate(self.lm.layers):
+            w = self.weights[i]
+            attn = layer.self_attn
+            D = attn.head_dim
+            h = layer.input_layernorm(x)
+            q = F.linear(h, *w["q_proj"]).view(N, 1, -1, D).transpose(1, 2)  # [N, H_q, 1, D]
+            k = F.linear(h, *w["k_proj"]).view(N, 1, -1, D).transpose(1, 2)  # [N, H_kv, 1, D]
+            v = F.linear(h, *w["v_proj"]).view(N, 1, -1, D).transpose(1, 2)
+            q = q * cos + fast_decode._rotate_half(q) * sin
+            k = k * cos + fast_decode._rotate_half(k) * sin
+            K, V = self.keys[i], self.values[i]
+            K.index_copy_(2, col, k)  # the new column, in place, at a device-side index
+            V.index_copy_(2, col, v)
+            H_kv = K.shape[1]
+            q = q.reshape(N, H_kv, -1, D)  # query heads j*g .. j*g+g-1 share K/V head j
+            out = F.scaled_dot_product_attention(q, K, V, attn_mask=mask, scale=attn.scaling)  # [N, H_kv, g, D]
+            x = x + F.linear(out.reshape(N, 1, -1), *w["o_proj"])
+            h = layer.post_attention_layernorm(x)
+            gate = layer.mlp.act_fn(F.linear(h, *w["gate_proj"]))
+            x = x + F.linear(gate * F.linear(h, *w["up_proj"]), *w["down_proj"])
+        return F.linear(self.lm.norm(x), self.lm_head)[:, -1].float()
+
+    def _capture(self, token, position, col, key_mask):
+        """A replay function for _decode_step on these static input tensors (CUDA graph)."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up off the capture: cuBLAS workspaces, allocator pools
+            for _ in range(2):
+                self._decode_step(token, position, col, key_mask)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            logits = self._decode_step(token, position, col, key_mask)
+        # The warm-up wrote garbage into column `col` (= the first decode column); the first
+        # real step overwrites it before any row attends to it.
+
+        def replay():
+            graph.replay()
+            return logits
+
+        return replay
+
+    # ------------------------------------------------------------------ sampling
+
+    def _static_cache(self, cache, G: int, S: int) -> None:
+        """Prefill cache (B rows, L columns) -> zero-filled [B*G, H_kv, S, D] per layer."""
+        self.keys, self.values = [], []
+        for layer in cache.layers:
+            for src, dst in ((layer.keys, self.keys), (layer.values, self.values)):
+                B, H, L, D = src.shape
+                buf = src.new_zeros(B, G, H, S, D)
+                buf[:, :, :, :L] = src[:, None]  # the group copy, written straight into the buffer
+                dst.append(buf.view(B * G, H, S, D))
+
+    @torch.no_grad()
+    def sample(self, bundle: ModelBundle, prompts: PromptBatch, *, G: int, max_new_tokens: int,
+               temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+               generator: torch.Generator | None = None) -> SampleOutput:
+        """grpo.sampler.sample's contract (same SampleOutput) with decoding from the merged copy."""
+        _check_args(G, max_new_tokens, temperature, top_k, top_p)
+        if bundle.model is not self.model:
+            raise ValueError("this MergedRollout was built for another model; build one per policy")
+        model, device = self.model, self.device
+        L = prompts.input_ids.shape[1]
+        if L + max_new_tokens > bundle.context_length:
+            raise ValueError(f"prompt of {L} tokens + max_new_tokens={max_new_tokens} exceeds the model's "
+                             f"context of {bundle.context_length}; lower max_new_tokens or the image size")
+        if generator is None and seed is not None:
+            generator = torch.Generator(device=device).manual_seed(seed)
+
+        ctx = build_prompt_context(model, prompts)  # vision tower: once per prompt
+        first_logits, cache = prefill(model, ctx)  # the policy itself: 4-bit + LoRA
+        rows = group_rows(ctx.B, G, device)
+        N, S = ctx.B * G, -(-(L + max_new_tokens) // S_ROUND) * S_ROUND
+        self._static_cache(cache, G, S)
+        del cache
+        key_mask = torch.zeros(N, S, dtype=torch.bool, device=device)
+        key_mask[:, :L] = ctx.attention_mask[rows].bool()
+        next_position = ctx.next_position[rows]
+        # Static inputs of the step: a replay reads them where they are.
+        token_in = torch.zeros(N, dtype=torch.long, device=device)
+        position_in = next_position.clone()
+        col = torch.full((1,), L, dtype=torch.long, device=device)
+        step_fn = (self._capture(token_in, position_in, col, key_mask) if self.graphs
+                   else lambda: self._decode_step(token_in, position_in, col, key_mask))
+
+        stop = torch.tensor(stop_token_ids(bundle), device=device)
+        pad_id = bundle.pad_token_id
+        tokens = torch.full((N, max_new_tokens), pad_id, dtype=torch.long, device=device)
+        logps = torch.zeros((N, max_new_tokens), dtype=torch.float32, device=device)
+        logqs = torch.zeros_like(logps)
+        done = torch.zeros(N, dtype=torch.bool, device=device)
+        logits, n_steps = first_logits[rows], 0
+        for step in range(max_new_tokens):
+            token, logp, logq = sample_token(logits, temperature, top_k, top_p, generator)
+            token = token.masked_fill(done, pad_id)  # stopped rows emit padding (and keep decoding it)
+            tokens[:, step] = token
+            logps[:, step] = logp.masked_fill(done, 0.0)
+            logqs[:, step] = logq.masked_fill(done, 0.0)
+            done = done | torch.isin(token, stop)
+            n_steps = step + 1
+            if step == max_new_tokens - 1 or bool(done.all()):  # one host sync per step, as the plain loop
+                break
+            token_in.copy_(token)
+            position_in.copy_(next_position + step)
+            col.fill_(L + step)
+            key_mask[:, L + step] = True
+            logits = step_fn()
+        self.keys, self.values = [], []  # free the cache between rollouts
+
+        tokens, logps, logqs = tokens[:, :n_steps], logps[:, :n_steps], logqs[:, :n_steps]
+        is_stop = torch.isin(tokens, stop)
+        mask = (~((is_stop.long().cumsum(1) - is_stop.long()) > 0)).long()  # up to and including the stop
+        texts = [bundle.decode(t[m.bool() & ~s].tolist()) for t, m, s in zip(tokens.cpu(), mask.cpu(), is_stop.cpu())]
+        return SampleOutput(completion_ids=tokens, completion_mask=mask, logprobs=logps * mask,
+                            sampler_logprobs=logqs * mask, finished=done, truncated=~done, texts=texts,
+                            prompt_index=rows, G=G, context=ctx)

@@ -1,0 +1,146 @@
+"""The merged-copy rollout path (grpo/rollout_fast.py) against the plain sampler.
+
+On a CPU: greedy tokens equal the plain path's on the tiny architecture with a non-zero
+LoRA, fp32 and NF4 bases; sampled tokens equal for one seed; refresh() follows the adapter.
+On CUDA (skipped here; bench/gpu.sh runs it): the graph-captured step equals the eager one
+token for token, and the merged path equals the plain one on the GPU.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from grpo.model import ModelBundle, encode_prompts, load_bundle
+from grpo.rollout_fast import MergedRollout
+from grpo.sampler import sample
+
+QUESTIONS = ["How many red circles are there?", "Sum?", "What is the total number of squares in the picture shown?"]
+
+
+def _image(seed: int, size=(112, 112)) -> Image.Image:
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
+
+
+def _sharp_lora(device="cpu", dtype=torch.float32, four_bit=False, lora_seed=0) -> ModelBundle:
+    """The tiny architecture at 7x the init scale (greedy tokens vary) with a non-zero LoRA."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from lora import LoRAConfig, inject_lora, lora_parameters
+
+    base = load_bundle("tiny")
+    cfg = copy.deepcopy(base.model.config)
+    cfg.text_config.initializer_range = cfg.vision_config.initializer_range = 0.15
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        model = Qwen2_5_VLForConditionalGeneration(cfg).eval().to(device=device, dtype=dtype)
+        if four_bit:
+            from lora import quantize_model_4bit
+
+            quantize_model_4bit(model, compute_dtype=dtype, device=device, verbose=False)
+        inject_lora(model, LoRAConfig(r=4), verbose=False)
+        torch.manual_seed(lora_seed)
+        with torch.no_grad():
+            for p in lora_parameters(model):
+                p.add_(0.1 * torch.randn_like(p))
+    return ModelBundle(model=model, tokenizer=base.tokenizer, image_processor=base.image_processor, source="sharp")
+
+
+@pytest.fixture(scope="module")
+def bundle():
+    return _sharp_lora()
+
+
+@pytest.fixture(scope="module")
+def prompts(bundle):
+    # three prompt lengths in one left-padded batch
+    return encode_prompts(bundle, ([_image(0), _image(1, (90, 60)), _image(2, (56, 112))], QUESTIONS))
+
+
+def test_greedy_tokens_equal_the_plain_path(bundle, prompts):
+    fast = MergedRollout(bundle.model).sample(bundle, prompts, G=2, max_new_tokens=12, temperature=0)
+    plain = sample(bundle, prompts, G=2, max_new_tokens=12, temperature=0)
+    assert torch.equal(fast.completion_ids, plain.completion_ids)
+    assert torch.equal(fast.completion_mask, plain.completion_mask)
+    assert fast.texts == plain.texts
+    torch.testing.assert_close(fast.logprobs, plain.logprobs, rtol=0, atol=1e-4)
+    assert len(set(fast.completion_ids[0].tolist())) > 3  # a real sequence, not one repeated token
+
+
+def test_sampled_tokens_equal_the_plain_path_for_one_seed(bundle, prompts):
+    fast = MergedRollout(bundle.model).sample(bundle, prompts, G=3, max_new_tokens=10, temperature=1.0, seed=3)
+    # compact=False: the plain loop then draws the same random numbers (no rows dropped)
+    plain = sample(bundle, prompts, G=3, max_new_tokens=10, temperature=1.0, seed=3, compact=False)
+    assert torch.equal(fast.completion_ids, plain.completion_ids)
+    torch.testing.assert_close(fast.logprobs, plain.logprobs, rtol=0, atol=1e-4)
+
+
+def test_refresh_follows_the_adapter(prompts):
+    from lora import lora_parameters
+
+    b = _sharp_lora(lora_seed=1)
+    rollout = MergedRollout(b.model)
+    before = rollout.sample(b, prompts, G=1, max_new_tokens=10, temperature=0).completion_ids
+    with torch.no_grad():  # an "optimiser step" that changes the adapter a lot
+        for p in lora_parameters(b.model):
+            p.mul_(-3.0)
+    plain = sample(b, prompts, G=1, max_new_tokens=10, temperature=0).completion_ids
+    assert not torch.equal(plain, before)  # the change matters for the policy
+    # without refresh the decode steps still use the old merged weights (the prefill is the policy's)
+    assert not torch.equal(rollout.sample(b, prompts, G=1, max_new_tokens=10, temperature=0).completion_ids, plain)
+    rollout.refresh()
+    assert torch.equal(rollout.sample(b, prompts, G=1, max_new_tokens=10, temperature=0).completion_ids, plain)
+
+
+def test_nf4_base_greedy_tokens_equal_the_plain_path(prompts):
+    pytest.importorskip("bitsandbytes")
+    b = _sharp_lora(four_bit=True)
+    rollout = MergedRollout(b.model)
+    assert rollout.nbytes == sum(w.numel() * 4 for layer in rollout.weights for w, _ in layer.values())
+    fast = rollout.sample(b, prompts, G=2, max_new_tokens=10, temperature=0)
+    plain = sample(b, prompts, G=2, max_new_tokens=10, temperature=0)
+    assert torch.equal(fast.completion_ids, plain.completion_ids)
+
+
+def test_bad_use_is_one_clear_error(bundle, prompts):
+    with pytest.raises(ValueError, match="graphs=True needs the model on a CUDA device"):
+        MergedRollout(bundle.model, graphs=True)
+    with pytest.raises(ValueError, match="graphs='sometimes'"):
+        MergedRollout(bundle.model, graphs="sometimes")
+    other = ModelBundle(model=copy.deepcopy(bundle.model), tokenizer=bundle.tokenizer,
+                        image_processor=bundle.image_processor, source="copy")
+    with pytest.raises(ValueError, match="built for another model"):
+        MergedRollout(bundle.model).sample(other, prompts, G=1, max_new_tokens=2)
+    with pytest.raises(ValueError, match="G=0"):
+        MergedRollout(bundle.model).sample(bundle, prompts, G=0, max_new_tokens=2)
+
+
+# ----------------------------------------------------------------------------- CUDA only (bench/gpu.sh)
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+
+
+@cuda
+def test_cuda_graph_step_equals_eager_step():
+    b = _sharp_lora(device="cuda", dtype=torch.bfloat16)
+    pb = encode_prompts(b, ([_image(0), _image(1, (90, 60)), _image(2, (56, 112))], QUESTIONS)).to("cuda")
+    graphed = MergedRollout(b.model, graphs=True).sample(b, pb, G=4, max_new_tokens=16, temperature=0)
+    eager = MergedRollout(b.model, graphs=False).sample(b, pb, G=4, max_new_tokens=16, temperature=0)
+    assert torch.equal(graphed.completion_ids, eager.completion_ids)
+    torch.testing.assert_close(graphed.logprobs, eager.logprobs, rtol=0, atol=0)
+    sampled = [MergedRollout(b.model).sample(b, pb, G=4, max_new_tokens=16, temperature=1.0, seed=0).completion_ids
+               for _ in range(2)]
+    assert torch.equal(sampled[0], sampled[1])  # replays are deterministic for a seed
+
+
+@cuda
+def test_cuda_merged_greedy_equals_plain_in_fp32():
+    b = _sharp_lora(device="cuda", dtype=torch.float32)
+    pb = encode_prompts(b, ([_image(0), _image(1, (90, 60)), _image(2, (56, 112))], QUESTIONS)).to("cuda")
+    fast = MergedRollout(b.model).sample(b, pb, G=2, max_new_tokens=12, temperature=0)
+    plain = sample(b, pb, G=2, max_new_tokens=12, temperature=0)
+    assert torch.equal(fast.completion_ids, plain.completion_ids)
