@@ -91,6 +91,8 @@ class SamplingConfig:
     """Keep the k most likely tokens (0 = off)."""
     top_p: float = 1.0
     """Nucleus sampling mass (1.0 = off)."""
+    rollout: str = "plain"
+    """Decode path of the rollouts: plain (the policy's 4-bit + LoRA layers) or merged (bf16 copy, LoRA merged, CUDA graph)."""
 
 
 @dataclass
@@ -195,6 +197,7 @@ class TrainConfig:
             (self.sampling.max_new_tokens >= 1, f"sampling.max_new_tokens={self.sampling.max_new_tokens}: must be >= 1"),
             (self.sampling.temperature > 0, f"sampling.temperature={self.sampling.temperature}: must be > 0"),
             (0 < self.sampling.top_p <= 1, f"sampling.top_p={self.sampling.top_p}: must be in (0, 1]"),
+            (self.sampling.rollout in ("plain", "merged"), f"sampling.rollout={self.sampling.rollout!r}: use plain or merged"),
             (self.sampling.top_k >= 0, f"sampling.top_k={self.sampling.top_k}: must be >= 0 (0 = off)"),
             (self.lora.rank >= 1, f"lora.rank={self.lora.rank}: must be >= 1"),
             (self.optim.lr > 0, f"optim.lr={self.optim.lr}: must be > 0"),
