@@ -304,6 +304,7 @@ def run_grpo_phase(cfg: TrainConfig, files: RunFiles, device: str, dp=None) -> N
     from grpo.model import encode_prompts
     from grpo.policy import adapter_tensors, base_checkpoint_of, build_policy
     from grpo.rewards import RewardModel
+    from grpo.rollout_fast import MergedRollout
     from grpo.sampler import sample
     from kernels.grpo_loss import grpo_loss
     from lora import disable_adapters, load_lora_state_dict, lora_parameters, lora_state_dict
@@ -337,6 +338,10 @@ def run_grpo_phase(cfg: TrainConfig, files: RunFiles, device: str, dp=None) -> N
     params = lora_parameters(model)
     dp.broadcast_parameters(params)  # all ranks start from rank 0's adapter
     opt = torch.optim.AdamW(params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
+    # Rollouts through the policy's own 4-bit + LoRA layers, or from a merged bf16 copy
+    # refreshed after every optimiser step (grpo/rollout_fast.py: ~2x fewer bytes per decode step).
+    rollout = MergedRollout(model) if cfg.sampling.rollout == "merged" else None
+    sample_fn = rollout.sample if rollout is not None else sample
 
     # --- data, rewards, controller
     train, val = load_training_data(cfg)
@@ -381,8 +386,8 @@ def run_grpo_phase(cfg: TrainConfig, files: RunFiles, device: str, dp=None) -> N
         for _ in range(cfg.optim.accumulation):
             examples = dp.shard(stream.next_batch(B))  # B is global: this rank's B / world prompts
             prompts = encode_prompts(bundle, examples, on_bad_image="skip").to(device)
-            out = sample(bundle, prompts, G=G, max_new_tokens=L, temperature=temperature,
-                         top_k=cfg.sampling.top_k, top_p=cfg.sampling.top_p, generator=gen)
+            out = sample_fn(bundle, prompts, G=G, max_new_tokens=L, temperature=temperature,
+                            top_k=cfg.sampling.top_k, top_p=cfg.sampling.top_p, generator=gen)
             rollouts.append(([examples[i] for i in prompts.kept], out))
         timing["sampling"] = time.time() - t0
         # dapo divides by the active tokens of the whole step (every micro-batch of every rank);
@@ -452,6 +457,8 @@ def run_grpo_phase(cfg: TrainConfig, files: RunFiles, device: str, dp=None) -> N
             dp.all_reduce_gradients(params)  # sum of the ranks' shares = the global batch's gradient
             gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip or float("inf"))
             opt.step()
+            if rollout is not None:
+                rollout.refresh()  # the merged copy follows the new adapter
             timing["backward"] += time.time() - t0
 
         # ---- 6. log: one JSON line per optimiser step
