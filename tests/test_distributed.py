@@ -49,7 +49,8 @@ CASES = [  # (loss_type, adv_scale, accumulation, beta)
 ]
 TRAIN_ARGS = ["--phase", "A", "--init", "base", "--model.device", "cpu", "--run.train_per_stage", "16",
               "--run.eval_size", "4", "--sampling.G", "2", "--sampling.max_new_tokens", "8",
-              "--phase.prompts_per_step", "4", "--phase.steps", "3", "--run.eval_every", "3"]
+              "--phase.prompts_per_step", "4", "--phase.steps", "3", "--run.eval_every", "3",
+              "--run.test_per_stage", "0"]
 
 
 # ----------------------------------------------------------------------------- pure parts (no processes)
