@@ -169,6 +169,8 @@ class RunConfig:
     """Print a one-line human summary every this many steps."""
     run_prior_phases: bool = True
     """If the phase's init checkpoint is missing, run the earlier phases first."""
+    test_per_stage: int = 100
+    """Held-out synthetic test examples per stage in the end-of-run report (0 = no report)."""
     cpu_threads: int = 1
     """torch CPU threads (0 = torch's default). The tiny model's matmuls gain nothing from
     more, and OpenMP spin-waits collapse (10x slower, measured) when the cores are shared."""

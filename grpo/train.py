@@ -639,6 +639,10 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 run_grpo_phase(pcfg, files, device, dp)
             print(f"phase {phase} took {time.time() - t_phase:.0f}s", flush=True)
+        if dp.is_main and known.phase != "warmup" and cfg.run.test_per_stage > 0 and cfg.run.data == "synthetic":
+            from grpo.final_report import write_final_report
+
+            write_final_report(files.root, known.phase, cfg, device)
         print(f"done in {time.time() - t_run:.0f}s; checkpoints and train_log.jsonl in {files.root}")
     except (ConfigError, SelectorError) as err:  # the command asks for something wrong: say what
         print(f"error: {err}", file=sys.stderr)

@@ -1,0 +1,62 @@
+"""The end-of-run report: base vs each phase's chosen checkpoint on the held-out test split.
+
+The checkpoint-side evals that drive the controller use the *val* split; this report uses
+the disjoint *test* split, so the numbers in the README were never used to choose a
+checkpoint. One protocol for every model (eval.evaluate.EvalProtocol: greedy, one sample
+per prompt, the training token budget), written as report.md / report.json plus the
+training plots (eval/plots.py).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from grpo.config import PHASES, TrainConfig
+
+# The checkpoint of each phase that the next phase starts from (and C's final pick).
+REPORT_ALIAS = {"warmup": "latest", "A": "best_structure", "B": "best_composite", "C": "best_composite"}
+
+
+def report_selectors(run_dir: Path, last_phase: str) -> list[str]:
+    """'warmup:latest' (the base the RL phases start from), then each GRPO phase run so far."""
+    from grpo.checkpoint import read_registry
+
+    out = []
+    for phase in PHASES[: PHASES.index(last_phase) + 1]:
+        if read_registry(run_dir, phase).get("aliases"):
+            out.append(f"{phase}:{REPORT_ALIAS[phase]}")
+            if phase != "warmup" and REPORT_ALIAS[phase] != "latest":
+                out.append(f"{phase}:latest")
+    return out
+
+
+def write_final_report(run_dir: str | Path, last_phase: str, cfg: TrainConfig, device: str = "cpu") -> Path:
+    from data.synthetic import generate
+    from eval.evaluate import EvalProtocol, evaluate_model
+    from eval.plots import plot_run
+    from eval.report import write_report
+    from grpo.checkpoint import resolve
+    from grpo.policy import load_policy
+
+    run_dir = Path(run_dir)
+    if cfg.run.data != "synthetic":
+        raise ValueError("the final report evaluates the synthetic test split; use `python -m eval` for other data")
+    n = cfg.run.test_per_stage
+    examples = [ex for s in (1, 2, 3) for ex in generate("test", s, n, cfg.run.seed, cfg.model.image_size)]
+    protocol = EvalProtocol(max_new_tokens=cfg.sampling.max_new_tokens, temperature=0.0, seed=cfg.run.seed,
+                            batch_size=64)
+    results = {}
+    for selector in report_selectors(run_dir, last_phase):
+        t0 = time.time()
+        bundle = load_policy(resolve(run_dir, selector), run_dir=run_dir, device=device)
+        results[selector] = evaluate_model(bundle, examples, protocol)
+        m = results[selector].metrics
+        print(f"[test] {selector:<18} EM {m['exact_match']:.3f}  parse {m['parseable_rate']:.3f}  "
+              f"composite {results[selector].scores['composite']:.3f}  ({time.time() - t0:.0f}s)", flush=True)
+    out = run_dir / "report"
+    md, _ = write_report(results, protocol.__dict__, out, title=f"{run_dir.name}: test split after phase {last_phase}",
+                         data=f"synthetic test split, {n} per stage (stages 1-3), seed {cfg.run.seed}")
+    plot_run(run_dir / "train_log.jsonl", out)
+    print(f"report: {md} (+ report.json, rewards.png, weights.png, checkpoints.png)")
+    return md
