@@ -235,7 +235,8 @@ def run_warmup(cfg: TrainConfig, files: RunFiles, device: str) -> None:
     dtype = getattr(torch, cfg.model.dtype)
     bundle = load_bundle(cfg.model.name, dtype=dtype, device=device, seed=cfg.run.seed)
     model = bundle.model
-    tiny = cfg.model.name == "tiny"
+    # The embedded model (or any directory build_tiny_model wrote) starts from random weights.
+    tiny = cfg.model.name == "tiny" or (Path(cfg.model.name) / "vlgrpo_build.json").is_file()
     if not tiny:  # a pretrained model: warm up a LoRA, keep the contract strict
         from grpo.policy import build_policy
 
