@@ -1,0 +1,319 @@
+"""Benchmark: one full GRPO step at Qwen2.5-VL-7B's shapes, stage by stage.
+
+    python -m bench.step                         # GPU: 7B shapes, NF4 + rank-8 LoRA, 8 prompts x G=8, 256 tokens
+    python -m bench.step --rollout merged        # only the merged-bf16 rollout path (default: both)
+    python -m bench.step                         # on a CPU: a scaled-down config (it says so), < 2 min on 2 cores
+    python -m bench.step --smoke                 # seconds: the smallest config, for tests
+
+The model is a randomly initialised Qwen2_5_VLForConditionalGeneration built from the 7B's
+config (numbers below, from Qwen/Qwen2.5-VL-7B-Instruct's config.json): speed does not
+depend on weight values, so no hub is needed. It is instantiated directly on the GPU in
+bf16 (16.6 GB, no CPU copy), quantised to NF4 (vision tower and lm_head kept in bf16, as
+the trainer does), given rank-8 LoRA on the 7 projections of every LM layer and gradient
+checkpointing: the ``qwen7b`` training preset. Prompts are synthetic curriculum examples at
+448 px (1024 patches -> 256 visual tokens). The tokenizer is the embedded tiny one; ids it
+does not know are decoded modulo its size, so rewards see text of realistic length.
+
+One step, timed stage by stage (CUDA-synchronised; peak memory = the CUDA allocator's peak
+during the stage, above nothing):
+
+    prompts    image preprocessing + tokenisation (CPU)
+    sampling   prefill once per prompt + decode B*G rows (one row per table line per path)
+    rewards    verifier components on the decoded texts
+    ref logp   reference log-probs, LoRA off, no grad (only with --beta > 0)
+    logp       policy log-probs with grad (vision features reused)
+    loss       fused GRPO loss (Triton on CUDA)
+    backward   into the LoRA parameters (gradient checkpointing recomputes the layers)
+    optimizer  clip + AdamW (+ refreshing the merged copy on the merged path)
+
+Decode table: tokens/s of the decode loop (sampling minus a separately timed prefill)
+against the bandwidth bound: every step must read the LM weights once (NF4 packed codes +
+quant state for the plain path, bf16 merged weights for the merged path, lm_head bf16 in
+both) plus the KV cache so far; bound = rows / (bytes per step / peak bandwidth). Random
+weights rarely emit a stop token, so every row decodes the full budget: an upper bound on
+a real step's decode time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from bench._timing import device_name, fmt, fmt_bytes, peak_bandwidth, print_table
+from grpo.model import ModelBundle
+
+# Qwen2.5-VL-7B-Instruct (config.json): text decoder and vision tower.
+QWEN7B_TEXT = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                   num_key_value_heads=4, vocab_size=152064, max_position_embeddings=128000, rms_norm_eps=1e-6,
+                   rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]},
+                   hidden_act="silu", tie_word_embeddings=False, use_sliding_window=False)
+QWEN7B_VISION = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584,
+                     patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                     fullatt_block_indexes=[7, 15, 23, 31], tokens_per_second=2, hidden_act="silu")
+# Scaled down for a 2-core CPU: same structure (GQA 4:1, M-RoPE, windowed + full vision blocks).
+CPU_TEXT = dict(QWEN7B_TEXT, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
+                num_key_value_heads=2, vocab_size=8192, max_position_embeddings=4096,
+                rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [4, 6, 6]})
+CPU_VISION = dict(QWEN7B_VISION, depth=2, hidden_size=128, intermediate_size=256, num_heads=4, out_hidden_size=256,
+                  fullatt_block_indexes=[1])
+SMOKE_TEXT = dict(CPU_TEXT, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=1, vocab_size=1024)
+SMOKE_VISION = dict(CPU_VISION, depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                    fullatt_block_indexes=[0])
+SCALES = {  # name -> (text, vision, dtype, B, G, max_new_tokens, image px)
+    "7b": (QWEN7B_TEXT, QWEN7B_VISION, torch.bfloat16, 8, 8, 256, 448),
+    "cpu": (CPU_TEXT, CPU_VISION, torch.float32, 2, 4, 32, 112),
+    "smoke": (SMOKE_TEXT, SMOKE_VISION, torch.float32, 1, 2, 4, 56),
+}
+
+
+@dataclass
+class WrappedBundle(ModelBundle):
+    """The tiny tokenizer on a bigger vocabulary: unknown ids decode modulo its size."""
+
+    def decode(self, ids) -> str:
+        n = len(self.tokenizer)
+        return super().decode([int(i) % n for i in ids])
+
+
+# ----------------------------------------------------------------------------- building the model
+
+
+def build_bundle(scale: str, device: str, four_bit: bool, checkpointing: bool) -> WrappedBundle:
+    """Random Qwen2.5-VL of the scale's config, built on ``device`` in its dtype, NF4 + LoRA."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    from grpo.model import load_bundle, tiny_image_processor
+    from lora import LoRAConfig, enable_gradient_checkpointing, inject_lora, quantize_model_4bit
+
+    text, vision, dtype, *_, image_px = SCALES[scale]
+    tiny = load_bundle("tiny")  # tokenizer and special-token ids only
+    tok = tiny.tokenizer
+    ids = {t: tok.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_end|>", "<|image_pad|>",
+                                                     "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")}
+    cfg = Qwen2_5_VLConfig(
+        text_config=dict(text, bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
+                         pad_token_id=ids["<|endoftext|>"]),
+        vision_config=dict(vision), image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # parameters are created in bf16 directly: no fp32 copy of 8B params
+    try:
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = Qwen2_5_VLForConditionalGeneration(cfg).eval()
+    finally:
+        torch.set_default_dtype(default)
+    if four_bit:
+        quantize_model_4bit(model, compute_dtype=dtype, device=device, verbose=False)
+    inject_lora(model, LoRAConfig(r=8, alpha=8.0), verbose=False)
+    model.to(device)
+    if checkpointing:
+        enable_gradient_checkpointing(model)
+    model.eval()
+    return WrappedBundle(model=model, tokenizer=tok, image_processor=tiny_image_processor(image_px), source=scale)
+
+
+# ----------------------------------------------------------------------------- timing helpers
+
+
+class Stages:
+    """Wall time and CUDA peak memory per named stage."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.rows = device, {}
+
+    @contextmanager
+    def __call__(self, name: str):
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        t0 = time.perf_counter()
+        yield
+        if cuda:
+            torch.cuda.synchronize(self.device)
+        ms = 1e3 * (time.perf_counter() - t0)
+        peak = torch.cuda.max_memory_allocated(self.device) if cuda else None
+        old = self.rows.get(name, (0.0, None))
+        self.rows[name] = (old[0] + ms, peak if old[1] is None else max(old[1], peak or 0))
+
+
+def lm_weight_bytes(model, merged=None) -> int:
+    """Bytes of LM weights one decode step must read: the 7 projections x layers + lm_head."""
+    from lora.quant import memory_report
+
+    head = model.lm_head.weight
+    head_bytes = head.numel() * head.element_size()
+    if merged is not None:
+        return merged.nbytes + head_bytes
+    lm = model.model.language_model
+    rep = memory_report(lm)  # packed NF4 codes + quant state (+ LoRA, norms, embeddings)
+    embed = lm.embed_tokens.weight
+    return rep.total - embed.numel() * embed.element_size() + head_bytes  # a step reads N embedding rows, not the table
+
+
+def kv_bytes_per_step(model, N: int, L: int, T: int) -> float:
+    """Mean KV-cache bytes read per decode step over T steps after an L-token prompt."""
+    c = model.config.text_config
+    D = c.hidden_size // c.num_attention_heads
+    per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * D * model.dtype.itemsize
+    return N * per_token * (L + T / 2)
+
+
+# ----------------------------------------------------------------------------- one step
+
+
+def grpo_step(bundle, examples, args, rollout_path: str, merged, stages: Stages) -> dict:
+    """Sample, reward, log-probs, loss, backward, optimiser step; returns decode facts."""
+    from eval.evaluate import _content_tokens
+    from grpo.config import RewardConfig
+    from grpo.logprobs import completion_logprobs, reference_logprobs
+    from grpo.model import encode_prompts
+    from grpo.prompt_context import build_prompt_context
+    from grpo.rewards import RewardModel
+    from grpo.sampler import prefill, sample
+    from kernels.grpo_loss import grpo_loss
+    from lora import disable_adapters, lora_parameters
+
+    model, device = bundle.model, bundle.device
+    G, L = args.G, args.max_new_tokens
+    with stages("prompts"):
+        prompts = encode_prompts(bundle, examples).to(device)
+    with torch.no_grad(), stages("  (prefill alone)"):
+        prefill(model, build_prompt_context(model, prompts))
+    with stages("sampling"):
+        fn = merged.sample if rollout_path == "merged" else sample
+        out = fn(bundle, prompts, G=G, max_new_tokens=L, temperature=1.0, seed=0)
+    with stages("rewards"):
+        rewards = RewardModel(RewardConfig(), L, tokenizer=bundle.tokenizer)
+        rows = [examples[n // G] for n in range(len(out.texts))]
+        rb = rewards(rows, out.texts, num_tokens=_content_tokens(out), completion_ids=out.completion_ids)
+    ids, mask = out.completion_ids, out.completion_mask
+    ref = None
+    if args.beta > 0:
+        with stages("ref logp (no grad)"):
+            ref = reference_logprobs(model, out.context, ids, mask, G, ref_context=lambda: disable_adapters(model))
+    with stages("logp (grad)"):
+        logp = completion_logprobs(model, out.context, ids, mask, G)
+    with stages("loss"):
+        loss, _ = grpo_loss(logp, mask.float(), rb.total.to(device), G=G, ref_logp=ref, beta=args.beta, max_len=L)
+    with stages("backward"):
+        loss.backward()
+    params = lora_parameters(model)
+    with stages("optimizer"):
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        args.opt.step()
+        args.opt.zero_grad(set_to_none=True)
+        if merged is not None:
+            merged.refresh()
+    return dict(N=ids.shape[0], steps=ids.shape[1], L=prompts.input_ids.shape[1])
+
+
+def main(argv: list[str] | None = None) -> None:
+    head, _, rest = __doc__.partition("\n\n")
+    p = argparse.ArgumentParser(prog="python -m bench.step", description=head, epilog=rest,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--scale", choices=sorted(SCALES), default=None, help="default: 7b on CUDA, cpu otherwise")
+    p.add_argument("--smoke", action="store_true", help="= --scale smoke (seconds)")
+    p.add_argument("--rollout", choices=["plain", "merged", "both"], default="both")
+    p.add_argument("--B", type=int, default=None, help="prompts per step (default: the scale's)")
+    p.add_argument("--G", type=int, default=None, help="completions per prompt")
+    p.add_argument("--max-new-tokens", type=int, default=None)
+    p.add_argument("--beta", type=float, default=0.04, help="KL coefficient (> 0 adds the reference pass)")
+    p.add_argument("--no-4bit", action="store_true", help="keep the base in the compute dtype")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (0 = torch's default)")
+    args = p.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    scale = "smoke" if args.smoke else args.scale or ("7b" if device.type == "cuda" else "cpu")
+    _, _, dtype, B, G, T, image_px = SCALES[scale]
+    args.B, args.G, args.max_new_tokens = args.B or B, args.G or G, args.max_new_tokens or T
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    if scale == "7b" and device.type != "cuda":
+        raise SystemExit("--scale 7b needs a CUDA GPU (~40 GB); on a CPU use the default scaled-down config")
+
+    from data.synthetic import generate
+    from grpo.rollout_fast import MergedRollout
+    from lora import count_parameters, lora_parameters
+
+    print(f"# one GRPO step on {device_name(device)}: scale {scale}"
+          + ("" if scale == "7b" else " (SCALED DOWN: not the 7B's shapes)")
+          + f", {dtype}, {'NF4 + ' if not args.no_4bit else ''}LoRA r=8, B={args.B} prompts x G={args.G}, "
+          f"{args.max_new_tokens} new tokens, {image_px} px images, beta={args.beta}")
+    t0 = time.perf_counter()
+    bundle = build_bundle(scale, str(device), four_bit=not args.no_4bit, checkpointing=device.type == "cuda")
+    model = bundle.model
+    n_params = count_parameters(model).total  # NF4 weights counted unpacked
+    build_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    merged = MergedRollout(model) if args.rollout in ("merged", "both") else None
+    merge_s = time.perf_counter() - t0
+    print(f"# model built in {build_s:.1f} s ({n_params / 1e6:,.1f}M parameters); merged {dtype} copy "
+          + (f"{fmt_bytes(merged.nbytes)} built in {merge_s:.2f} s" if merged else "not built"))
+    args.opt = torch.optim.AdamW(lora_parameters(model), lr=1e-5)
+    examples = generate("train", 1, args.B, seed=0, image_size=image_px)
+
+    # Warm-up: one small step per path (cuBLAS, bitsandbytes and Triton kernels compile/load here).
+    small = argparse.Namespace(**{**vars(args), "G": 2, "max_new_tokens": 4})
+    paths = ["plain", "merged"] if args.rollout == "both" else [args.rollout]
+    for path in paths:
+        grpo_step(bundle, examples[:1], small, path, merged if path == "merged" else None, Stages(device))
+
+    results = {}
+    for path in paths:
+        stages = Stages(device)
+        facts = grpo_step(bundle, examples, args, path, merged if path == "merged" else None, stages)
+        results[path] = (stages, facts)
+
+    # ---- stage table: one (ms, peak memory) column pair per rollout path
+    totals = {path: sum(ms for name, (ms, _) in st.rows.items() if not name.startswith("  "))
+              for path, (st, _) in results.items()}
+    rows = []
+    for name in results[paths[0]][0].rows:
+        row = {"stage": name}
+        for path in paths:
+            ms, peak = results[path][0].rows[name]
+            row[f"{path} ms"], row[f"{path} peak"] = f"{ms:.1f}", fmt_bytes(peak)
+        rows.append(row)
+    rows.append({"stage": "step total", **{f"{path} ms": f"{totals[path]:.1f}" for path in paths}})
+    print_table(rows, ["stage"] + [f"{path} {c}" for path in paths for c in ("ms", "peak")])
+
+    # ---- decode table
+    bw = peak_bandwidth(device)
+    drows, tok_s = [], {}
+    for path in paths:
+        st, f = results[path]
+        sample_ms = st.rows["sampling"][0]
+        prefill_ms = st.rows["  (prefill alone)"][0]
+        decode_s = max(1e-9, (sample_ms - prefill_ms) / 1e3)
+        tokens = f["N"] * f["steps"]
+        tok_s[path] = tokens / decode_s
+        w = lm_weight_bytes(model, merged if path == "merged" else None)
+        kv = kv_bytes_per_step(model, f["N"], f["L"], f["steps"])
+        bound = f["N"] / ((w + kv) / bw) if bw else None
+        drows.append({"path": path, "rows": str(f["N"]), "steps": str(f["steps"]), "decode ms": f"{decode_s * 1e3:.0f}",
+                      "ms/step": f"{decode_s * 1e3 / f['steps']:.2f}", "tok/s": f"{tok_s[path]:.0f}",
+                      "weights/step": fmt_bytes(w), "KV/step": fmt_bytes(int(kv)),
+                      "bound tok/s": fmt(bound, ".0f"), "% of bound": fmt(100 * tok_s[path] / bound if bound else None, ".0f")})
+    print()
+    print_table(drows, ["path", "rows", "steps", "decode ms", "ms/step", "tok/s", "weights/step", "KV/step",
+                        "bound tok/s", "% of bound"])
+    if device.type == "cuda":
+        peak = f"peak CUDA memory {fmt_bytes(torch.cuda.max_memory_allocated(device))}"
+    else:
+        peak = f"peak process RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB"
+    speed = f", merged/plain decode {tok_s['merged'] / tok_s['plain']:.2f}x" if len(tok_s) == 2 else ""
+    print(f"summary: GRPO step ({scale}, B={args.B} G={args.G} L={args.max_new_tokens}) on {device_name(device)}: "
+          + ", ".join(f"{totals[k] / 1e3:.2f} s with {k} rollouts" for k in paths) + "; decode "
+          + ", ".join(f"{k} {v:.0f} tok/s" for k, v in tok_s.items()) + f"{speed}; {peak}")
+
+
+if __name__ == "__main__":
+    main()
