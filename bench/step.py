@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import resource
+import statistics
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -144,6 +145,15 @@ class Stages:
         old = self.rows.get(name, (0.0, None))
         self.rows[name] = (old[0] + ms, peak if old[1] is None else max(old[1], peak or 0))
 
+    @staticmethod
+    def median(runs: list[Stages]) -> Stages:
+        """Per stage: the median time and the largest peak over repeated steps."""
+        out = Stages(runs[0].device)
+        for name in runs[0].rows:
+            peaks = [r.rows[name][1] for r in runs if r.rows[name][1] is not None]
+            out.rows[name] = (statistics.median(r.rows[name][0] for r in runs), max(peaks) if peaks else None)
+        return out
+
 
 def lm_weight_bytes(model, merged=None) -> int:
     """Bytes of LM weights one decode step must read: the 7 projections x layers + lm_head."""
@@ -228,6 +238,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-new-tokens", type=int, default=None)
     p.add_argument("--beta", type=float, default=0.04, help="KL coefficient (> 0 adds the reference pass)")
     p.add_argument("--no-4bit", action="store_true", help="keep the base in the compute dtype")
+    p.add_argument("--repeats", type=int, default=1, help="timed steps per path; per-stage medians are shown")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (0 = torch's default)")
     args = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -246,7 +257,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"# one GRPO step on {device_name(device)}: scale {scale}"
           + ("" if scale == "7b" else " (SCALED DOWN: not the 7B's shapes)")
           + f", {dtype}, {'NF4 + ' if not args.no_4bit else ''}LoRA r=8, B={args.B} prompts x G={args.G}, "
-          f"{args.max_new_tokens} new tokens, {image_px} px images, beta={args.beta}")
+          f"{args.max_new_tokens} new tokens, {image_px} px images, beta={args.beta}, "
+          f"median of {args.repeats} step(s) per path")
     t0 = time.perf_counter()
     bundle = build_bundle(scale, str(device), four_bit=not args.no_4bit, checkpointing=device.type == "cuda")
     model = bundle.model
@@ -266,11 +278,14 @@ def main(argv: list[str] | None = None) -> None:
     for path in paths:
         grpo_step(bundle, examples[:1], small, path, merged if path == "merged" else None, Stages(device))
 
-    results = {}
-    for path in paths:
-        stages = Stages(device)
-        facts = grpo_step(bundle, examples, args, path, merged if path == "merged" else None, stages)
-        results[path] = (stages, facts)
+    runs: dict[str, list[Stages]] = {path: [] for path in paths}
+    facts: dict[str, dict] = {}
+    for _ in range(args.repeats):  # alternate the paths so load changes on a shared machine hit both
+        for path in paths:
+            stages = Stages(device)
+            facts[path] = grpo_step(bundle, examples, args, path, merged if path == "merged" else None, stages)
+            runs[path].append(stages)
+    results = {path: (Stages.median(runs[path]), facts[path]) for path in paths}
 
     # ---- stage table: one (ms, peak memory) column pair per rollout path
     totals = {path: sum(ms for name, (ms, _) in st.rows.items() if not name.startswith("  "))
