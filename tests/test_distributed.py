@@ -13,8 +13,9 @@ What is compared, exactly:
    for bnpo / dapo / batch std, so the comparison can fail. After an AdamW step the
    replicas must be bit-identical, and the replica check must catch a perturbed rank.
 2. The trainer end to end: ``grpo.train.main`` in both processes (exactly what
-   ``torchrun -m grpo.train`` runs: torchrun only sets the environment), 3 steps, 2 prompts
-   per rank, G=2, 8 new tokens, eval on 4 prompts split 2/2. It must finish (the trainer
+   ``torchrun -m grpo.train`` runs: torchrun only sets the environment): a 2-step warm-up
+   on rank 0 while rank 1 waits, then phase A from it, 3 steps, 2 prompts per rank, G=2,
+   8 new tokens, eval on 4 prompts split 2/2. It must finish (the trainer
    checks replica equality, bit for bit, before every checkpoint), rank 0 alone must write
    one log line per step, and the checkpoint must hold the gathered eval and both ranks'
    sampler generators. Whole runs are NOT compared with a single process: each rank samples
@@ -47,7 +48,8 @@ CASES = [  # (loss_type, adv_scale, accumulation, beta)
     ("bnpo", "batch", 2, 0.0),
     ("grpo", "batch", 1, 0.0),
 ]
-TRAIN_ARGS = ["--phase", "A", "--init", "base", "--model.device", "cpu", "--run.train_per_stage", "16",
+TRAIN_ARGS = ["--phase", "A", "--warmup.phase.steps", "2", "--warmup.phase.prompts_per_step", "4",
+              "--model.device", "cpu", "--run.train_per_stage", "16",
               "--run.eval_size", "4", "--sampling.G", "2", "--sampling.max_new_tokens", "8",
               "--phase.prompts_per_step", "4", "--phase.steps", "3", "--run.eval_every", "3",
               "--run.test_per_stage", "0"]
@@ -146,8 +148,9 @@ def test_trainer_runs_data_parallel_end_to_end(two_ranks):
     lines = [json.loads(x) for x in (run / "train_log.jsonl").read_text().splitlines()]
     steps = [r for r in lines if r.get("phase") == "A" and "event" not in r]
     assert [r["step"] for r in steps] == [1, 2, 3]  # rank 0 alone writes: one line per step
+    assert [r["step"] for r in lines if r.get("phase") == "warmup" and "event" not in r] == [1, 2]
     assert any(r["adv_abs"] > 0 for r in steps), "no step had reward spread: replicas were never tested moving"
-    evals = [r for r in lines if r.get("event") == "eval"]
+    evals = [r for r in lines if r.get("event") == "eval" and r["phase"] == "A"]
     assert len(evals) == 1 and evals[0]["metrics"]["n"] == 4.0  # 2 + 2 prompts gathered
     from grpo.checkpoint import load_checkpoint, resolve
 
