@@ -196,12 +196,12 @@ class DataParallel:
 
     # -------------------------------------------------------------- collectives
 
-    def _all_reduce(self, x: torch.Tensor, op=None) -> torch.Tensor:
-        """In-place all-reduce (SUM by default) through this rank's device; returns x."""
+    def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """In-place SUM all-reduce through this rank's device (NCCL needs CUDA tensors); returns x."""
         if not self.enabled:
             return x
         y = x.to(self.device)
-        dist.all_reduce(y, op=op or dist.ReduceOp.SUM)
+        dist.all_reduce(y, op=dist.ReduceOp.SUM)
         if y is not x:
             x.copy_(y.to(x.device))
         return x
@@ -406,7 +406,8 @@ def init_distributed(device: str, quiet: bool = True) -> DataParallel:
     owns = False
     if not dist.is_initialized():
         # 2 hours: ranks > 0 wait at a barrier while rank 0 runs the (not data-parallel) warm-up.
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(hours=2))
+        extra = {"device_id": torch.device(device)} if backend == "nccl" else {}
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(hours=2), **extra)
         owns = True
     if quiet and rank != 0:
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 -- lives as long as the process

@@ -112,6 +112,8 @@ def two_ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("dist")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     env.pop("TRITON_INTERPRET", None)
+    if sys.platform == "linux":  # gloo on loopback: the hostname may resolve to an unreachable address
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(_free_port()), __file__, str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
