@@ -40,6 +40,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 BUDGET=${BUDGET:-470}  # seconds for all parts together (< 8 minutes)
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1  # a part killed by its timeout still leaves what it printed in its log
 unset TRITON_INTERPRET KERNELS_BACKEND  # compiled kernels, chosen by device ("auto")
 
 if [ "$DRY_RUN" = 1 ]; then

@@ -285,6 +285,9 @@ def main(argv: list[str] | None = None) -> None:
             stages = Stages(device)
             facts[path] = grpo_step(bundle, examples, args, path, merged if path == "merged" else None, stages)
             runs[path].append(stages)
+            total = sum(ms for name, (ms, _) in stages.rows.items() if not name.startswith("  "))
+            print(f"# {path} rollouts: step {total / 1e3:.2f} s (sampling {stages.rows['sampling'][0] / 1e3:.2f} s)",
+                  flush=True)  # progress, in case a time limit stops the run before the tables
     results = {path: (Stages.median(runs[path]), facts[path]) for path in paths}
 
     # ---- stage table: one (ms, peak memory) column pair per rollout path
