@@ -246,7 +246,9 @@ def run_warmup(cfg: TrainConfig, files: RunFiles, device: str) -> None:
     opt = torch.optim.AdamW(params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
     style = SFTStyle() if tiny else None
     rng = random.Random(cfg.run.seed)
-    pool = [ex for s in sorted(train) for ex in train[s]]
+    from data.mixture import MixtureStream
+
+    stream = MixtureStream(train, cfg.phase.mixture, cfg.run.seed)  # the warm-up's own stage mixture
     B = cfg.phase.prompts_per_step
     print(f"warm-up: SFT on worked reasoning, {cfg.phase.steps} steps x {B} examples "
           f"({'all weights, imperfect contract on purpose' if tiny else 'LoRA'})", flush=True)
@@ -254,7 +256,7 @@ def run_warmup(cfg: TrainConfig, files: RunFiles, device: str) -> None:
     model.train()
     for step in range(cfg.phase.steps):
         t0 = time.time()
-        examples = rng.sample(pool, min(B, len(pool)))
+        examples = stream.next_batch(B)
         batch = {k: v.to(device) for k, v in build_sft_batch(bundle, examples, [warmup_target(e, rng, style) for e in examples]).items()}
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
