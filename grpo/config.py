@@ -105,7 +105,7 @@ class OptimConfig:
     """Linear learning-rate warm-up steps."""
     weight_decay: float = 0.0
     """AdamW weight decay on LoRA parameters."""
-    vision_lr_scale: float = 0.1
+    vision_lr_scale: float = 0.01
     """Warm-up of a random base: the vision tower's learning rate as a fraction of lr."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value (0 = off)."""

@@ -539,7 +539,7 @@ def phase_config(phase: str, preset: str, overrides: dict[str, str], requested: 
     cfg = phase_preset(phase)
     apply_overrides(cfg, PRESETS[preset])
     if phase == "warmup":  # SFT defaults: bigger batches, more steps, a higher learning rate
-        apply_overrides(cfg, {"phase.steps": 300, "phase.prompts_per_step": 32, "optim.lr": 3e-3,
+        apply_overrides(cfg, {"phase.steps": 600, "phase.prompts_per_step": 16, "optim.lr": 3e-3,
                               "optim.warmup_steps": 30, "optim.schedule": "linear"})
     for key, value in overrides.items():
         head, _, tail = key.partition(".")
