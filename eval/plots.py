@@ -85,18 +85,22 @@ def parse_log(lines: Sequence[str]) -> TrainLog:
     use_global = bool(step_rows) and all("global_step" in r for r in step_rows)
     order: list[str] = []
     last: dict[str, float] = {}
+    # A phase with step lines but no reward (the SFT warm-up) takes no width on the axis:
+    # its points sit at the phase's start instead of stretching the RL curves thin.
+    no_reward = {str(r.get("phase", "")) for r in step_rows} - {str(r.get("phase", "")) for r in step_rows if "reward" in r}
     for r in rows:
         ph = str(r.get("phase", ""))
         if ph not in order:
             order.append(ph)
-        last[ph] = max(last.get(ph, 0.0), float(r["step"]))
+        last[ph] = 0.0 if ph in no_reward else max(last.get(ph, 0.0), float(r["step"]))
     offset, start = 0.0, {}
     for ph in order:
         start[ph] = offset
         offset += last[ph]
     for r in rows:
         ph = str(r.get("phase", ""))
-        r["x"] = float(r["global_step"]) if use_global and "global_step" in r else start[ph] + float(r["step"])
+        r["x"] = (float(r["global_step"]) if use_global and "global_step" in r
+                  else start[ph] + (0.0 if ph in no_reward else float(r["step"])))
         bucket = {"step": log.steps, "gate": log.gates, "eval": log.evals}.get(r.get("event", "step"))
         if bucket is not None:  # other events (config, phase start, ...) are not plotted
             bucket.append(r)
