@@ -7,18 +7,15 @@ Settings are tiny (2 prompts x G=2, 8 new tokens, 4 eval prompts): each main() c
 about a second on 2 CPU cores once the embedded model is cached.
 """
 
-import contextlib
-import io
-import json
 import shutil
 from pathlib import Path
 
 import pytest
-import torch
 
 from grpo.checkpoint import ALIASES, load_checkpoint, read_registry, resolve, step_dirname
 from grpo.config import PHASE_WEIGHTS
 from grpo.train import main
+from train_helpers import log_lines, run_main
 
 TINY = [
     "--model.device", "cpu", "--run.train_per_stage", "20", "--run.eval_size", "4",
@@ -28,19 +25,8 @@ TINY = [
 
 
 def train(run_dir: Path, *args: str) -> tuple[int, str, str]:
-    """main() on run_dir with the tiny settings: (exit code, stdout, stderr)."""
-    out, err = io.StringIO(), io.StringIO()
-    threads = torch.get_num_threads()  # main() applies --run.cpu_threads to this whole process
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            rc = main(["--run.run_dir", str(run_dir), *TINY, *args])
-    finally:
-        torch.set_num_threads(threads)
-    return rc, out.getvalue(), err.getvalue()
-
-
-def log_lines(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "train_log.jsonl").read_text().splitlines()]
+    """main() on run_dir with this file's tiny settings: (exit code, stdout, stderr)."""
+    return run_main(run_dir, *TINY, *args)
 
 
 def step_records(run_dir: Path, phase: str) -> dict[int, dict]:

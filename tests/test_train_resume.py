@@ -15,8 +15,6 @@ depends on the completion text gives each group a reward spread, so the updates 
 
 import contextlib
 import errno
-import io
-import json
 from pathlib import Path
 
 import pytest
@@ -27,7 +25,8 @@ import kernels.grpo_loss as loss_mod
 from grpo.checkpoint import load_checkpoint, read_registry, resolve
 from grpo.policy import adapter_tensors
 from grpo.rewards import RewardModel
-from grpo.train import GEN_KEY, main
+from grpo.train import GEN_KEY
+from train_helpers import log_lines, run_main
 
 TINY = [
     "--model.device", "cpu", "--run.train_per_stage", "20", "--run.eval_size", "4",
@@ -37,18 +36,8 @@ TINY = [
 
 
 def train(run_dir: Path, *args: str) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    threads = torch.get_num_threads()  # main() applies --run.cpu_threads to this whole process
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            rc = main(["--run.run_dir", str(run_dir), *TINY, *args])
-    finally:
-        torch.set_num_threads(threads)
-    return rc, out.getvalue(), err.getvalue()
-
-
-def log_lines(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "train_log.jsonl").read_text().splitlines()]
+    """main() on run_dir with this file's tiny settings: (exit code, stdout, stderr)."""
+    return run_main(run_dir, *TINY, *args)
 
 
 @contextlib.contextmanager
