@@ -141,3 +141,21 @@ def print_table(rows: list[dict], columns: list[str]) -> None:
 
 def is_oom(err: BaseException) -> bool:
     return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
+
+
+def measure(step: Callable[[], object], device: torch.device | str, *, warmup: int, reps: int | None
+            ) -> tuple[Timing, int | None] | None:
+    """(timing, peak memory) of ``step``; None when it runs out of device memory (cache freed)."""
+    try:
+        return time_fn(step, device, warmup=warmup, reps=reps), peak_memory(step, device)
+    except RuntimeError as err:
+        if not is_oom(err):
+            raise
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return None
+
+
+def timing_cells(t: Timing) -> dict[str, str]:
+    """The median / p20 / p80 columns of a results row."""
+    return {"median ms": fmt(t.median_ms, ".4g"), "p20": fmt(t.p20_ms, ".4g"), "p80": fmt(t.p80_ms, ".4g")}

@@ -23,8 +23,8 @@ import argparse
 
 import torch
 
-from bench._timing import (device_name, fmt, fmt_bytes, gbps, is_oom, peak_bandwidth,
-                           peak_memory, print_table, time_fn)
+from bench._timing import (device_name, fmt, fmt_bytes, gbps, measure, peak_bandwidth, print_table,
+                           time_fn, timing_cells)
 from kernels import grpo_loss as gl
 
 GPU_SHAPES = [(8, 512), (16, 1024), (32, 2048), (64, 4096)]
@@ -114,23 +114,17 @@ def bench_case(N: int, T: int, mode_name: str, providers: dict, device: str, arg
             logp.grad = None
             loss_fn(logp, inp, mode).backward()
         row = dict(shape=f"N={N} T={T}", mode=mode_name, provider=name)
-        try:
-            t = time_fn(step, device, warmup=args.warmup, reps=args.reps)
-            mem = peak_memory(step, device)
-        except RuntimeError as err:
-            if not is_oom(err):
-                raise
+        measured = measure(step, device, warmup=args.warmup, reps=args.reps)
+        if measured is None:
             rows.append({**row, "median ms": "OOM"})
             continue
+        t, mem = measured
         bw = gbps(min_bytes(N, T, mode), t.median_ms)
-        rows.append({**row, "median ms": fmt(t.median_ms, ".4g"), "p20": fmt(t.p20_ms, ".4g"),
-                     "p80": fmt(t.p80_ms, ".4g"), "GB/s": fmt(bw, ".4g"),
+        rows.append({**row, **timing_cells(t), "GB/s": fmt(bw, ".4g"),
                      "% peak": fmt(None if peak_bw is None else 100 * bw * 1e9 / peak_bw, ".3g"),
                      "peak mem": fmt_bytes(mem), "_ms": t.median_ms, "_bw": bw})
     t = time_fn(lambda: validation_only(logp, inp, mode), device, warmup=1, reps=args.reps)
-    rows.append(dict(shape=f"N={N} T={T}", mode=mode_name, provider="(validation)",
-                     **{"median ms": fmt(t.median_ms, ".4g"), "p20": fmt(t.p20_ms, ".4g"),
-                        "p80": fmt(t.p80_ms, ".4g")}))
+    rows.append(dict(shape=f"N={N} T={T}", mode=mode_name, provider="(validation)", **timing_cells(t)))
     return rows
 
 

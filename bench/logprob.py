@@ -31,8 +31,8 @@ import argparse
 
 import torch
 
-from bench._timing import (device_name, fmt, fmt_bytes, gbps, is_oom, peak_bandwidth,
-                           peak_memory, print_table, time_fn)
+from bench._timing import (device_name, fmt, fmt_bytes, gbps, measure, peak_bandwidth, print_table,
+                           time_fn, timing_cells)
 from kernels import logprob as lp
 
 V_QWEN = 151_936
@@ -74,19 +74,13 @@ def bench_hidden(N: int, T: int, V: int, d: int, dtype, providers: list[str], de
             HIDDEN_PROVIDERS[name](hidden, weight, y).reshape(-1).backward(dlogp)
 
         row = dict(shape=f"N={N} T={T} V={V} d={d}", provider=name, **{"pass": "fwd+bwd"})
-        try:
-            t = time_fn(step, device, warmup=args.warmup, reps=args.reps)
-            mem = peak_memory(step, device)
-        except RuntimeError as err:
-            if not is_oom(err):
-                raise
-            rows.append({**row, "median ms": "OOM"})
-            hidden.grad = None
-            torch.cuda.empty_cache()
-            continue
+        measured = measure(step, device, warmup=args.warmup, reps=args.reps)
         hidden.grad = None
-        rows.append({**row, "median ms": fmt(t.median_ms, ".4g"), "p20": fmt(t.p20_ms, ".4g"),
-                     "p80": fmt(t.p80_ms, ".4g"), "peak mem": fmt_bytes(mem),
+        if measured is None:
+            rows.append({**row, "median ms": "OOM"})
+            continue
+        t, mem = measured
+        rows.append({**row, **timing_cells(t), "peak mem": fmt_bytes(mem),
                      "extra mem": "" if mem is None else f"{100 * mem / logits_bytes:.1f}%"})
     return rows
 
@@ -110,29 +104,21 @@ def bench_shape(N: int, T: int, V: int, dtype, providers: dict, device: str, arg
                     out.backward(dlogp)
 
             row = dict(shape=f"N={N} T={T} V={V}", provider=name, **{"pass": pass_name})
-            try:
-                t = time_fn(step, device, warmup=args.warmup, reps=args.reps)
-                mem = peak_memory(step, device)
-            except RuntimeError as err:
-                if not is_oom(err):
-                    raise
-                rows.append({**row, "median ms": "OOM"})
-                x.grad = None
-                torch.cuda.empty_cache()
-                continue
+            measured = measure(step, device, warmup=args.warmup, reps=args.reps)
             x.grad = None
+            if measured is None:
+                rows.append({**row, "median ms": "OOM"})
+                continue
+            t, mem = measured
             extra = None if mem is None else mem - (logits_bytes if pass_name == "fwd+bwd" else 0)
             bw = gbps((1 if pass_name == "fwd" else 3) * logits_bytes, t.median_ms)
-            rows.append({**row, "median ms": fmt(t.median_ms, ".4g"), "p20": fmt(t.p20_ms, ".4g"),
-                         "p80": fmt(t.p80_ms, ".4g"), "GB/s": fmt(bw, ".4g"),
+            rows.append({**row, **timing_cells(t), "GB/s": fmt(bw, ".4g"),
                          "% peak": fmt(None if peak_bw is None else 100 * bw * 1e9 / peak_bw, ".3g"),
                          "peak mem": fmt_bytes(mem),
                          "extra mem": "" if extra is None else f"{100 * extra / logits_bytes:.1f}%",
                          "_ms": t.median_ms, "_bw": bw, "_extra": extra})
     t = time_fn(lambda: lp._validate(logits, y, TEMPERATURE), device, warmup=1, reps=args.reps)
-    rows.append(dict(shape=f"N={N} T={T} V={V}", provider="(validation)", **{"pass": ""},
-                     **{"median ms": fmt(t.median_ms, ".4g"), "p20": fmt(t.p20_ms, ".4g"),
-                        "p80": fmt(t.p80_ms, ".4g")}))
+    rows.append(dict(shape=f"N={N} T={T} V={V}", provider="(validation)", **{"pass": ""}, **timing_cells(t)))
     return rows
 
 
@@ -180,7 +166,7 @@ def main() -> None:
                        "peak mem", "extra mem"])
     if use_triton:
         N, T = shapes[-1]
-        print(f"\n# from hidden states, frozen lm_head (extra mem relative to the full logits)")
+        print("\n# from hidden states, frozen lm_head (extra mem relative to the full logits)")
         hrows = bench_hidden(N, T, args.vocab, args.hidden, dtype, list(HIDDEN_PROVIDERS),
                              args.device, args)
         print_table(hrows, ["shape", "provider", "pass", "median ms", "p20", "p80", "peak mem",
