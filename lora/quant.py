@@ -98,6 +98,15 @@ def quantize_linear_4bit(
                                  module=q).to(device)
     if has_bias:
         q.bias = nn.Parameter(linear.bias.data.to(device), requires_grad=False)
+    # One code path on every CPU. On CPUs with AVX512-BF16, bitsandbytes 0.50 repacks the
+    # weight at the first forward that is in eval mode with a no-grad input, and from then
+    # on every forward -- training included -- takes an inference kernel (gemv_4bit) plus an
+    # in-place bias add: a later forward with grad through a layer with a bias raises
+    # "a view of a leaf Variable ... in-place operation", and layers without bias change
+    # numerics. So a checkpoint eval would silently change the next training step, and only
+    # on some machines. The attribute is read on every forward; off, the layer always
+    # dequantises and multiplies, the path the tests measure everywhere.
+    q.support_avx512bf16_for_cpu = False
     return q
 
 

@@ -191,6 +191,32 @@ def test_lora_on_4bit_gradients_match_without_checkpointing():
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
 
+def test_one_code_path_on_every_cpu_eval_pass_leaves_training_gradients_unchanged():
+    """The setting, not only the numbers: on a CPU without AVX512-BF16 the numbers below
+    match whatever the flag says, so the flag itself is asserted too."""
+    model = tiny_model()
+    quantize_model_4bit(model, verbose=False)
+    layers = [m for m in model.modules() if is_linear4bit(m)]
+    assert layers and all(m.support_avx512bf16_for_cpu is False for m in layers)
+    assert any(m.bias is not None for m in layers)  # q/k/v carry a bias: the crash case
+    inject_lora(model, verbose=False)
+    randomize_lora_B(model)
+
+    def grads():
+        model.train()
+        model.zero_grad(set_to_none=True)
+        lm_loss(model, text_batch()).backward()
+        return [p.grad.clone() for p in lora_parameters(model)]
+
+    before = grads()
+    model.eval()
+    with torch.no_grad():  # the checkpoint-side eval: eval mode, no-grad inputs
+        logits(model, text_batch())
+    assert not any(getattr(m.weight.quant_state, "packing_format_for_cpu", False) for m in layers)
+    for a, b in zip(before, grads()):
+        assert torch.equal(a, b)
+
+
 # ---------------------------------------------------------------- bad input
 def test_quantize_bad_input():
     model = tiny_model()
