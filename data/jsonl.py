@@ -18,6 +18,7 @@ Each line is a MathVista row plus the supervision fields of data/schema.py:
     difficulty     "easy" | "middle" | "hard" | null
     hops           int
     rubrics        [{"text", "dimension", "label", "weight", "evidence"}, ...]
+    marks          [{"kind", "x", "y", "colour" | "text"}, ...]  what the renderer drew
 
 so a MathVista JSON row (no supervision fields) loads too, and the MathVista columns are
 parsed by the MathVista loader's own ``example_from_row`` (one parser for both).
@@ -72,7 +73,7 @@ def to_row(ex: Example, image: str | None) -> dict[str, Any]:
         "reasoning": ex.reasoning, "key_steps": ex.key_steps,
         "intermediates": [asdict(i) for i in ex.intermediates],
         "difficulty": ex.difficulty, "hops": ex.hops,
-        "rubrics": [asdict(r) for r in ex.rubrics],
+        "rubrics": [asdict(r) for r in ex.rubrics], "marks": ex.marks,
     }
 
 
@@ -110,6 +111,7 @@ def _supervision(ex: Example, row: dict[str, Any]) -> Example:
     ex.hops = int(row.get("hops", 1))
     ex.rubrics = [RubricItem(str(r["text"]), str(r["dimension"]), str(r["label"]), float(r["weight"]),
                              dict(r.get("evidence") or {})) for r in row.get("rubrics") or []]
+    ex.marks = [dict(m) for m in row.get("marks") or []]
     return ex
 
 

@@ -45,8 +45,20 @@ _DIGIT_ASPECT = 0.55  # digit width / height
 _GAP = 0.25  # space between characters, in digit heights
 
 
+def colour_name(rgb: RGB | None) -> str | None:
+    """The question-vocabulary name of a fill colour, or None for black / greys / white."""
+    return next((name for name, c in COLOURS.items() if c == rgb), None)
+
+
 class Canvas:
-    """An RGB image plus a drawer that takes unit coordinates (x right, y down, 0..1)."""
+    """An RGB image plus a drawer that takes unit coordinates (x right, y down, 0..1).
+
+    ``marks`` is the renderer's own ground truth: one dict per shape and per number
+    drawn, in unit coordinates (``{"kind": "circle", "colour": "red", "x": .3, "y": .6}``,
+    ``{"kind": "number", "text": "34", "x": .5, "y": .2}``). The warm-up turns it into
+    dense labels for the visual tokens (grpo/perception.py): it is what the picture
+    shows, known exactly because we drew it.
+    """
 
     def __init__(self, size: int, background: RGB = WHITE):
         if not isinstance(size, int) or size < 32:
@@ -54,6 +66,10 @@ class Canvas:
         self.size = size
         self.image = Image.new("RGB", (size, size), background)
         self.draw = ImageDraw.Draw(self.image)
+        self.marks: list[dict] = []
+        # The image carries the live list, so a family's render() can keep returning a
+        # plain PIL image and data/synthetic.py still finds the marks (not saved to PNG).
+        self.image.info["marks"] = self.marks
 
     def px(self, u: float) -> int:
         return int(round(u * self.size))
@@ -84,6 +100,7 @@ class Canvas:
 
     def shape(self, kind: str, cx: float, cy: float, r: float, fill: RGB) -> None:
         """A filled circle, square or triangle of 'radius' r centred on (cx, cy)."""
+        self.marks.append({"kind": kind, "colour": colour_name(fill), "x": round(cx, 4), "y": round(cy, 4)})
         if kind == "circle":
             self.disc(cx, cy, r, fill=fill)
         elif kind == "square":
@@ -96,6 +113,7 @@ class Canvas:
 
     def number(self, text: str, cx: float, cy: float, h: float, fill: RGB = BLACK) -> None:
         """Seven-segment number (digits, '-', '.') of height h, centred on (cx, cy)."""
+        self.marks.append({"kind": "number", "text": text, "x": round(cx, 4), "y": round(cy, 4)})
         x = cx - text_width(text, h) / 2
         y = cy - h / 2
         t = _stroke(h)

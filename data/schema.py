@@ -13,6 +13,7 @@ error at start (grpo/rewards checks), never a silent zero.
     intermediates  named intermediate quantities      -> RewardMap detail (partial credit)
     difficulty     easy / middle / hard, hops         -> RewardMap difficulty weight
     rubrics        rubric items with rule evidence    -> V-Rubrics
+    marks          shapes and numbers as drawn        -> perception labels of the warm-up
 """
 
 from __future__ import annotations
@@ -79,6 +80,8 @@ class Example:
     difficulty: str | None = None
     hops: int = 1
     rubrics: list[RubricItem] = field(default_factory=list)
+    # --- what the renderer drew (synthetic only): dense perception labels for the warm-up
+    marks: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def context_family(self) -> str:

@@ -124,7 +124,7 @@ def generate(split: str, stage: int, n: int, seed: int = 0, image_size: int = 11
             answer_type=a.answer_type, precision=a.precision, question_type="free_form",
             metadata=metadata, image=image, unit=a.unit, reasoning=sol.reasoning,
             key_steps=sol.key_steps, intermediates=sol.intermediates, difficulty=DIFFICULTY[stage],
-            hops=sol.hops, rubrics=sol.rubrics,
+            hops=sol.hops, rubrics=sol.rubrics, marks=list(image.info.get("marks", [])),
         ))
     return out
 
