@@ -36,7 +36,7 @@ import argparse
 import json
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,6 +44,7 @@ from typing import Any
 from data.contract import normalize_number
 from data.schema import Example
 from data.stages import stage_filter
+from eval.blind import BlindGap, ControlUnavailable, blind_gap, shuffle_images
 from eval.metrics import CompletionMetrics, Summary, completion_metrics, mean_interval, summarize
 from eval.scores import SCORE_KEYS, SCORE_WEIGHTS, all_scores
 
@@ -69,6 +70,9 @@ class EvalProtocol:
     batch_size: int = 8
     """Prompts per sampler call. Part of the protocol when sampling: each batch has its
     own generator seeded by seed + batch start, so a different batch size draws differently."""
+    image_control: bool = True
+    """Also score every prompt with another example's image (eval/blind.py) and report the
+    blind gap EM(true) - EM(shuffled) with its interval. Doubles the sampling time."""
 
     def validate(self) -> EvalProtocol:
         checks = [
@@ -113,6 +117,14 @@ class EvalResult:
     stages: dict[str, SubsetResult]  # "stage1", "stage2", "stage3"
     skipped: dict[str, int]  # reason -> rows not scored
     records: list[dict[str, Any]] = field(default_factory=list)  # one per completion
+    # The shuffled-image control (eval/blind.py): "overall", "stage1".. -> BlindGap, or
+    # None with control_note saying why there is none (pre-generated completions, n < 2).
+    control: dict[str, BlindGap] | None = None
+    control_note: str | None = None
+
+    @property
+    def blind_gap(self) -> BlindGap | None:
+        return None if self.control is None else self.control["overall"]
 
     @property
     def metrics(self) -> dict[str, float]:
@@ -124,13 +136,20 @@ class EvalResult:
 
     def flat(self) -> dict[str, float]:
         """Overall metrics and scores in one dict: the trainer's "eval" log line and the gates."""
-        return {**self.overall.metrics, **self.overall.scores, "n": float(self.overall.n_prompts)}
+        flat = {**self.overall.metrics, **self.overall.scores, "n": float(self.overall.n_prompts)}
+        if self.blind_gap is not None:
+            g = self.blind_gap
+            flat.update(exact_match_shuffled=g.exact_match_shuffled, blind_gap=g.gap,
+                        blind_gap_lo=g.lo, blind_gap_hi=g.hi)
+        return flat
 
     def to_dict(self, with_records: bool = False) -> dict[str, Any]:
         d = {
             "overall": self.overall.to_dict(),
             "stages": {k: v.to_dict() for k, v in self.stages.items()},
             "skipped": dict(self.skipped),
+            "control": None if self.control is None else {k: v.to_dict() for k, v in self.control.items()},
+            "control_note": self.control_note,
         }
         if with_records:
             d["records"] = self.records
@@ -220,14 +239,50 @@ def _content_tokens(out: Any) -> list[int]:
     return (out.lengths - out.finished.long()).tolist()
 
 
-def evaluate_model(bundle: Any, examples: Sequence[Example], protocol: EvalProtocol) -> EvalResult:
-    """Sample ``protocol.samples_per_prompt`` completions per example with grpo.sampler, score them.
+Completions = tuple[list[list[str]], list[list[int]]]  # texts and content-token counts per example
+
+
+def evaluate_model(bundle: Any, examples: Sequence[Example], protocol: EvalProtocol,
+                   sample_pass: Callable[[Any, Sequence[Example], EvalProtocol], Completions] | None = None,
+                   ) -> EvalResult:
+    """Sample ``protocol.samples_per_prompt`` completions per example and score them.
+
+    With ``protocol.image_control`` the same prompts are sampled again with shuffled
+    images (eval/blind.py) and ``result.control`` holds the blind gap overall and per
+    stage. ``sample_pass`` replaces the one-process pass (``sample_completions``): the
+    data-parallel trainer passes one that splits the prompts over ranks and gathers.
+    """
+    protocol.validate()
+    sample_pass = sample_pass or sample_completions
+    result = _score(examples, sample_pass(bundle, examples, protocol), protocol)
+    if protocol.image_control:
+        try:
+            shuffled = shuffle_images(examples)
+        except ControlUnavailable as err:
+            result.control_note = str(err)
+            return result
+        control = _score(shuffled, sample_pass(bundle, shuffled, protocol), protocol)
+        stage_pids = {f"stage{s}": {r["pid"] for r in result.records if s in r["stages"]} for s in STAGES}
+        result.control = {"overall": blind_gap(result.records, control.records),
+                          **{k: blind_gap(result.records, control.records, pids) for k, pids in stage_pids.items()}}
+    return result
+
+
+def _score(examples: Sequence[Example], completions: Completions, protocol: EvalProtocol) -> EvalResult:
+    result = evaluate_completions(examples, *completions, protocol.max_new_tokens)
+    lost = result.skipped.pop("no_completions", 0)
+    if lost:  # an example whose image the processor could not encode got no completions
+        result.skipped["sampler_skipped"] = lost
+    return result
+
+
+def sample_completions(bundle: Any, examples: Sequence[Example], protocol: EvalProtocol) -> Completions:
+    """One sampling pass over ``examples`` with grpo.sampler: texts and token counts per example.
 
     grpo is imported here, not at module top: eval/ sits below grpo/ in the layer order and
     must stay importable (and testable) without a model. An example whose image the
-    processor cannot encode gets no completions and is counted as ``sampler_skipped``.
+    processor cannot encode gets no completions.
     """
-    protocol.validate()
     from grpo.model import encode_prompts  # lazy: see docstring
     from grpo.sampler import sample
 
@@ -250,11 +305,7 @@ def evaluate_model(bundle: Any, examples: Sequence[Example], protocol: EvalProto
             i = start + prompts.kept[n // G]
             completions[i].append(text)
             token_counts[i].append(int(ntok[n]))
-    result = evaluate_completions(examples, completions, token_counts, protocol.max_new_tokens)
-    lost = result.skipped.pop("no_completions", 0)
-    if lost:
-        result.skipped["sampler_skipped"] = lost
-    return result
+    return completions, token_counts
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -362,6 +413,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--no-image-control", dest="image_control", action="store_false",
+                   help="skip the second pass with images shuffled across examples (the blind-gap control)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads (default 1, as the trainer: more stalled for minutes on shared cores; 0 = torch's default)")
     p.add_argument("--out", default="reports", help="directory for report.md, report.json, samples")
     p.add_argument("--title", default="Evaluation report")
     return p
@@ -369,14 +424,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from eval.report import write_report
+    from eval.report import control_summary, write_report
 
     if not args.selectors and not args.completions:
         args.selectors = ["base"]
     protocol = EvalProtocol(
         samples_per_prompt=args.samples, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
         top_k=args.top_k, top_p=args.top_p, seed=args.seed, batch_size=args.batch_size,
+        image_control=args.image_control,
     )
+    if args.threads > 0:
+        import torch
+
+        torch.set_num_threads(args.threads)
     try:
         protocol.validate()
         examples, data_desc, load_skipped = _load_examples(args)
@@ -401,6 +461,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise ValueError(f"--completions {spec!r}: write NAME=FILE.jsonl")
             texts, counts = _read_completions(path, examples)
             results[name] = evaluate_completions(examples, texts, counts, protocol.max_new_tokens)
+            results[name].control_note = "pre-generated completions: no second pass with shuffled images"
         except (ValueError, OSError) as err:
             print(f"error: {err}", file=sys.stderr)
             return 2
@@ -412,6 +473,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         results[selector] = evaluate_model(bundle, examples, protocol)
         print(f"  {selector}: " + ", ".join(f"{k} {v:.3f}" for k, v in results[selector].flat().items() if k != "n"))
+        for line in control_summary(selector, results[selector]):
+            print(f"    {line}")
     for res in results.values():
         for reason, n in load_skipped.items():  # rows the loader dropped, shown with each model
             res.skipped[f"load:{reason}"] = n

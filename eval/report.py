@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from eval.blind import BlindGap
 from eval.evaluate import EvalResult, SubsetResult
 from eval.metrics import FAILURE_MODES
 
@@ -54,7 +55,11 @@ repeated word trigrams. pass@k: any sample of a prompt exact. Struct = .35 Parse
 .15 Tol + .15 Parse + .10 Sol + .05 Reas - .05 Malf - .05 Trunc. Intervals: Wilson for
 rates (n = prompts, conservative when samples > 1), normal for means and scores. Failure
 mode: the first of truncation > missing solution tag > missing reasoning tag > malformed >
-unparseable (a number-like token the strict contract refuses) > wrong > exact.
+unparseable (a number-like token the strict contract refuses) > wrong > exact. Blind gap:
+EM with the true images minus EM with each image swapped for another example's of the same
+family (same prompts, same protocol); its interval is the paired normal interval of the
+per-prompt differences. An interval that includes 0 means the model's exact match does not
+measurably depend on what the picture shows.
 """
 
 
@@ -77,9 +82,14 @@ def render_markdown(results: Mapping[str, EvalResult], protocol: Mapping[str, An
     out = [f"# {title}", "", f"Data: {data}", ""]
     out += ["## Protocol", "", _table(["setting", "value"], [[k, str(v)] for k, v in protocol.items()]), ""]
 
-    head = ["model", "n"] + [c[1] for c in COLUMNS]
-    rows = [[name, str(r.overall.n_prompts)] + [_fmt(f, _value(r.overall, k)) for k, _, f in COLUMNS]
-            for name, r in results.items()]
+    # EM, then its control beside it: EM with shuffled images and the blind gap.
+    head = ["model", "n", COLUMNS[0][1], "EM shuf", "Gap"] + [c[1] for c in COLUMNS[1:]]
+    rows = []
+    for name, r in results.items():
+        g = r.blind_gap
+        cells = [_fmt(f, _value(r.overall, k)) for k, _, f in COLUMNS]
+        ctrl = ["—", "—"] if g is None else [_fmt("{:.3f}", g.exact_match_shuffled), _fmt("{:+.3f}", g.gap)]
+        rows.append([name, str(r.overall.n_prompts), cells[0], *ctrl, *cells[1:]])
     out += ["## Headline metrics", "", _table(head, rows), ""]
 
     ci_rows = []
@@ -105,10 +115,46 @@ def render_markdown(results: Mapping[str, EvalResult], protocol: Mapping[str, An
     out += ["## Stage-wise diagnostics (data/stages.py filters; stages overlap)", "",
             _table(["model", "stage", "n"] + [dict((c[0], c[1]) for c in COLUMNS)[k] for k in STAGE_COLUMNS], st_rows), ""]
 
+    out += ["## Visual-reliance control (images shuffled across examples, eval/blind.py)", "",
+            *control_lines(results), ""]
+
     sk_rows = [[name, reason, str(n)] for name, r in results.items() for reason, n in sorted(r.skipped.items())]
     out += ["## Skipped rows", "", _table(["model", "reason", "count"], sk_rows) if sk_rows else "None.", ""]
     out += ["## Notes", "", NOTES]
     return "\n".join(out)
+
+
+def gap_warning(name: str, gap: BlindGap) -> str | None:
+    """The one-line warning printed wherever a blind gap's interval includes 0."""
+    if gap.n and not gap.includes_zero:
+        return None
+    return (f"warning: {name}: the blind gap's 95% interval [{gap.lo:+.2f}, {gap.hi:+.2f}] includes 0 -- "
+            f"its exact match does not measurably depend on the image")
+
+
+def control_summary(name: str, result: EvalResult) -> list[str]:
+    """What a console prints beside an EM: the control, and the warning when it is needed."""
+    if result.blind_gap is None:
+        return [f"control: none ({result.control_note or 'not run'})"]
+    warning = gap_warning(name, result.blind_gap)
+    return [f"control: {result.blind_gap}"] + ([warning] if warning else [])
+
+
+def control_lines(results: Mapping[str, EvalResult]) -> list[str]:
+    """The control table (EM true vs shuffled and the paired gap, overall and per stage) + warnings."""
+    rows, notes = [], []
+    for name, r in results.items():
+        if r.control is None:
+            notes.append(f"- {name}: no control ({r.control_note or 'not run'}).")
+            continue
+        for subset, g in r.control.items():
+            rows.append([name, subset, str(g.n), _fmt("{:.3f}", g.exact_match), _fmt("{:.3f}", g.exact_match_shuffled),
+                         _fmt("{:+.3f}", g.gap), f"[{_fmt('{:+.3f}', g.lo)}, {_fmt('{:+.3f}', g.hi)}]"])
+        warning = gap_warning(name, r.control["overall"])
+        if warning:
+            notes.append(f"- **{warning}**")
+    lines = [_table(["model", "subset", "n", "EM", "EM shuffled", "blind gap", "95% interval"], rows)] if rows else []
+    return lines + ([""] if rows and notes else []) + notes
 
 
 def report_dict(results: Mapping[str, EvalResult], protocol: Mapping[str, Any], title: str, data: str) -> dict[str, Any]:

@@ -320,29 +320,29 @@ class DataParallel:
     # -------------------------------------------------------------- evaluation
 
     def evaluate(self, bundle: Any, examples: Sequence[Any], protocol: Any) -> Any:
-        """eval.evaluate.evaluate_model, with the prompts split over ranks and the completions
-        gathered: every rank returns the same EvalResult.
+        """eval.evaluate.evaluate_model, with each sampling pass split over ranks and the
+        completions gathered: every rank returns the same EvalResult (control included).
 
         Each rank decodes its share in batches seeded like evaluate_model's (seed + batch
         start within the share): greedy results equal a single process's; sampled ones
         (temperature > 0) are other draws.
         """
-        from eval.evaluate import evaluate_completions, evaluate_model
+        from eval.evaluate import evaluate_model, sample_completions
 
         if not self.enabled:
             return evaluate_model(bundle, examples, protocol)
-        mine = shard_positions(len(examples), self.rank, self.world)
-        local = _completions(bundle, [examples[i] for i in mine], protocol)
-        completions: list[list[str]] = [[] for _ in examples]
-        token_counts: list[list[int]] = [[] for _ in examples]
-        for positions, results in self.gather_objects((mine, local)):
-            for i, (texts, counts) in zip(positions, results):
-                completions[i], token_counts[i] = texts, counts
-        result = evaluate_completions(examples, completions, token_counts, protocol.max_new_tokens)
-        lost = result.skipped.pop("no_completions", 0)
-        if lost:
-            result.skipped["sampler_skipped"] = lost
-        return result
+
+        def sharded_pass(bundle, examples, protocol):
+            mine = shard_positions(len(examples), self.rank, self.world)
+            texts, counts = sample_completions(bundle, [examples[i] for i in mine], protocol)
+            completions: list[list[str]] = [[] for _ in examples]
+            token_counts: list[list[int]] = [[] for _ in examples]
+            for positions, (t, c) in self.gather_objects((mine, (texts, counts))):
+                for k, i in enumerate(positions):
+                    completions[i], token_counts[i] = t[k], c[k]
+            return completions, token_counts
+
+        return evaluate_model(bundle, examples, protocol, sample_pass=sharded_pass)
 
     def close(self) -> None:
         """Destroy the process group if this object created it."""
@@ -353,30 +353,6 @@ class DataParallel:
 
 def _deep_copy_dicts(d: dict) -> dict:
     return {k: _deep_copy_dicts(v) if isinstance(v, dict) else v for k, v in d.items()}
-
-
-def _completions(bundle: Any, examples: Sequence[Any], protocol: Any) -> list[tuple[list[str], list[int]]]:
-    """(texts, content token counts) per example, as eval.evaluate.evaluate_model samples them."""
-    from eval.evaluate import _content_tokens
-    from grpo.model import encode_prompts
-    from grpo.sampler import sample
-
-    out: list[tuple[list[str], list[int]]] = [([], []) for _ in examples]
-    for start in range(0, len(examples), protocol.batch_size):
-        batch = list(examples[start : start + protocol.batch_size])
-        try:
-            prompts = encode_prompts(bundle, batch, on_bad_image="skip").to(bundle.device)
-        except ValueError:  # every image of the batch failed: no completions for them
-            continue
-        res = sample(bundle, prompts, G=protocol.samples_per_prompt, max_new_tokens=protocol.max_new_tokens,
-                     temperature=protocol.temperature, top_k=protocol.top_k, top_p=protocol.top_p,
-                     seed=protocol.seed + start)
-        ntok = _content_tokens(res)
-        for n, text in enumerate(res.texts):  # row n belongs to kept prompt n // G
-            texts, counts = out[start + prompts.kept[n // res.G]]
-            texts.append(text)
-            counts.append(int(ntok[n]))
-    return out
 
 
 def init_distributed(device: str, quiet: bool = True) -> DataParallel:

@@ -38,6 +38,7 @@ def write_final_report(run_dir: str | Path, last_phase: str, cfg: TrainConfig, d
     from eval.report import write_report
     from grpo.checkpoint import resolve
     from grpo.policy import load_policy
+    from eval.report import control_summary
 
     run_dir = Path(run_dir)
     if cfg.run.data != "synthetic":
@@ -54,6 +55,8 @@ def write_final_report(run_dir: str | Path, last_phase: str, cfg: TrainConfig, d
         m = results[selector].metrics
         print(f"[test] {selector:<18} EM {m['exact_match']:.3f}  parse {m['parseable_rate']:.3f}  "
               f"composite {results[selector].scores['composite']:.3f}  ({time.time() - t0:.0f}s)", flush=True)
+        for line in control_summary(selector, results[selector]):
+            print(f"       {line}", flush=True)
     out = run_dir / "report"
     md, _ = write_report(results, protocol.__dict__, out, title=f"{run_dir.name}: test split after phase {last_phase}",
                          data=f"synthetic test split, {n} per stage (stages 1-3), seed {cfg.run.seed}")

@@ -210,6 +210,8 @@ def checkpoint_eval(bundle, examples, cfg: TrainConfig, dp=None):
 
 
 def print_eval(phase: str, step: int, result) -> None:
+    from eval.report import control_summary
+
     m, iv = result.metrics, result.overall.intervals
     parts = []
     for key, short in (("parseable_rate", "parse"), ("exact_match", "EM"), ("solution_tag_rate", "sol"),
@@ -219,6 +221,8 @@ def print_eval(phase: str, step: int, result) -> None:
     s = result.scores
     print(f"[{phase} eval @ {step}] n={result.overall.n_prompts} " + "  ".join(parts)
           + f"  struct {s['structure']:.3f} corr {s['correctness']:.3f} comp {s['composite']:.3f}", flush=True)
+    for line in control_summary(f"{phase} @ {step}", result):
+        print(f"  {line}", flush=True)
 
 
 # ----------------------------------------------------------------------------- warm-up (SFT)

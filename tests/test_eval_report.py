@@ -127,7 +127,8 @@ def test_evaluate_model_plumbing(monkeypatch):
     for e in examples:
         e.image = img
     examples[1].image = None  # the encoder drops it
-    proto = EvalProtocol(samples_per_prompt=2, temperature=1.0, seed=7, batch_size=2, max_new_tokens=30)
+    proto = EvalProtocol(samples_per_prompt=2, temperature=1.0, seed=7, batch_size=2, max_new_tokens=30,
+                         image_control=False)  # one pass: the seeds below are the protocol's
     res = evaluate_model(bundle=types.SimpleNamespace(device="cpu"), examples=examples, protocol=proto)
     assert [c["seed"] for c in calls] == [7, 9, 11] and all(c["G"] == 2 for c in calls)
     assert res.skipped == {"sampler_skipped": 1}
