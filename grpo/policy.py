@@ -53,12 +53,13 @@ def load_base_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) 
 
 def base_checkpoint_of(run_dir: str | Path, ckpt) -> Path | None:
     """The base checkpoint directory an (adapter or base) checkpoint builds on, if any."""
+    from grpo.checkpoint import check_base_ref
+
     extra = ckpt.extra or {}
     if extra.get("kind") == "base":
         return Path(ckpt.path)
-    if extra.get("base"):
-        return Path(run_dir) / extra["base"]
-    return None
+    base = check_base_ref(extra.get("base"), f"{ckpt.path}/state.json")  # load_checkpoint checked it too
+    return Path(run_dir) / base if base else None
 
 
 def build_policy(cfg: TrainConfig, device: str, base_ckpt: Path | None = None, verbose: bool = True) -> Any:
