@@ -62,6 +62,23 @@ def base_checkpoint_of(run_dir: str | Path, ckpt) -> Path | None:
     return Path(run_dir) / base if base else None
 
 
+def check_policy_config(cfg: TrainConfig) -> None:
+    """Fail before any work if the model does not resolve or a LoRA target matches nothing.
+
+    Without this, `--lora.targets nosuch_proj` surfaced when phase A injected LoRA, after
+    the whole warm-up had run.
+    """
+    from grpo.config import ConfigError
+    from grpo.model import model_skeleton
+    from lora.inject import find_target_names
+
+    skeleton = model_skeleton(cfg.model.name, seed=cfg.run.seed)  # ModelLoadError: a bad model.name
+    try:
+        find_target_names(skeleton, lora_config(cfg))
+    except ValueError as err:
+        raise ConfigError(f"--lora.targets {','.join(cfg.lora.targets)}: {err}") from None
+
+
 def build_policy(cfg: TrainConfig, device: str, base_ckpt: Path | None = None, verbose: bool = True) -> Any:
     """Model bundle with the base (from ``base_ckpt`` if given), 4-bit if configured, LoRA injected."""
     from grpo.checkpoint import load_checkpoint
