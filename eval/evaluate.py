@@ -36,6 +36,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -410,7 +411,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         protocol, examples, data_desc, load_skipped, completions = _prepare(args)
-    except (ValueError, FileNotFoundError, ImportError) as err:  # ConfigError and SelectorError are ValueErrors
+    except (ValueError, FileNotFoundError, ImportError, ModelLoadError) as err:  # ConfigError, SelectorError too
         return fail(err, 2)
     except CheckpointError as err:
         return fail(err, 1)
@@ -468,6 +469,12 @@ def _prepare(args: argparse.Namespace) -> tuple:
         args.selectors = ["base"]
     if args.limit is not None and args.limit < 1:
         raise ValueError(f"--limit {args.limit}: must be >= 1 (leave it out to evaluate every prompt)")
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
+        raise ValueError(f"--device {args.device!r}: use cpu, cuda or cuda:N")
+    if args.selectors and "base" in args.selectors:
+        from grpo.model import check_model_source  # lazy: eval sits below grpo
+
+        check_model_source(args.model)  # a typo in --model fails before the data is loaded
     protocol = EvalProtocol(
         samples_per_prompt=args.samples, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
         top_k=args.top_k, top_p=args.top_p, seed=args.seed, batch_size=args.batch_size,

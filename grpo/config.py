@@ -463,9 +463,18 @@ def from_json(text: str) -> TrainConfig:
     """Rebuild a TrainConfig from its saved JSON (run directory compatibility checks)."""
     raw = json.loads(text)
     cfg = TrainConfig()
+    if not isinstance(raw, dict):
+        raise ConfigError(f"a saved config must be a JSON object of sections, got a {type(raw).__name__}")
     for sec_name, values in raw.items():
+        # a checkpoint made by another version (or edited) must not end in an AttributeError
+        if sec_name not in _fields(cfg) or not isinstance(values, dict):
+            raise ConfigError(f"saved config has an unknown section {sec_name!r} (sections: {', '.join(_fields(cfg))})")
         section = getattr(cfg, sec_name)
         hints = typing.get_type_hints(type(section))
+        unknown = sorted(set(values) - set(hints))
+        if unknown:
+            raise ConfigError(f"saved config section {sec_name!r} has unknown keys {unknown}: "
+                              "was it written by another vlgrpo version?")
         for name, value in values.items():
             if typing.get_origin(hints[name]) is tuple:
                 value = tuple(value)

@@ -296,6 +296,12 @@ def _resolve_source(name_or_path: str, seed: int) -> tuple[str, bool]:
     )
 
 
+def check_model_source(name_or_path: str) -> None:
+    """A ModelLoadError now if the name can mean no model; loads and builds nothing."""
+    if str(name_or_path) != TINY_NAME:
+        _resolve_source(str(name_or_path), 0)
+
+
 def model_skeleton(name_or_path: str = TINY_NAME, seed: int = 0) -> torch.nn.Module:
     """The model's module tree on the meta device: no weights, a fraction of a second even
     for the 7B. Lets a run check its LoRA targets before it loads (or trains) anything."""

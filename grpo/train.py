@@ -20,7 +20,8 @@ One GRPO step, for B prompts:
                 reference = the same model with LoRA switched off (grpo/logprobs.py)
     4. loss     group-normalised advantages, clipped ratio, k3 KL, aggregation -- one
                 fused pass (kernels/grpo_loss.py: Triton on CUDA, PyTorch on CPU)
-    5. step     backward into the LoRA parameters, clip, AdamW, schedule
+    5. step     backward into the LoRA parameters, clip, AdamW, schedule (an update that
+                leaves a parameter non-finite is undone, like a NaN loss is skipped)
     6. log      one JSON line (eval/plots.py documents the format) + a progress bar
     every run.eval_every steps and at the end:
     7. eval     greedy decoding on a fixed held-out subset (eval/evaluate.py)
@@ -643,7 +644,10 @@ def phase_configs(requested: str, preset: str, overrides: dict[str, str], init: 
         if head in PHASES and PHASES.index(head) > PHASES.index(requested):
             raise ConfigError(f"--{key}: phase {head} comes after the requested phase {requested} and does not run "
                               f"in this command; drop the option or run --phase {head}")
-    configs = {p: phase_config(p, preset, overrides, requested) for p in PHASES[: PHASES.index(requested) + 1]}
+    order = PHASES[: PHASES.index(requested) + 1]
+    # the requested phase first: its error is the one the user expects to read
+    built = {p: phase_config(p, preset, overrides, requested) for p in reversed(order)}
+    configs = {p: built[p] for p in order}
     if init != "auto":
         configs[requested].phase.init = init
         configs[requested].validate()
