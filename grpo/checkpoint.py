@@ -866,6 +866,8 @@ RESUME_FIXED_FIELDS = ("sampling.G", "sampling.max_new_tokens", "phase.prompts_p
 def check_resumable(run_dir: str | Path, config: TrainConfig) -> None:
     """Refuse to resume config's phase under settings that change what its steps mean."""
     run_dir, phase = Path(run_dir), config.phase.name
+    if phase == "warmup":  # saved once, at its end: a warm-up is never resumed
+        return
     reg = read_registry(run_dir, phase)
     saved = _saved_config(run_dir, phase, reg) if reg["checkpoints"] else None
     if saved is None:
