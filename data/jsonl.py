@@ -35,6 +35,7 @@ Bad rows are skipped and counted, never a crash (``load_jsonl(..., return_skippe
                         supervision field has the wrong shape
     missing_image       the image file named by the row does not exist
     corrupt_image       the file is not an image PIL can read
+    image_too_large     the image claims more pixels than PIL's decompression-bomb limit
     unknown_answer_type / unknown_language / non_numeric_answer
                         as in data/mathvista.py (a non-numeric gold answer under an
                         integer/float answer type; an empty answer is kept as "no gold")
@@ -128,7 +129,12 @@ def load_jsonl(directory: str | os.PathLike, return_skipped: bool = False
         raise FileNotFoundError(f"no {DATA_FILE} in {root}; write one with data.jsonl.save_jsonl")
     examples: list[Example] = []
     skipped: Counter[str] = Counter()
-    for line in path.read_text(encoding="utf-8").splitlines():
+    try:
+        # utf-8-sig: a byte-order mark (Windows editors write one) would make line 1 bad JSON
+        text = path.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path} is not UTF-8 text (byte {err.start}: {err.reason}); save it as UTF-8") from None
+    for line in text.splitlines():
         if not line.strip():
             continue
         try:

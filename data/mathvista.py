@@ -21,6 +21,8 @@ so reports can show them:
 
     missing_image        no image bytes and no readable file at the row's image path
     corrupt_image        bytes that PIL cannot identify / verify
+    image_too_large      more pixels than PIL's decompression-bomb limit (Image.MAX_IMAGE_PIXELS
+                         x 2, 179M by default): a few KB of PNG can claim 30000 x 30000
     unknown_answer_type  not one of integer, float, text, list
     unknown_language     not one of english, chinese, persian
     non_numeric_answer   a non-empty gold answer that is not a number under an
@@ -68,7 +70,11 @@ from data.stages import is_numeric_free_form, select_stage
 
 LANGUAGES = ("english", "chinese", "persian")
 NUMERIC_ANSWER_TYPES = ("integer", "float")
-SKIP_REASONS = ("missing_image", "corrupt_image", "unknown_answer_type", "unknown_language", "non_numeric_answer")
+SKIP_REASONS = ("missing_image", "corrupt_image", "image_too_large", "unknown_answer_type", "unknown_language",
+                "non_numeric_answer")
+# Columns without which a row means nothing: a missing `answer` column would read as "no
+# gold" on every row and the report would score against empty answers.
+REQUIRED_COLUMNS = ("pid", "question", "answer", "answer_type")
 HUB_PREFIX = "hub:"
 
 
@@ -91,6 +97,8 @@ def _open_image(data: bytes, pid: str) -> Any:
         with Image.open(io.BytesIO(data)) as probe:
             probe.verify()  # reads headers / chunk CRCs without decoding all pixels
         return Image.open(io.BytesIO(data))  # verify() invalidates its image: reopen
+    except Image.DecompressionBombError as err:  # not an OSError: it would escape as a traceback
+        raise SkipRow("image_too_large", pid) from err
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as err:
         raise SkipRow("corrupt_image", pid) from err
 
@@ -191,23 +199,55 @@ def _parquet_files(root: Path, split: str) -> list[Path]:
     return files
 
 
+def _check_columns(names: Iterable[str], where: Path) -> None:
+    names = set(names)
+    missing = [c for c in REQUIRED_COLUMNS if c not in names]
+    if not {"image", "decoded_image"} & names:
+        missing.append("image or decoded_image")
+    if missing:
+        raise ValueError(f"{where} lacks the MathVista column(s) {', '.join(missing)} (it has {', '.join(sorted(names))}); "
+                         "give the hub's layout: pid, question, answer, answer_type, image/decoded_image, ...")
+
+
 def _json_rows(root: Path, split: str) -> list[dict[str, Any]] | None:
     for name in (f"annot_{split}.json", f"{split}.json", f"data/{split}.json"):
         path = root / name
         if path.is_file():
-            raw = json.loads(path.read_text(encoding="utf-8"))
+            try:
+                raw = json.loads(path.read_text(encoding="utf-8-sig"))
+            except (UnicodeDecodeError, json.JSONDecodeError) as err:
+                raise ValueError(f"{path} is not UTF-8 JSON ({err})") from None
             # the original release is {pid: record}; a list of records works too
-            return [dict(r, pid=r.get("pid", k)) for k, r in raw.items()] if isinstance(raw, dict) else list(raw)
+            if isinstance(raw, dict) and all(isinstance(r, dict) for r in raw.values()):
+                rows = [dict(r, pid=r.get("pid", k)) for k, r in raw.items()]
+            elif isinstance(raw, list) and all(isinstance(r, dict) for r in raw):
+                rows = list(raw)
+            else:
+                raise ValueError(f"{path} must hold {{pid: record}} or a list of records (JSON objects)")
+            if rows:  # rows may leave optional keys out; a key no row has is a missing column
+                _check_columns({k for r in rows for k in r}, path)
+            return rows
     return None
 
 
 def _iter_parquet(files: list[Path], batch_size: int = 64) -> Iterator[dict[str, Any]]:
     """Rows one batch at a time, so only kept rows' image bytes stay in memory."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    for path in files:
-        for batch in pq.ParquetFile(path).iter_batches(batch_size=batch_size):
-            yield from batch.to_pylist()
+    opened = []
+    for path in files:  # every file's columns are checked before the first row is read
+        try:
+            opened.append(pq.ParquetFile(path))
+        except (pa.ArrowException, OSError) as err:
+            raise ValueError(f"{path} is not a readable parquet file ({err})") from None
+        _check_columns(opened[-1].schema_arrow.names, path)
+    for path, pf in zip(files, opened):
+        try:
+            for batch in pf.iter_batches(batch_size=batch_size):
+                yield from batch.to_pylist()
+        except (pa.ArrowException, OSError) as err:
+            raise ValueError(f"{path} is damaged: reading its rows failed ({err})") from None
 
 
 def _iter_hub(name: str, split: str) -> Iterator[dict[str, Any]]:
@@ -235,7 +275,9 @@ def iter_rows(source: str | Path, split: str) -> tuple[Iterable[dict[str, Any]],
     base = root.parent if root.is_file() else root
     files = _parquet_files(root, split)
     if files:
-        return _iter_parquet(files), base
+        rows = _iter_parquet(files)
+        first = next(rows, None)  # opens and checks every file now, not at the first row consumed
+        return ([] if first is None else _chain(first, rows)), base
     rows = _json_rows(root, split)
     if rows is not None:
         return rows, base
@@ -243,6 +285,11 @@ def iter_rows(source: str | Path, split: str) -> tuple[Iterable[dict[str, Any]],
         f"no MathVista split {split!r} under {text}: expected {split}-*.parquet, {split}/*.parquet, "
         f"annot_{split}.json or {split}.json"
     )
+
+
+def _chain(first: dict[str, Any], rest: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    yield first
+    yield from rest
 
 
 def load_mathvista(

@@ -35,6 +35,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import re
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -78,7 +80,8 @@ class EvalProtocol:
         checks = [
             (self.samples_per_prompt >= 1, f"samples_per_prompt={self.samples_per_prompt}: must be >= 1"),
             (self.max_new_tokens >= 1, f"max_new_tokens={self.max_new_tokens}: must be >= 1"),
-            (self.temperature >= 0, f"temperature={self.temperature}: must be >= 0 (0 = greedy)"),
+            (math.isfinite(self.temperature) and self.temperature >= 0,
+             f"temperature={self.temperature}: must be a finite number >= 0 (0 = greedy)"),
             (self.top_k >= 0, f"top_k={self.top_k}: must be >= 0 (0 = off)"),
             (0 < self.top_p <= 1, f"top_p={self.top_p}: must be in (0, 1]"),
             (self.batch_size >= 1, f"batch_size={self.batch_size}: must be >= 1"),
@@ -337,16 +340,46 @@ def _load_examples(args: argparse.Namespace) -> tuple[list[Example], str, dict[s
 
 
 def _read_completions(path: str, examples: list[Example]) -> tuple[list[list[str]], list[list[int]]]:
-    """JSONL {"pid", "completions", "token_counts"} aligned to the examples (missing -> [])."""
+    """JSONL {"pid", "completions", "token_counts"} aligned to the examples (missing pid -> []).
+
+    Every row is checked: a row without completions, a string where the list belongs, or
+    token counts that do not pair one-to-one with the completions would otherwise be scored
+    as an empty or misaligned group without a word.
+    """
+    try:
+        text = Path(path).read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path} is not UTF-8 text (byte {err.start}: {err.reason})") from None
+    shape = 'write one JSON object per line: {"pid": ..., "completions": ["..."], "token_counts": [n]}'
     by_pid: dict[str, dict[str, Any]] = {}
-    for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
+        where = f"{path}:{n}"
         try:
             row = json.loads(line)
-            by_pid[str(row["pid"])] = row
-        except (json.JSONDecodeError, KeyError, TypeError):
-            raise ValueError(f"{path}:{n}: expected a JSON object with pid, completions, token_counts") from None
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{where}: not JSON ({err.msg}); {shape}") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{where}: a JSON {type(row).__name__}, not an object; {shape}")
+        missing = [k for k in ("pid", "completions", "token_counts") if k not in row]
+        if missing:
+            raise ValueError(f"{where}: lacks {', '.join(missing)}; {shape}")
+        pid, texts, counts = row["pid"], row["completions"], row["token_counts"]
+        if isinstance(pid, bool) or not isinstance(pid, (str, int)):
+            raise ValueError(f"{where}: pid {pid!r} is not a string or integer")
+        if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+            kind = "a string" if isinstance(texts, str) else f"{type(texts).__name__}"
+            raise ValueError(f"{where}: completions is {kind}, not a list of strings (write [\"...\"])"
+                             if not isinstance(texts, list) else f"{where}: completions holds a non-string")
+        if not isinstance(counts, list) or any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in counts):
+            raise ValueError(f"{where}: token_counts must be a list of integers >= 0, got {counts!r}"[:300])
+        if len(counts) != len(texts):
+            raise ValueError(f"{where}: {len(texts)} completions but {len(counts)} token_counts; give one count "
+                             "per completion, from the tokenizer that produced it")
+        if str(pid) in by_pid:
+            raise ValueError(f"{where}: pid {pid!r} appears twice; give each prompt's completions on one line")
+        by_pid[str(pid)] = row
     texts = [list(by_pid.get(ex.pid, {}).get("completions", [])) for ex in examples]
     counts = [list(by_pid.get(ex.pid, {}).get("token_counts", [])) for ex in examples]
     return texts, counts
@@ -369,24 +402,20 @@ def _resolve_selector(selector: str, args: argparse.Namespace) -> Path | None:
         return None
     if not args.run_dir:
         raise ValueError(f"selector {selector!r} needs --run-dir (the training run that holds its checkpoints)")
-    from grpo.checkpoint import CheckpointError, resolve  # lazy: eval sits below grpo
+    from grpo.checkpoint import resolve  # lazy: eval sits below grpo
 
-    try:
-        return resolve(args.run_dir, selector)
-    except CheckpointError as err:
-        raise ValueError(f"{selector}: {err}") from None
+    return resolve(args.run_dir, selector)  # a damaged checkpoint: CheckpointError, exit 1 in main()
 
 
 def _selector_bundle(selector: str, args: argparse.Namespace) -> Any:
     """'base' -> the base model; a checkpoint selector -> that checkpoint's policy."""
-    from grpo.checkpoint import CheckpointError
     from grpo.model import ModelLoadError, load_bundle
 
     try:
         path = _resolve_selector(selector, args)
         return load_bundle(args.model, device=args.device) if path is None else _checkpoint_bundle(path, args)
-    except (CheckpointError, ModelLoadError) as err:
-        raise ValueError(f"{selector}: {err}") from None
+    except ModelLoadError as err:
+        raise ModelLoadError(f"{selector}: {err}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -423,54 +452,46 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The CLI. Errors the project raises on purpose are one line on stderr: exit 2 for a
+    wrong request (options, data, completions files, selectors, model), exit 1 when a
+    checkpoint is damaged or the report cannot be written. Anything else keeps its traceback:
+    the ValueError catch covers checking the request and building models, not the scoring."""
     args = build_parser().parse_args(argv)
-    from eval.report import control_summary, write_report
+    from eval.report import control_summary
+    from grpo.checkpoint import CheckpointError  # lazy: eval sits below grpo
+    from grpo.model import ModelLoadError
 
-    if not args.selectors and not args.completions:
-        args.selectors = ["base"]
-    protocol = EvalProtocol(
-        samples_per_prompt=args.samples, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-        top_k=args.top_k, top_p=args.top_p, seed=args.seed, batch_size=args.batch_size,
-        image_control=args.image_control,
-    )
+    def fail(err: BaseException, code: int) -> int:
+        print(f"error: {_one_line(err)}", file=sys.stderr)
+        return code
+
+    try:
+        protocol, examples, data_desc, load_skipped, completions = _prepare(args)
+    except (ValueError, FileNotFoundError, ImportError, ModelLoadError) as err:  # ConfigError, SelectorError too
+        return fail(err, 2)
+    except CheckpointError as err:
+        return fail(err, 1)
+    except OSError as err:
+        inputs = [args.data, args.run_dir] + [spec.partition("=")[2] for spec in args.completions]
+        if not any(p and _inside(err.filename, Path(p)) for p in inputs):
+            raise
+        return fail(OSError(f"cannot read {err.filename} ({err.strerror})"), 2)
     if args.threads > 0:
         import torch
 
         torch.set_num_threads(args.threads)
-    try:
-        protocol.validate()
-        examples, data_desc, load_skipped = _load_examples(args)
-    except (ValueError, FileNotFoundError, ImportError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    if not examples:
-        print(f"error: no examples to evaluate in {data_desc}", file=sys.stderr)
-        return 2
-    try:  # resolve every selector before the first (slow) evaluation: fail fast on a typo
-        for selector in args.selectors:
-            _resolve_selector(selector, args)
-    except ValueError as err:  # the resolver's "names nothing; this run holds: ..." message
-        print(f"error: {err}", file=sys.stderr)
-        return 2
     print(f"evaluating {len(examples)} prompts: {data_desc}")
     results: dict[str, EvalResult] = {}
-    for spec in args.completions:
-        name, _, path = spec.partition("=")
-        try:
-            if not path:
-                raise ValueError(f"--completions {spec!r}: write NAME=FILE.jsonl")
-            texts, counts = _read_completions(path, examples)
-            results[name] = evaluate_completions(examples, texts, counts, protocol.max_new_tokens)
-            results[name].control_note = "pre-generated completions: no second pass with shuffled images"
-        except (ValueError, OSError) as err:
-            print(f"error: {err}", file=sys.stderr)
-            return 2
+    for name, (texts, counts) in completions.items():
+        results[name] = evaluate_completions(examples, texts, counts, protocol.max_new_tokens)
+        results[name].control_note = "pre-generated completions: no second pass with shuffled images"
     for selector in args.selectors:
         try:
             bundle = _selector_bundle(selector, args)
-        except ValueError as err:
-            print(f"error: {err}", file=sys.stderr)
-            return 2
+        except (ValueError, ModelLoadError) as err:
+            return fail(err, 2)
+        except CheckpointError as err:
+            return fail(err, 1)
         results[selector] = evaluate_model(bundle, examples, protocol)
         print(f"  {selector}: " + ", ".join(f"{k} {v:.3f}" for k, v in results[selector].flat().items() if k != "n"))
         for line in control_summary(selector, results[selector]):
@@ -478,10 +499,67 @@ def main(argv: Sequence[str] | None = None) -> int:
     for res in results.values():
         for reason, n in load_skipped.items():  # rows the loader dropped, shown with each model
             res.skipped[f"load:{reason}"] = n
+    from eval.report import write_report
+
     shown = {**asdict(protocol), "base_model": args.model, "prompts": len(examples)}
-    md, js = write_report(results, shown, Path(args.out), title=args.title, data=data_desc)
+    try:
+        md, js = write_report(results, shown, Path(args.out), title=args.title, data=data_desc)
+    except OSError as err:
+        if not _inside(err.filename, Path(args.out)):
+            raise
+        return fail(OSError(f"cannot write the report to {args.out} ({err.strerror}: {err.filename})"), 1)
     print(f"wrote {md} and {js}")
     return 0
+
+
+def _one_line(err: BaseException) -> str:
+    return "; ".join(line.strip() for line in str(err).splitlines() if line.strip())
+
+
+def _inside(filename: object, root: Path) -> bool:
+    if not isinstance(filename, (str, bytes)) and not hasattr(filename, "__fspath__"):
+        return False
+    try:
+        path, root = Path(os.fsdecode(filename)).resolve(), root.resolve()
+    except (OSError, ValueError):
+        return False
+    return path == root or path.is_relative_to(root)
+
+
+def _prepare(args: argparse.Namespace) -> tuple:
+    """Check the whole request before the first (slow) evaluation: protocol, data, selectors, files."""
+    if not args.selectors and not args.completions:
+        args.selectors = ["base"]
+    if args.limit is not None and args.limit < 1:
+        raise ValueError(f"--limit {args.limit}: must be >= 1 (leave it out to evaluate every prompt)")
+    if args.threads < 0:
+        raise ValueError(f"--threads {args.threads}: must be >= 0 (0 = torch's default, 1 = the trainer's)")
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
+        raise ValueError(f"--device {args.device!r}: use cpu, cuda or cuda:N")
+    if args.selectors and "base" in args.selectors:
+        from grpo.model import check_model_source  # lazy: eval sits below grpo
+
+        check_model_source(args.model)  # a typo in --model fails before the data is loaded
+    protocol = EvalProtocol(
+        samples_per_prompt=args.samples, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+        top_k=args.top_k, top_p=args.top_p, seed=args.seed, batch_size=args.batch_size,
+        image_control=args.image_control,
+    ).validate()
+    for spec in args.completions:
+        name, _, path = spec.partition("=")
+        if not name or not path:
+            raise ValueError(f"--completions {spec!r}: write NAME=FILE.jsonl")
+    examples, data_desc, load_skipped = _load_examples(args)
+    if not examples:
+        lost = ", ".join(f"{k} {v}" for k, v in load_skipped.items())
+        raise ValueError(f"no examples to evaluate in {data_desc}" + (f" ({lost} skipped)" if lost else ""))
+    for selector in args.selectors:  # a typo fails now, not after the first model's evaluation
+        _resolve_selector(selector, args)
+    completions = {}
+    for spec in args.completions:  # every file is read and checked before any is scored
+        name, _, path = spec.partition("=")
+        completions[name] = _read_completions(path, examples)
+    return protocol, examples, data_desc, load_skipped, completions
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ Layout (one registry per curriculum phase; phases warmup, A, B, C):
           optimizer.safetensors    optimiser state tensors (AdamW: exp_avg, exp_avg_sq, step)
           optimizer.json           the rest of optimizer.state_dict() (param_groups: lr, betas...)
           state.json               step, phase, scheduler, controller, RNG, data position,
-                                   eval metrics, scores, the resolved config, file sizes
+                                   eval metrics, scores, the resolved config, each file's
+                                   size and sha256
         step_000040/ ...
       B/ ...
 
@@ -30,6 +31,17 @@ Leftovers of a killed save (a `.tmp-*` directory, or a renamed step directory th
 never learned about) are removed by the next save. A failed write (e.g. disk full) removes
 its temporary directory and raises CheckpointError; older checkpoints are untouched.
 
+Integrity. state.json records the size and sha256 of every tensor and optimiser file, and
+the registry records the sha256 of each state.json, so one chain of digests covers every
+byte a checkpoint holds: a truncated, flipped, garbage or swapped file is refused on load
+with one CheckpointError line naming the file, never read as numbers. A registry whose
+entries are not step directories (``{"dir": "../../victim"}``), or a state whose
+``extra.base`` leaves the run directory, is refused before anything is read or deleted.
+Non-finite tensors are never saved and never loaded. A resume whose latest checkpoint is
+damaged continues from the newest intact one of its phase (``resume_point``), setting the
+damaged ones aside as ``damaged-step_N`` directories instead of deleting them. Checkpoints
+of format 1 (sizes, no digests) still load, with the size check only.
+
 No pickle: tensors go to safetensors, everything else to JSON. torch.load of a pickle can
 run arbitrary code, and a checkpoint directory is the kind of file people share.
 
@@ -42,10 +54,12 @@ from __future__ import annotations
 
 import base64
 import errno
+import hashlib
 import json
 import logging
 import os
 import random
+import re
 import shutil
 import time
 import uuid
@@ -55,6 +69,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
@@ -63,12 +78,17 @@ from grpo.config import PHASES, ConfigError, TrainConfig
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: sha256 digests of every file; 1 (sizes only) still loads
+READABLE_VERSIONS = (1, 2)
 ALIASES = ("latest",) + tuple(f"best_{k}" for k in SCORE_KEYS)  # latest, best_structure, ...
 REGISTRY = "registry.json"
 ADAPTER_FILE = "adapter.safetensors"
 OPTIM_TENSORS, OPTIM_JSON = "optimizer.safetensors", "optimizer.json"
 STATE_FILE = "state.json"
+DAMAGED_PREFIX = "damaged-"  # where resume_point sets damaged checkpoints aside (never deleted)
+STATE_KEYS = ("phase", "step", "scheduler", "controller", "rng", "data_position", "metrics", "scores", "config", "files")
+_STEP_DIR = re.compile(r"step_\d{6,}")
+_BASE_REF = re.compile(r"(%s)/step_\d{6,}" % "|".join(PHASES))
 # Config fields that only say how to run, not what a checkpoint's weights mean.
 RUNTIME_ONLY_FIELDS = {"model.device", "model.gradient_checkpointing"}
 
@@ -83,6 +103,33 @@ class SelectorError(ValueError):
 
 def step_dirname(step: int) -> str:
     return f"step_{step:06d}"
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def check_base_ref(base: Any, where: str) -> str | None:
+    """extra.base must be None or PHASE/step_N: a checkpoint inside the run directory.
+
+    It is joined to the run directory to rebuild a policy, so anything else (an absolute
+    path, '..') would make a shared checkpoint read weights from anywhere on the machine.
+    """
+    if base is None:
+        return None
+    if not isinstance(base, str) or not _BASE_REF.fullmatch(base):
+        raise CheckpointError(f"{where}: extra.base={base!r} is not a checkpoint inside the run directory "
+                              f"(PHASE/step_NNNNNN, phases {', '.join(PHASES)}): the file was edited; "
+                              "restore it or use another checkpoint")
+    return base
+
+
+def _nonfinite(tensors: dict[str, torch.Tensor]) -> tuple[str, int, int] | None:
+    """(name, non-finite count, numel) of the first floating tensor holding NaN or inf."""
+    for name, t in tensors.items():
+        if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all()):
+            return name, int((~torch.isfinite(t)).sum()), t.numel()
+    return None
 
 
 # ----------------------------------------------------------------------------- durable file I/O
@@ -226,16 +273,65 @@ def _empty_registry(phase: str) -> dict[str, Any]:
     return {"format_version": FORMAT_VERSION, "phase": phase, "checkpoints": [], "aliases": {}}
 
 
+def _registry_problem(reg: Any, phase: str) -> str | None:
+    """What is wrong with a registry's structure, or None.
+
+    Every ``dir`` must be its step's own directory name: save_checkpoint deletes pruned
+    dirs and leftovers by these names, so '../../victim' or another step's name would make
+    it delete outside the run or a real checkpoint.
+    """
+    if not isinstance(reg, dict):
+        return f"holds a JSON {type(reg).__name__}, not an object"
+    missing = [k for k in ("checkpoints", "aliases") if k not in reg]
+    if missing:
+        return f"lacks {', '.join(map(repr, missing))}"
+    if reg.get("format_version", 1) not in READABLE_VERSIONS:
+        return f"has format_version {reg.get('format_version')!r}; this vlgrpo reads {READABLE_VERSIONS}"
+    if reg.get("phase", phase) != phase:
+        return f"says phase {reg.get('phase')!r} but lies in the directory of phase {phase!r}"
+    if not isinstance(reg["checkpoints"], list) or not isinstance(reg["aliases"], dict):
+        return "needs 'checkpoints' as a list and 'aliases' as an object"
+    steps = []
+    for i, c in enumerate(reg["checkpoints"]):
+        if not isinstance(c, dict) or isinstance(c.get("step"), bool) or not isinstance(c.get("step"), int) \
+                or c["step"] < 0:
+            return f"entry {i} is not {{'step': int >= 0, 'dir': ..., 'scores': {{...}}}}"
+        if c.get("dir") != step_dirname(c["step"]):
+            return (f"entry for step {c['step']} has dir {c.get('dir')!r}; it must be that step's own "
+                    f"directory {step_dirname(c['step'])!r}")
+        if not isinstance(c.get("scores", {}), dict) or any(
+                isinstance(v, bool) or not isinstance(v, (int, float)) for v in c.get("scores", {}).values()):
+            return f"entry for step {c['step']} has scores {c.get('scores')!r}, not name -> number"
+        digest = c.get("state_sha256")
+        if digest is not None and not (isinstance(digest, str) and re.fullmatch(r"[0-9a-f]{64}", digest)):
+            return f"entry for step {c['step']} has state_sha256 {digest!r}, not a sha256 hex digest"
+        steps.append(c["step"])
+    if steps != sorted(set(steps)):
+        return f"lists steps {steps}, which are not strictly increasing"
+    for alias, step in reg["aliases"].items():
+        if isinstance(step, bool) or not isinstance(step, int) or step not in steps:
+            return f"alias {alias!r} points to {step!r}, which is not one of its steps {steps}"
+    if steps and reg["aliases"].get("latest") != steps[-1]:
+        return f"has latest={reg['aliases'].get('latest')!r} but its newest step is {steps[-1]}"
+    return None
+
+
 def read_registry(run_dir: str | Path, phase: str) -> dict[str, Any]:
-    """The phase's registry: {"checkpoints": [{"step", "dir", "scores"}...], "aliases": {alias: step}}."""
+    """The phase's registry: {"checkpoints": [{"step", "dir", "scores"}...], "aliases": {alias: step}}.
+
+    Checked before anything uses it (see _registry_problem); a damaged one is a CheckpointError.
+    """
     path = Path(run_dir) / phase / REGISTRY
     if not path.exists():
         return _empty_registry(phase)
+    why = "it is only ever replaced atomically, so the disk or an outside edit damaged it: restore it or start a new run_dir"
     try:
-        reg = json.loads(path.read_text())
+        reg = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path} is unreadable ({e}); it is only ever replaced atomically, so the disk or an "
-                              "outside edit damaged it: restore it or start a new run_dir") from None
+        raise CheckpointError(f"{path} is unreadable ({type(e).__name__}: {e}); {why}") from None
+    problem = _registry_problem(reg, phase)
+    if problem:
+        raise CheckpointError(f"{path} {problem}; {why}")
     return reg
 
 
@@ -269,7 +365,7 @@ def _clean_leftovers(phase_dir: Path, reg: dict[str, Any]) -> None:
     """Remove what killed saves left: temporary dirs/files, and step dirs the registry never took."""
     known = {c["dir"] for c in reg["checkpoints"]}
     for p in phase_dir.iterdir():
-        stale = p.name.startswith(".tmp-") or (p.is_dir() and p.name.startswith("step_") and p.name not in known)
+        stale = p.name.startswith(".tmp-") or (p.is_dir() and _STEP_DIR.fullmatch(p.name) and p.name not in known)
         if not stale:
             continue
         log.info("removing leftover of an interrupted save: %s", p)
@@ -342,6 +438,7 @@ def save_checkpoint(
     most this many checkpoints that no alias points to (None = keep all).
     """
     config = _check_save_args(phase, step, tensors, scores, config_json, keep_last)
+    check_base_ref((extra or {}).get("base"), "save_checkpoint")
     phase_dir = Path(run_dir) / phase
     phase_dir.mkdir(parents=True, exist_ok=True)
     reg = read_registry(run_dir, phase)
@@ -356,10 +453,19 @@ def save_checkpoint(
     tmp = phase_dir / f".tmp-{name}-{uuid.uuid4().hex[:8]}"
     # Serialise everything before touching the disk, so a TypeError costs no cleanup.
     adapter = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in tensors.items()}
-    files: dict[str, bytes] = {ADAPTER_FILE: st_save(adapter)}
+    payloads = {ADAPTER_FILE: adapter}
     if optimizer is not None:
         opt_tensors, opt_structure = _optimizer_payload(optimizer)
-        files[OPTIM_TENSORS] = st_save(opt_tensors)
+        payloads[OPTIM_TENSORS] = opt_tensors
+    for fname, group in payloads.items():
+        # A NaN adapter saved as `latest` would be resumed and evaluated as if it were a model.
+        bad = _nonfinite(group)
+        if bad:
+            raise CheckpointError(f"refusing to save step {step} of phase {phase}: {fname} tensor {bad[0]!r} has "
+                                  f"{bad[1]} non-finite values (NaN/inf) of {bad[2]}; nothing was written, "
+                                  "earlier checkpoints are intact")
+    files: dict[str, bytes] = {fname: st_save(group) for fname, group in payloads.items()}
+    if optimizer is not None:
         files[OPTIM_JSON] = _json_bytes(opt_structure, "optimizer state")
     state = {
         "format_version": FORMAT_VERSION,
@@ -373,7 +479,8 @@ def save_checkpoint(
         "rng": rng if rng is not None else capture_rng(),
         "config": config,
         "extra": extra or {},
-        "files": {n: len(b) for n, b in files.items()},  # checked on load: catches truncation
+        # checked on load: the size catches truncation, the digest every other change
+        "files": {n: {"size": len(b), "sha256": _sha256(b)} for n, b in files.items()},
         "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "torch_version": torch.__version__,
     }
@@ -394,7 +501,9 @@ def save_checkpoint(
             f"are intact. Free space (or pass keep_last to prune) and save again.") from e
 
     # The directory is complete: now make it exist, in one atomic registry replace.
-    reg["checkpoints"].append({"step": step, "dir": name, "scores": dict(scores)})
+    reg["checkpoints"].append({"step": step, "dir": name, "scores": dict(scores),
+                               "state_sha256": _sha256(files[STATE_FILE])})  # closes the digest chain
+    reg["format_version"] = FORMAT_VERSION
     _move_aliases(reg, step, scores)
     doomed = _prune(reg, keep_last)
     try:
@@ -427,35 +536,141 @@ class LoadedCheckpoint:
     extra: dict = field(default_factory=dict)
 
 
-def _read_checked(path: Path, expected: dict[str, int], fname: str) -> bytes:
-    data = (path / fname).read_bytes()
-    if fname in expected and len(data) != expected[fname]:
-        raise CheckpointError(f"{path / fname} has {len(data)} bytes, expected {expected[fname]}: "
-                              "the file was damaged after saving")
+def _damaged(path: Path, what: str) -> CheckpointError:
+    return CheckpointError(f"{path} {what}: the checkpoint was damaged or replaced after saving; "
+                           "use an earlier checkpoint, or restore this one from a copy")
+
+
+def _file_specs(state: dict, state_path: Path) -> dict[str, tuple[int, str | None]]:
+    """state["files"] -> {name: (size, sha256 or None)}; format 1 recorded sizes only."""
+    specs = {}
+    files = state["files"]
+    if not isinstance(files, dict):
+        raise _damaged(state_path, f"has files={files!r}, not an object")
+    for name, spec in files.items():
+        if isinstance(spec, int) and not isinstance(spec, bool):  # format 1
+            specs[name] = (spec, None)
+        elif isinstance(spec, dict) and isinstance(spec.get("size"), int) and isinstance(spec.get("sha256"), str):
+            specs[name] = (spec["size"], spec["sha256"])
+        else:
+            raise _damaged(state_path, f"records file {name!r} as {spec!r}, not its size and sha256")
+    return specs
+
+
+def _read_checked(path: Path, specs: dict[str, tuple[int, str | None]], fname: str) -> bytes:
+    """The bytes of one checkpoint file, after its recorded size and digest are checked."""
+    file = path / fname
+    if fname not in specs:
+        raise _damaged(path / STATE_FILE, f"does not list {fname}")
+    try:
+        data = file.read_bytes()
+    except FileNotFoundError:
+        raise _damaged(file, "is missing") from None
+    except OSError as e:  # a directory in its place, unreadable, ...
+        raise _damaged(file, f"cannot be read ({type(e).__name__}: {e.strerror or e})") from None
+    size, digest = specs[fname]
+    if len(data) != size:
+        raise _damaged(file, f"has {len(data)} bytes, expected {size}")
+    if digest is not None and _sha256(data) != digest:
+        raise _damaged(file, "does not match the sha256 recorded in state.json")
     return data
+
+
+def _tensors(path: Path, specs: dict, fname: str) -> dict[str, torch.Tensor]:
+    data = _read_checked(path, specs, fname)
+    try:
+        tensors = st_load(data)
+    except (SafetensorError, ValueError) as e:  # a format-1 checkpoint has no digest to catch this first
+        raise _damaged(path / fname, f"is not a valid safetensors file ({e})") from None
+    bad = _nonfinite(tensors)
+    if bad:
+        raise CheckpointError(f"{path / fname}: tensor {bad[0]!r} has {bad[1]} non-finite values (NaN/inf) of "
+                              f"{bad[2]}; vlgrpo never saves such a checkpoint, so it was made or edited "
+                              "elsewhere: use another checkpoint")
+    return tensors
+
+
+def _registry_entry(path: Path) -> dict | None:
+    """The registry entry of a checkpoint directory inside a phase directory, if any."""
+    phase = path.parent.name
+    if phase not in PHASES or not (path.parent / REGISTRY).is_file():
+        return None
+    reg = read_registry(path.parent.parent, phase)
+    return next((c for c in reg["checkpoints"] if c["dir"] == path.name), None)
+
+
+def _read_state(path: Path) -> dict[str, Any]:
+    """state.json of a checkpoint directory, checked against its registry digest and for shape."""
+    state_path = path / STATE_FILE
+    if not state_path.is_file():
+        if path.is_dir() and (path / ADAPTER_FILE).exists():
+            raise _damaged(state_path, "is missing")
+        raise CheckpointError(f"{path} is not a checkpoint directory (no {STATE_FILE}); "
+                              "use resolve(run_dir, selector) to find one")
+    try:
+        raw = state_path.read_bytes()
+    except OSError as e:
+        raise _damaged(state_path, f"cannot be read ({type(e).__name__}: {e.strerror or e})") from None
+    entry = _registry_entry(path)
+    if entry is not None and entry.get("state_sha256") and _sha256(raw) != entry["state_sha256"]:
+        raise _damaged(state_path, f"does not match the sha256 recorded in {path.parent / REGISTRY}")
+    try:
+        state = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise _damaged(state_path, f"is not valid JSON ({e})") from None
+    if not isinstance(state, dict):
+        raise _damaged(state_path, f"holds a JSON {type(state).__name__}, not an object")
+    missing = [k for k in STATE_KEYS if k not in state]
+    if missing:
+        raise _damaged(state_path, f"lacks {', '.join(missing)}")
+    if state.get("format_version", 1) not in READABLE_VERSIONS:
+        raise CheckpointError(f"{state_path} has format_version {state.get('format_version')!r}; this vlgrpo "
+                              f"reads {READABLE_VERSIONS}: load it with the version that wrote it")
+    step = state["step"]
+    if isinstance(step, bool) or not isinstance(step, int) or state["phase"] not in PHASES:
+        raise _damaged(state_path, f"has step={step!r}, phase={state['phase']!r}")
+    if entry is not None and (step != entry["step"] or state["phase"] != path.parent.name):
+        raise _damaged(state_path, f"is step {step} of phase {state['phase']}, but the registry lists it "
+                       f"as step {entry['step']} of phase {path.parent.name} (a checkpoint copied into place?)")
+    if not isinstance(state.get("extra", {}), dict) or not isinstance(state["config"], dict) \
+            or isinstance(state["data_position"], bool) or not isinstance(state["data_position"], int):
+        raise _damaged(state_path, "has extra/config that are not objects or a data_position that is not an int")
+    check_base_ref(state.get("extra", {}).get("base"), str(state_path))
+    return state
 
 
 def load_checkpoint(
     path: str | Path, optimizer: torch.optim.Optimizer | None = None, device: str | torch.device = "cpu"
 ) -> LoadedCheckpoint:
-    """Read a checkpoint directory; if `optimizer` is given, restore its state in place."""
+    """Read a checkpoint directory; if `optimizer` is given, restore its state in place.
+
+    Every file state.json lists is checked (size, sha256, safetensors format, finite
+    tensors) whether or not its contents are needed: a checkpoint loads whole or not at
+    all, so a resume never meets a damaged optimiser file after the adapter looked fine.
+    Any problem is one CheckpointError naming the file.
+    """
     path = Path(path)
-    if not (path / STATE_FILE).is_file():
-        raise CheckpointError(f"{path} is not a checkpoint directory (no {STATE_FILE}); "
-                              "use resolve(run_dir, selector) to find one")
-    state = json.loads((path / STATE_FILE).read_text())
-    sizes = state.get("files", {})
-    tensors = st_load(_read_checked(path, sizes, ADAPTER_FILE))
+    state = _read_state(path)
+    state_path = path / STATE_FILE
+    specs = _file_specs(state, state_path)
+    tensors = _tensors(path, specs, ADAPTER_FILE)
+    opt_state = None
+    if OPTIM_JSON in specs:
+        opt_tensors = _tensors(path, specs, OPTIM_TENSORS)
+        try:
+            opt_state = _join_tensors(json.loads(_read_checked(path, specs, OPTIM_JSON)), opt_tensors)
+        except (UnicodeDecodeError, ValueError) as e:
+            raise _damaged(path / OPTIM_JSON, f"is not valid JSON ({e})") from None
+        except (KeyError, TypeError) as e:
+            raise _damaged(path / OPTIM_JSON, f"names tensors {OPTIM_TENSORS} does not hold ({e})") from None
     tensors = {k: v.to(device) for k, v in tensors.items()}
     if optimizer is not None:
-        if OPTIM_JSON not in sizes:
+        if opt_state is None:
             raise CheckpointError(f"{path} was saved without optimiser state: "
                                   "load it with optimizer=None (fresh optimiser)")
-        opt_tensors = st_load(_read_checked(path, sizes, OPTIM_TENSORS))
-        opt_state = _join_tensors(json.loads(_read_checked(path, sizes, OPTIM_JSON)), opt_tensors)
         try:
             optimizer.load_state_dict(opt_state)  # casts state to each parameter's device/dtype
-        except (ValueError, KeyError) as e:
+        except (ValueError, KeyError, TypeError) as e:
             raise CheckpointError(f"optimiser state in {path} does not fit this optimiser ({e}): "
                                   "same parameters in the same order are needed (same LoRA rank and targets)") from None
     return LoadedCheckpoint(
@@ -472,6 +687,65 @@ def load_checkpoint(
         config_json=json.dumps(state["config"], indent=2),
         extra=state.get("extra", {}),
     )
+
+
+# ----------------------------------------------------------------------------- resume
+
+
+def _set_aside(run_dir: Path, phase: str, steps: set[int]) -> dict[int, Path]:
+    """Take damaged checkpoints out of the registry and move their directories aside.
+
+    They are renamed (never deleted: a damaged file is evidence, and may be recoverable) to
+    a name the leftover cleaner does not touch. The registry is rewritten first, so a kill
+    in between leaves only an unregistered step directory, which the next save removes.
+    """
+    phase_dir = run_dir / phase
+    reg = read_registry(run_dir, phase)
+    kept = [c for c in reg["checkpoints"] if c["step"] not in steps]
+    new = dict(reg, checkpoints=[], aliases={})
+    for c in kept:  # replaying the saves gives the aliases these checkpoints would have had
+        new["checkpoints"].append(c)
+        _move_aliases(new, c["step"], c.get("scores", {}))
+    _replace_json(phase_dir / REGISTRY, new)
+    moved = {}
+    for step in sorted(steps):
+        src = phase_dir / step_dirname(step)
+        dst = phase_dir / f"{DAMAGED_PREFIX}{step_dirname(step)}"
+        if dst.exists():
+            dst = dst.with_name(f"{dst.name}-{uuid.uuid4().hex[:8]}")
+        if src.exists():
+            os.rename(src, dst)
+            moved[step] = dst
+    _fsync_dir(phase_dir)
+    return moved
+
+
+def resume_point(run_dir: str | Path, phase: str, set_aside: bool = False
+                 ) -> tuple[LoadedCheckpoint | None, list[tuple[int, str]]]:
+    """The newest intact checkpoint of `phase` and (step, problem) of every newer damaged one.
+
+    (None, []) when the phase has no checkpoints. If it has some but none is intact, a
+    CheckpointError: a resume never restarts a phase from nothing without a word. With
+    set_aside, the damaged ones leave the registry (their directories become damaged-step_N),
+    so the resumed run can save those steps again.
+    """
+    run_dir = Path(run_dir)
+    reg = read_registry(run_dir, phase)
+    damaged: list[tuple[int, str]] = []
+    found = None
+    for c in sorted(reg["checkpoints"], key=lambda c: -c["step"]):
+        try:
+            found = load_checkpoint(run_dir / phase / c["dir"])
+            break
+        except CheckpointError as e:
+            damaged.append((c["step"], str(e)))
+    if found is None and damaged:
+        step, why = damaged[0]
+        raise CheckpointError(f"no intact checkpoint of phase {phase} in {run_dir}: all {len(damaged)} are damaged "
+                              f"(step {step}: {why}); restore them from a copy or use a new run_dir")
+    if damaged and set_aside:
+        _set_aside(run_dir, phase, {s for s, _ in damaged})
+    return found, damaged
 
 
 # ----------------------------------------------------------------------------- selectors
@@ -538,18 +812,78 @@ def _meaning(cfg: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _saved_config(run_dir: Path, phase: str, reg: dict) -> tuple[int, dict] | None:
+    """(step, config) of the newest checkpoint of a phase whose state.json reads; None if none does.
+
+    Only a compatibility check: the resume itself verifies every file, and reports damage.
+    """
+    for c in sorted(reg["checkpoints"], key=lambda c: -c["step"]):
+        try:
+            state = _read_state(run_dir / phase / c["dir"])
+        except CheckpointError:
+            continue
+        return c["step"], state["config"]
+    return None
+
+
+def _diffs(saved: dict[str, Any], want: dict[str, Any]) -> list[str]:
+    return [f"{k}: saved {saved.get(k, '<missing>')!r}, now {want.get(k, '<missing>')!r}"
+            for k in sorted(set(saved) | set(want)) if saved.get(k) != want.get(k)]
+
+
 def check_compatible(run_dir: str | Path, config: TrainConfig) -> None:
     """Refuse a run directory whose checkpoints were made with another model or LoRA setup."""
+    run_dir = Path(run_dir)
     want = _meaning(json.loads(config.to_json()))
     for phase in PHASES:
         reg = read_registry(run_dir, phase)
-        if not reg["checkpoints"]:
+        saved = _saved_config(run_dir, phase, reg) if reg["checkpoints"] else None
+        if saved is None:
             continue
-        path = Path(run_dir) / phase / step_dirname(reg["aliases"]["latest"])
-        saved = _meaning(json.loads((path / STATE_FILE).read_text()).get("config", {}))
-        diffs = [f"{k}: saved {saved.get(k, '<missing>')!r}, now {want.get(k, '<missing>')!r}"
-                 for k in sorted(set(saved) | set(want)) if saved.get(k) != want.get(k)]
+        diffs = _diffs(_meaning(saved[1]), want)
         if diffs:
             raise ConfigError(
-                f"run_dir {run_dir} holds checkpoints ({phase} step {reg['aliases']['latest']}) made with a different "
+                f"run_dir {run_dir} holds checkpoints ({phase} step {saved[0]}) made with a different "
                 f"model/LoRA config: {'; '.join(diffs)}. Set these back, or use a new --run.run_dir.")
+
+
+def check_init_compatible(path: str | Path, config: TrainConfig) -> None:
+    """Refuse to start a phase from a checkpoint (--init PATH) made with another model or LoRA setup."""
+    saved = _meaning(_read_state(Path(path))["config"])
+    diffs = _diffs(saved, _meaning(json.loads(config.to_json())))
+    if diffs:
+        raise ConfigError(f"--init {path} was made with a different model/LoRA config: {'; '.join(diffs)}. "
+                          "Set these back, or start from another checkpoint.")
+
+
+# Settings a same-phase resume must keep: they define what one step is (G completions of B
+# prompts of at most L tokens, accumulated over micro-batches) and which data comes next
+# (the saved data position counts draws from this exact stream).
+RESUME_FIXED_FIELDS = ("sampling.G", "sampling.max_new_tokens", "phase.prompts_per_step", "optim.accumulation",
+                       "phase.mixture", "run.seed", "run.data", "run.train_per_stage")
+
+
+def check_resumable(run_dir: str | Path, config: TrainConfig) -> None:
+    """Refuse to resume config's phase under settings that change what its steps mean."""
+    run_dir, phase = Path(run_dir), config.phase.name
+    if phase == "warmup":  # saved once, at its end: a warm-up is never resumed
+        return
+    reg = read_registry(run_dir, phase)
+    saved = _saved_config(run_dir, phase, reg) if reg["checkpoints"] else None
+    if saved is None:
+        return
+    now = json.loads(config.to_json())
+
+    def pick(cfg: dict) -> dict[str, Any]:
+        out = {}
+        for key in RESUME_FIXED_FIELDS:
+            sec, name = key.split(".")
+            value = (cfg.get(sec) or {}).get(name, "<missing>")
+            out[key] = {str(k): v for k, v in value.items()} if isinstance(value, dict) else value
+        return out
+
+    diffs = _diffs(pick(saved[1]), pick(now))
+    if diffs:
+        raise ConfigError(
+            f"run_dir {run_dir} holds phase {phase} up to step {saved[0]}; resuming it with {'; '.join(diffs)} "
+            f"would change what a step is or which data comes next. Set these back, or use a new --run.run_dir.")

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import re
 import typing
 from dataclasses import dataclass, field
 from typing import Any
@@ -195,43 +197,111 @@ class TrainConfig:
         return json.dumps(self.to_dict(), indent=2, sort_keys=False)
 
     def validate(self) -> "TrainConfig":
-        """Reject impossible values with one line that names the field and the fix."""
+        """Reject impossible values with one line that names the field and the fix.
+
+        Everything a run will use is checked here, before anything is loaded or written:
+        a bad value found after a 10-minute warm-up is a bad value found too late.
+        """
+        self._check_types_and_finite()
+        s, o, r, p, m, lo, ru = self.sampling, self.optim, self.run, self.phase, self.model, self.lora, self.rewards
+        grpo = p.name != "warmup"
         checks = [
-            (self.sampling.G >= 1, f"sampling.G={self.sampling.G}: the group size must be >= 1"),
-            (self.sampling.max_new_tokens >= 1, f"sampling.max_new_tokens={self.sampling.max_new_tokens}: must be >= 1"),
-            (self.sampling.temperature > 0, f"sampling.temperature={self.sampling.temperature}: must be > 0"),
-            (0 < self.sampling.top_p <= 1, f"sampling.top_p={self.sampling.top_p}: must be in (0, 1]"),
-            (self.sampling.rollout in ("plain", "merged"), f"sampling.rollout={self.sampling.rollout!r}: use plain or merged"),
-            (self.sampling.top_k >= 0, f"sampling.top_k={self.sampling.top_k}: must be >= 0 (0 = off)"),
-            (self.lora.rank >= 1, f"lora.rank={self.lora.rank}: must be >= 1"),
-            (self.optim.lr > 0, f"optim.lr={self.optim.lr}: must be > 0"),
-            (self.optim.accumulation >= 1, f"optim.accumulation={self.optim.accumulation}: must be >= 1"),
-            (self.optim.beta >= 0, f"optim.beta={self.optim.beta}: must be >= 0"),
-            (self.optim.eps_low >= 0 and self.optim.eps_high >= 0, "optim.eps_low/eps_high must be >= 0"),
-            (self.optim.schedule in ("constant", "linear", "cosine"), f"optim.schedule={self.optim.schedule!r}: use constant, linear or cosine"),
-            (self.optim.loss_type in ("grpo", "bnpo", "dr_grpo", "dapo"), f"optim.loss_type={self.optim.loss_type!r}: use grpo, bnpo, dr_grpo or dapo"),
-            (self.optim.adv_scale in ("group", "batch", "none"), f"optim.adv_scale={self.optim.adv_scale!r}: use group, batch or none"),
-            (self.optim.importance in ("token", "sequence"), f"optim.importance={self.optim.importance!r}: use token or sequence"),
-            (self.model.dtype in ("float32", "bfloat16", "float16"), f"model.dtype={self.model.dtype!r}: use float32 or bfloat16"),
-            (self.model.image_size >= 28, f"model.image_size={self.model.image_size}: must be >= 28 (two 14-px patches)"),
-            (self.rewards.rubric_mode in ("sequence", "prefix"), f"rewards.rubric_mode={self.rewards.rubric_mode!r}: use sequence or prefix"),
-            (self.phase.name in PHASES, f"phase.name={self.phase.name!r}: use one of {', '.join(PHASES)}"),
-            (self.phase.steps >= 0, f"phase.steps={self.phase.steps}: must be >= 0"),
-            (self.phase.prompts_per_step >= 1, f"phase.prompts_per_step={self.phase.prompts_per_step}: must be >= 1"),
-            (bool(self.phase.mixture) and all(p >= 0 for p in self.phase.mixture.values()) and sum(self.phase.mixture.values()) > 0,
-             f"phase.mixture={self.phase.mixture}: needs at least one stage with positive probability"),
-            (set(self.phase.mixture) <= {1, 2, 3}, f"phase.mixture={self.phase.mixture}: stages are 1, 2 and 3"),
-            (self.run.eval_size >= 1, f"run.eval_size={self.run.eval_size}: must be >= 1"),
-            (self.run.eval_every >= 1, f"run.eval_every={self.run.eval_every}: must be >= 1"),
-            (self.run.train_per_stage >= 1, f"run.train_per_stage={self.run.train_per_stage}: must be >= 1"),
+            (p.name in PHASES, f"phase.name={p.name!r}: use one of {', '.join(PHASES)}"),
+            # The advantage is a reward minus its group's mean: a group of one has advantage 0
+            # on every step, lora_B stays 0 and the run "succeeds" having learned nothing.
+            (not grpo or s.G >= 2, f"sampling.G={s.G}: GRPO phase {p.name} needs a group of >= 2 completions per "
+                                   "prompt (the advantage is a reward minus its group's mean; with one there is no group)"),
+            (s.G >= 1, f"sampling.G={s.G}: the group size must be >= 1"),
+            (s.max_new_tokens >= 1, f"sampling.max_new_tokens={s.max_new_tokens}: must be >= 1"),
+            (s.temperature > 0, f"sampling.temperature={s.temperature}: must be > 0"),
+            (0 < s.top_p <= 1, f"sampling.top_p={s.top_p}: must be in (0, 1]"),
+            (s.rollout in ("plain", "merged"), f"sampling.rollout={s.rollout!r}: use plain or merged"),
+            (s.top_k >= 0, f"sampling.top_k={s.top_k}: must be >= 0 (0 = off)"),
+            (lo.rank >= 1, f"lora.rank={lo.rank}: must be >= 1"),
+            (lo.alpha > 0, f"lora.alpha={lo.alpha}: must be > 0 (the update is alpha / rank * B A x)"),
+            (0 <= lo.dropout < 1, f"lora.dropout={lo.dropout}: must be in [0, 1)"),
+            (bool(lo.targets) and all(t.strip() for t in lo.targets),
+             f"lora.targets={','.join(lo.targets)!r}: name at least one module suffix, e.g. q_proj,v_proj"),
+            (lo.dtype in ("float32", "bfloat16", "float16"), f"lora.dtype={lo.dtype!r}: use float32 or bfloat16"),
+            (o.lr > 0, f"optim.lr={o.lr}: must be > 0"),
+            (o.warmup_steps >= 0, f"optim.warmup_steps={o.warmup_steps}: must be >= 0"),
+            (o.weight_decay >= 0, f"optim.weight_decay={o.weight_decay}: must be >= 0"),
+            (o.vision_lr_scale >= 0, f"optim.vision_lr_scale={o.vision_lr_scale}: must be >= 0 (0 = frozen tower)"),
+            (o.grad_clip >= 0, f"optim.grad_clip={o.grad_clip}: must be >= 0 (0 = off)"),
+            (o.accumulation >= 1, f"optim.accumulation={o.accumulation}: must be >= 1"),
+            (o.beta >= 0, f"optim.beta={o.beta}: must be >= 0"),
+            (0 <= o.eps_low < 1, f"optim.eps_low={o.eps_low}: must be in [0, 1) (the ratio's lower clip is 1 - eps_low)"),
+            (o.eps_high >= 0, f"optim.eps_high={o.eps_high}: must be >= 0"),
+            (o.schedule in ("constant", "linear", "cosine"), f"optim.schedule={o.schedule!r}: use constant, linear or cosine"),
+            (o.loss_type in ("grpo", "bnpo", "dr_grpo", "dapo"), f"optim.loss_type={o.loss_type!r}: use grpo, bnpo, dr_grpo or dapo"),
+            (o.adv_scale in ("group", "batch", "none"), f"optim.adv_scale={o.adv_scale!r}: use group, batch or none"),
+            (o.importance in ("token", "sequence"), f"optim.importance={o.importance!r}: use token or sequence"),
+            (bool(m.name.strip()), "model.name is empty: use 'tiny', a local model directory or a hub id"),
+            (m.dtype in ("float32", "bfloat16", "float16"), f"model.dtype={m.dtype!r}: use float32 or bfloat16"),
+            (re.fullmatch(r"auto|cpu|cuda(:\d+)?", m.device) is not None,
+             f"model.device={m.device!r}: use auto, cpu, cuda or cuda:N"),
+            (m.image_size >= 28, f"model.image_size={m.image_size}: must be >= 28 (two 14-px patches)"),
+            (ru.rubric_mode in ("sequence", "prefix"), f"rewards.rubric_mode={ru.rubric_mode!r}: use sequence or prefix"),
+            (0 <= ru.prefix_answer_weight <= 1, f"rewards.prefix_answer_weight={ru.prefix_answer_weight}: must be in [0, 1]"),
+            (p.steps >= 0, f"phase.steps={p.steps}: must be >= 0"),
+            (p.prompts_per_step >= 1, f"phase.prompts_per_step={p.prompts_per_step}: must be >= 1"),
+            (bool(p.mixture) and all(v >= 0 for v in p.mixture.values()) and sum(p.mixture.values()) > 0,
+             f"phase.mixture={p.mixture}: needs at least one stage with positive probability"),
+            (set(p.mixture) <= {1, 2, 3}, f"phase.mixture={p.mixture}: stages are 1, 2 and 3"),
+            (bool(p.init.strip()), "phase.init is empty: use auto, base, a selector like A:best_structure, or a path"),
+            (bool(r.run_dir.strip()), "run.run_dir is empty: name a directory for checkpoints and logs"),
+            # numpy's legacy seeding (seed_everything) takes 0 .. 2**32 - 1 only
+            (0 <= r.seed < 2**32, f"run.seed={r.seed}: must be in [0, 2**32)"),
+            (bool(r.data.strip()), "run.data is empty: use synthetic or a JSONL dataset directory"),
+            (r.train_per_stage >= 1, f"run.train_per_stage={r.train_per_stage}: must be >= 1"),
+            (r.eval_size >= 1, f"run.eval_size={r.eval_size}: must be >= 1"),
+            (r.eval_every >= 1, f"run.eval_every={r.eval_every}: must be >= 1 (it is also the checkpoint cadence)"),
+            (r.log_every >= 1, f"run.log_every={r.log_every}: must be >= 1"),
+            (r.test_per_stage >= 0, f"run.test_per_stage={r.test_per_stage}: must be >= 0 (0 = no report)"),
+            (r.cpu_threads >= 0, f"run.cpu_threads={r.cpu_threads}: must be >= 0 (0 = torch's default)"),
         ]
         for ok, msg in checks:
             if not ok:
                 raise ConfigError(msg)
-        bad = {k: v for k, v in self.rewards.weights.items() if not isinstance(v, (int, float))}
-        if bad:
-            raise ConfigError(f"rewards.weights has non-numeric values {bad}: give name=number pairs")
+        if grpo:  # the warm-up is SFT: it has no rewards
+            from grpo.rewards.compose import check_weights  # lazy: grpo.rewards imports this module
+
+            weights = check_weights(ru.weights, ru.tolerance)
+            if not any(w > 0 for w in weights.values()):
+                raise ConfigError(f"rewards.weights={ru.weights}: every weight is 0, so every reward and advantage is 0 "
+                                  "and nothing is learned; give at least one component a positive weight")
         return self
+
+    def _check_types_and_finite(self) -> None:
+        """Each field holds its declared type, and every number is finite (lr=inf trains NaN)."""
+        for sec_name in _fields(self):
+            section = getattr(self, sec_name)
+            hints = typing.get_type_hints(type(section))
+            for name in _fields(section):
+                key, value, typ = f"{sec_name}.{name}", getattr(section, name), hints[name]
+                origin = typing.get_origin(typ)
+                if origin is dict:
+                    if not isinstance(value, dict):
+                        raise ConfigError(f"{key}={value!r}: give name=number pairs")
+                    numbers = list(value.values())
+                elif origin is tuple:
+                    if not isinstance(value, tuple) or not all(isinstance(v, str) for v in value):
+                        raise ConfigError(f"{key}={value!r}: give comma-separated names")
+                    numbers = []
+                else:
+                    ok = (isinstance(value, bool) if typ is bool else
+                          isinstance(value, int) and not isinstance(value, bool) if typ is int else
+                          isinstance(value, (int, float)) and not isinstance(value, bool) if typ is float else
+                          isinstance(value, str))
+                    if not ok:
+                        raise ConfigError(f"{key}={value!r}: expected {getattr(typ, '__name__', typ)}")
+                    numbers = [value] if typ is float else []
+                for v in numbers:
+                    if isinstance(v, bool) or not isinstance(v, (int, float)):
+                        raise ConfigError(f"{key} has non-numeric values {value}: give name=number pairs")
+                    if not math.isfinite(v):
+                        raise ConfigError(f"{key}={value}: must be finite (not inf or nan)" if origin is dict
+                                          else f"{key}={value}: must be a finite number (not inf or nan)")
 
 
 # ----------------------------------------------------------------------------- presets
@@ -393,9 +463,18 @@ def from_json(text: str) -> TrainConfig:
     """Rebuild a TrainConfig from its saved JSON (run directory compatibility checks)."""
     raw = json.loads(text)
     cfg = TrainConfig()
+    if not isinstance(raw, dict):
+        raise ConfigError(f"a saved config must be a JSON object of sections, got a {type(raw).__name__}")
     for sec_name, values in raw.items():
+        # a checkpoint made by another version (or edited) must not end in an AttributeError
+        if sec_name not in _fields(cfg) or not isinstance(values, dict):
+            raise ConfigError(f"saved config has an unknown section {sec_name!r} (sections: {', '.join(_fields(cfg))})")
         section = getattr(cfg, sec_name)
         hints = typing.get_type_hints(type(section))
+        unknown = sorted(set(values) - set(hints))
+        if unknown:
+            raise ConfigError(f"saved config section {sec_name!r} has unknown keys {unknown}: "
+                              "was it written by another vlgrpo version?")
         for name, value in values.items():
             if typing.get_origin(hints[name]) is tuple:
                 value = tuple(value)

@@ -296,6 +296,28 @@ def _resolve_source(name_or_path: str, seed: int) -> tuple[str, bool]:
     )
 
 
+def check_model_source(name_or_path: str) -> None:
+    """A ModelLoadError now if the name can mean no model; loads and builds nothing."""
+    if str(name_or_path) != TINY_NAME:
+        _resolve_source(str(name_or_path), 0)
+
+
+def model_skeleton(name_or_path: str = TINY_NAME, seed: int = 0) -> torch.nn.Module:
+    """The model's module tree on the meta device: no weights, a fraction of a second even
+    for the 7B. Lets a run check its LoRA targets before it loads (or trains) anything."""
+    from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration
+
+    src, local = _resolve_source(str(name_or_path), seed)
+    where = f"directory {src!r}" if local else f"hub id {src!r}"
+    try:
+        config = AutoConfig.from_pretrained(src, **(dict(local_files_only=True) if local else {}))
+    except Exception as e:  # transformers raises OSError, ValueError, hub errors...: one line for all
+        raise ModelLoadError(f"could not read the model config from {where} ({_first_line(e)}); pass 'tiny', "
+                             "a Qwen2.5-VL save_pretrained directory or a hub id") from None
+    with torch.device("meta"):
+        return Qwen2_5_VLForConditionalGeneration(config)
+
+
 def load_bundle(
     name_or_path: str = TINY_NAME,
     dtype: torch.dtype = torch.float32,

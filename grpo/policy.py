@@ -53,12 +53,30 @@ def load_base_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) 
 
 def base_checkpoint_of(run_dir: str | Path, ckpt) -> Path | None:
     """The base checkpoint directory an (adapter or base) checkpoint builds on, if any."""
+    from grpo.checkpoint import check_base_ref
+
     extra = ckpt.extra or {}
     if extra.get("kind") == "base":
         return Path(ckpt.path)
-    if extra.get("base"):
-        return Path(run_dir) / extra["base"]
-    return None
+    base = check_base_ref(extra.get("base"), f"{ckpt.path}/state.json")  # load_checkpoint checked it too
+    return Path(run_dir) / base if base else None
+
+
+def check_policy_config(cfg: TrainConfig) -> None:
+    """Fail before any work if the model does not resolve or a LoRA target matches nothing.
+
+    Without this, `--lora.targets nosuch_proj` surfaced when phase A injected LoRA, after
+    the whole warm-up had run.
+    """
+    from grpo.config import ConfigError
+    from grpo.model import model_skeleton
+    from lora.inject import find_target_names
+
+    skeleton = model_skeleton(cfg.model.name, seed=cfg.run.seed)  # ModelLoadError: a bad model.name
+    try:
+        find_target_names(skeleton, lora_config(cfg))
+    except ValueError as err:
+        raise ConfigError(f"--lora.targets {','.join(cfg.lora.targets)}: {err}") from None
 
 
 def build_policy(cfg: TrainConfig, device: str, base_ckpt: Path | None = None, verbose: bool = True) -> Any:

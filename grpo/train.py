@@ -20,7 +20,8 @@ One GRPO step, for B prompts:
                 reference = the same model with LoRA switched off (grpo/logprobs.py)
     4. loss     group-normalised advantages, clipped ratio, k3 KL, aggregation -- one
                 fused pass (kernels/grpo_loss.py: Triton on CUDA, PyTorch on CPU)
-    5. step     backward into the LoRA parameters, clip, AdamW, schedule
+    5. step     backward into the LoRA parameters, clip, AdamW, schedule (an update that
+                leaves a parameter non-finite is undone, like a NaN loss is skipped)
     6. log      one JSON line (eval/plots.py documents the format) + a progress bar
     every run.eval_every steps and at the end:
     7. eval     greedy decoding on a fixed held-out subset (eval/evaluate.py)
@@ -37,11 +38,14 @@ greedy with one sample per prompt, the staged paper's final protocol.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import math
+import os
 import random
 import sys
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,6 +78,10 @@ def pick_device(name: str) -> str:
         return "cuda" if torch.cuda.is_available() else "cpu"
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError(f"--model.device {name}: no CUDA device here; use --model.device cpu")
+    index = name.partition(":")[2]
+    if index and int(index) >= torch.cuda.device_count():
+        raise ConfigError(f"--model.device {name}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                          f"cuda:0 .. cuda:{torch.cuda.device_count() - 1}")
     return name
 
 
@@ -144,6 +152,47 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+class StepGuard:
+    """Parameters and optimiser state from before an optimiser step, put back if the step
+    left a parameter non-finite.
+
+    The loss guard cannot see this: a finite loss with lr=1e30, or an overflow inside
+    AdamW, still turns the adapter into NaN, and every later step (and checkpoint) would
+    carry it. Costs one copy of the trained tensors and their moments per step.
+    """
+
+    def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], opt: torch.optim.Optimizer):
+        self.names = [n for n, _ in named_params]
+        self.params = [p for _, p in named_params]
+        self.opt = opt
+
+    def before(self) -> None:
+        self.saved = [p.detach().clone() for p in self.params]
+        sd = self.opt.state_dict()
+        self.saved_opt = {"state": {i: {k: v.clone() if torch.is_tensor(v) else v for k, v in st.items()}
+                                    for i, st in sd["state"].items()},
+                          "param_groups": [dict(g) for g in sd["param_groups"]]}
+
+    def non_finite(self, dp=None) -> list[str]:
+        """Names of parameters holding NaN/inf after the step (all ranks agree, or none does)."""
+        bad = [n for n, p in zip(self.names, self.params) if not bool(torch.isfinite(p).all())]
+        if dp is not None and dp.enabled and dp.all_reduce_sum(float(len(bad))) > 0 and not bad:
+            return ["<on another rank>"]
+        return bad
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        for p, v in zip(self.params, self.saved):
+            p.copy_(v)
+        self.opt.load_state_dict(self.saved_opt)
+
+
+def diverged(phase: str, step: int, cfg: TrainConfig, files: "RunFiles") -> TrainingDiverged:
+    return TrainingDiverged(f"phase {phase}: 3 non-finite losses or updates in a row at step {step}; lower "
+                            f"--optim.lr (now {cfg.optim.lr}) or check the rewards; the last good "
+                            f"checkpoint is in {files.root / phase}")
+
+
 # ----------------------------------------------------------------------------- data
 
 
@@ -163,13 +212,19 @@ def load_training_data(cfg: TrainConfig) -> tuple[dict[int, list], dict[int, lis
         from data.stages import select_stage
 
         try:
-            rows = load_jsonl(cfg.run.data)
+            rows, skipped = load_jsonl(cfg.run.data, return_skipped=True)
+            lost = ", ".join(f"{k} {v}" for k, v in sorted(skipped.items()))
+            if not rows:
+                raise ValueError(f"{cfg.run.data} has no usable rows" + (f": {sum(skipped.values())} skipped ({lost})"
+                                                                        if skipped else " (data.jsonl is empty)"))
             # The stage filters keep numeric gold answers only, so rows with an empty answer
             # would vanish without a word (MathVista `test` is all such rows): name them.
             if any(not str(ex.answer).strip() for ex in rows):
                 require_gold_answers(rows, cfg.run.data)
         except (OSError, ValueError) as err:
             raise ConfigError(f"--run.data: {err}") from None
+        if skipped:
+            print(f"data: {sum(skipped.values())} rows of {cfg.run.data} skipped ({lost}); training on {len(rows)}")
         train = {s: select_stage(rows, s) for s in stages}
         # Hold out a deterministic tail of each stage for the checkpoint-side eval.
         val = {}
@@ -178,8 +233,8 @@ def load_training_data(cfg: TrainConfig) -> tuple[dict[int, list], dict[int, lis
             train[s], val[s] = train[s][: len(train[s]) - k], train[s][len(train[s]) - k:]
     for s in stages:
         if not train[s]:
-            raise ConfigError(f"stage {s} has no training examples in {cfg.run.data!r}; "
-                              f"drop it from --phase.mixture or use other data")
+            raise ConfigError(f"stage {s} has no training examples in {cfg.run.data!r} (the stage filters keep "
+                              f"numeric free-form English rows); drop it from --phase.mixture or use other data")
         # The staged paper trained on MathVista `test`, whose answers are empty: its
         # correctness reward was silently 0 on every step. Refuse, loudly.
         require_gold_answers(train[s], f"{cfg.run.data} stage {s}")
@@ -264,6 +319,8 @@ def run_warmup(cfg: TrainConfig, files: RunFiles, device: str) -> None:
     print(f"warm-up: SFT on worked reasoning, {cfg.phase.steps} steps x {B} examples "
           f"({'all weights, imperfect contract on purpose' if tiny else 'LoRA'})", flush=True)
     bar = Progress(cfg.phase.steps, "warmup")
+    guard = StepGuard([(n, p) for n, p in model.named_parameters() if p.requires_grad], opt)
+    bad_streak = 0
     model.train()
     for step in range(cfg.phase.steps):
         t0 = time.time()
@@ -275,7 +332,19 @@ def run_warmup(cfg: TrainConfig, files: RunFiles, device: str) -> None:
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip or float("inf"))
+        guard.before()
         opt.step()
+        bad = guard.non_finite()
+        if bad:  # a NaN loss or an overflowing update: keep the weights of before the step
+            guard.restore()
+            bad_streak += 1
+            files.write_log(dict(event="nan", phase="warmup", step=step + 1, loss=str(loss.item()), params=bad[:5]))
+            print(f"[warmup {step + 1}] non-finite update ({len(bad)} tensors, e.g. {bad[0]}): step undone "
+                  f"({bad_streak} in a row)")
+            if bad_streak >= 3:
+                raise diverged("warmup", step + 1, cfg, files)
+        else:
+            bad_streak = 0
         files.write_log(dict(phase="warmup", step=step + 1, sft_loss=loss.item(), grad_norm=float(gnorm),
                              lr=lr_at(step, cfg), time=dict(step=time.time() - t0)))
         bar.update(step + 1, f"loss {loss.item():.3f}")
@@ -312,7 +381,7 @@ def resolve_init(cfg: TrainConfig, files: RunFiles) -> tuple[Path | None, str]:
 def run_grpo_phase(cfg: TrainConfig, files: RunFiles, device: str, dp=None) -> None:
     from eval.evaluate import _content_tokens
     from grpo.distributed import DataParallel
-    from grpo.checkpoint import load_checkpoint, read_registry, restore_rng, save_checkpoint, step_dirname
+    from grpo.checkpoint import load_checkpoint, restore_rng, resume_point, save_checkpoint
     from grpo.controller import Controller
     from grpo.logprobs import completion_logprobs, reference_logprobs
     from grpo.model import encode_prompts
@@ -329,8 +398,11 @@ def run_grpo_phase(cfg: TrainConfig, files: RunFiles, device: str, dp=None) -> N
     dp.check_batch(cfg.phase.prompts_per_step, cfg.optim.adv_scale, cfg.rewards.rubric_mode == "prefix")
     gen_key = dp.generator_key(GEN_KEY)  # each rank saves and restores its own sampler generator
     # --- where this phase starts: same-phase resume, or the preset's checkpoint alias
-    latest = read_registry(files.root, phase).get("aliases", {}).get("latest")
-    resume = load_checkpoint(files.root / phase / step_dirname(latest)) if latest is not None else None
+    # the newest intact checkpoint; damaged newer ones are set aside (renamed, not deleted) and named
+    resume, damaged = resume_point(files.root, phase, set_aside=dp.is_main)
+    for bad_step, why in damaged:
+        print(f"phase {phase}: checkpoint step {bad_step} is damaged, skipped and set aside ({why})")
+        files.write_log(dict(event="damaged_checkpoint", phase=phase, step=bad_step, error=why))
     if resume is not None and resume.step >= cfg.phase.steps:
         print(f"phase {phase} already finished at step {resume.step} in {files.root}; "
               f"raise --phase.steps to continue it, or use a new --run.run_dir")
@@ -352,6 +424,7 @@ def run_grpo_phase(cfg: TrainConfig, files: RunFiles, device: str, dp=None) -> N
     params = lora_parameters(model)
     dp.broadcast_parameters(params)  # all ranks start from rank 0's adapter
     opt = torch.optim.AdamW(params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
+    guard = StepGuard(list(zip(lora_state_dict(model), params)), opt)  # same order: A then B per layer
     # Rollouts through the policy's own 4-bit + LoRA layers, or from a merged bf16 copy
     # refreshed after every optimiser step (grpo/rollout_fast.py: ~2x fewer bytes per decode step).
     rollout = MergedRollout(model) if cfg.sampling.rollout == "merged" else None
@@ -462,15 +535,24 @@ def run_grpo_phase(cfg: TrainConfig, files: RunFiles, device: str, dp=None) -> N
             files.write_log(dict(event="nan", phase=phase, step=step + 1, loss=str(loss_sum)))
             print(f"[{phase} {step + 1}] non-finite loss {loss_sum}: update skipped ({nan_streak} in a row)")
             if nan_streak >= 3:
-                raise TrainingDiverged(f"phase {phase}: 3 non-finite losses in a row at step {step + 1}; lower "
-                                       f"--optim.lr (now {cfg.optim.lr}) or check the rewards; the last good "
-                                       f"checkpoint is in {files.root / phase}")
+                raise diverged(phase, step + 1, cfg, files)
         else:
-            nan_streak = 0
             t0 = time.time()
             dp.all_reduce_gradients(params)  # sum of the ranks' shares = the global batch's gradient
             gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip or float("inf"))
+            guard.before()
             opt.step()
+            bad = guard.non_finite(dp)
+            if bad:  # a finite loss can still give a non-finite update: undo it, count it like a NaN loss
+                guard.restore()
+                nan_streak += 1
+                files.write_log(dict(event="nan", phase=phase, step=step + 1, loss=loss_sum, params=bad[:5]))
+                print(f"[{phase} {step + 1}] non-finite update ({len(bad)} tensors, e.g. {bad[0]}): parameters and "
+                      f"optimiser state restored ({nan_streak} in a row)")
+                if nan_streak >= 3:
+                    raise diverged(phase, step + 1, cfg, files)
+            else:
+                nan_streak = 0
             if rollout is not None:
                 rollout.refresh()  # the merged copy follows the new adapter
             timing["backward"] += time.time() - t0
@@ -555,6 +637,68 @@ def phase_config(phase: str, preset: str, overrides: dict[str, str], requested: 
     return cfg.validate()
 
 
+def phase_configs(requested: str, preset: str, overrides: dict[str, str], init: str = "auto") -> dict[str, TrainConfig]:
+    """The validated config of every phase up to the requested one (any of them may run).
+
+    All are built before anything runs, so `--A.optim.lr inf` on `--phase B` fails now,
+    not after the warm-up. A prefix naming a later phase would set nothing: refused.
+    """
+    for key in overrides:
+        head = key.partition(".")[0]
+        if head in PHASES and PHASES.index(head) > PHASES.index(requested):
+            raise ConfigError(f"--{key}: phase {head} comes after the requested phase {requested} and does not run "
+                              f"in this command; drop the option or run --phase {head}")
+    order = PHASES[: PHASES.index(requested) + 1]
+    # the requested phase first: its error is the one the user expects to read
+    built = {p: phase_config(p, preset, overrides, requested) for p in reversed(order)}
+    configs = {p: built[p] for p in order}
+    if init != "auto":
+        configs[requested].phase.init = init
+        configs[requested].validate()
+    return configs
+
+
+def prepare_run_dir(root: Path) -> None:
+    """Create the run directory and prove it writable, before any work that would be lost."""
+    if root.exists() and not root.is_dir():
+        raise ConfigError(f"--run.run_dir {root} is a file, not a directory: name a directory (it is created if missing)")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise ConfigError(f"--run.run_dir {root}: a part of that path is a file, so the directory cannot be "
+                          "created; name another directory") from None
+    # os.access says yes to root on a read-only directory and no to some ACL'd ones: try it.
+    probe = root / f".tmp-write-probe-{uuid.uuid4().hex[:8]}"
+    fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    os.close(fd)
+    os.unlink(probe)
+
+
+def preflight(configs: dict[str, TrainConfig], plan: list[str], files: RunFiles) -> None:
+    """Every check that can fail before a model is loaded: model and LoRA targets, the
+    run directory's checkpoints (compatible, resumable, intact), the start checkpoint, data."""
+    from grpo.checkpoint import (check_compatible, check_init_compatible, check_resumable, load_checkpoint,
+                                 resume_point)
+    from grpo.policy import check_policy_config
+
+    first = configs[plan[0]]
+    check_policy_config(first)  # model.name and lora.* are the same in every phase
+    for phase in plan:
+        check_compatible(files.root, configs[phase])
+        check_resumable(files.root, configs[phase])
+    resuming = False
+    if plan[0] != "warmup":
+        resuming = resume_point(files.root, plan[0])[0] is not None  # all damaged: CheckpointError now
+    if not resuming and plan[0] != "warmup":
+        init_path, _ = resolve_init(first, files)  # SelectorError: names nothing
+        if init_path is not None:
+            load_checkpoint(init_path)  # damaged: CheckpointError now, not after building the model
+            check_init_compatible(init_path, first)
+    for phase in plan:
+        if configs[phase].run.data != "synthetic":  # synthetic data is generated, never malformed
+            load_training_data(configs[phase])
+
+
 def _phase_local(key: str) -> bool:
     """Keys that describe one phase (its length, batch, mixture, start, reward weights)."""
     key = key.replace("-", "_")
@@ -600,8 +744,13 @@ for that phase alone, e.g. --warmup.phase.steps 100 --A.optim.lr 1e-3:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The CLI. Every error the project raises on purpose ends as one line on stderr:
+    exit 2 when the request is wrong (config, selector, model name, data), exit 1 when the
+    run failed (a checkpoint, divergence, the run directory's disk). Anything else is a bug
+    and keeps its traceback."""
     argv = list(sys.argv[1:] if argv is None else argv)
     from grpo.checkpoint import CheckpointError, SelectorError
+    from grpo.model import ModelLoadError
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # one "Loading weights" bar per model load is noise in a training log
@@ -613,29 +762,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     ap.add_argument("--init", default="auto")
     known, rest = ap.parse_known_args(argv)
-    dp = None
+    dp, root = None, None
     try:
         overrides = parse_override_args(rest)
-        cfg = phase_config(known.phase, known.preset, overrides, known.phase)
-        if known.init != "auto":
-            cfg.phase.init = known.init
+        configs = phase_configs(known.phase, known.preset, overrides, known.init)
+        cfg = configs[known.phase]
         files = RunFiles(Path(cfg.run.run_dir))
-        files.root.mkdir(parents=True, exist_ok=True)
+        root = files.root
         device = pick_device(cfg.model.device)
+        prepare_run_dir(files.root)
         from grpo.distributed import init_distributed
 
         dp = init_distributed(device)  # torchrun: this rank's process group and device; else one process
         device, files.writer = dp.device, dp.is_main
         plan = phases_to_run(known.phase, files, cfg.phase.init) if cfg.run.run_prior_phases else [known.phase]
+        preflight(configs, plan, files)
         if len(plan) > 1:
             print(f"phase {known.phase} starts from {PHASE_INIT[known.phase]}, which {files.root} does not have "
                   f"yet: running {' -> '.join(plan)}")
         t_run = time.time()
         for phase in plan:
-            pcfg = cfg if phase == known.phase else phase_config(phase, known.preset, overrides, known.phase)
-            from grpo.checkpoint import check_compatible
-
-            check_compatible(files.root, pcfg)
+            pcfg = configs[phase]
             dp.barrier()  # every rank has read the run directory (and rank 0 finished writing it)
             print(f"\n===== phase {phase} =====\nresolved config:\n{pcfg.to_json()}", flush=True)
             if dp.is_main:
@@ -658,16 +805,37 @@ def main(argv: list[str] | None = None) -> int:
 
             write_final_report(files.root, known.phase, cfg, device)
         print(f"done in {time.time() - t_run:.0f}s; checkpoints and train_log.jsonl in {files.root}")
-    except (ConfigError, SelectorError) as err:  # the command asks for something wrong: say what
-        print(f"error: {err}", file=sys.stderr)
+    except (ConfigError, SelectorError, ModelLoadError) as err:  # the command asks for something wrong: say what
+        print(f"error: {_one_line(err)}", file=sys.stderr)
         return 2
     except (CheckpointError, TrainingDiverged) as err:  # the run failed; its earlier checkpoints are intact
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {_one_line(err)}", file=sys.stderr)
+        return 1
+    except OSError as err:
+        if root is None or not _inside(err.filename, root):
+            raise  # not the run directory's disk: a bug or an environment problem, keep the traceback
+        why = "the disk is full" if err.errno in (errno.ENOSPC, errno.EDQUOT) else err.strerror or str(err)
+        print(f"error: cannot write to the run directory {root} ({why}: {err.filename}); "
+              "fix its permissions or free space, or use another --run.run_dir", file=sys.stderr)
         return 1
     finally:
         if dp is not None:
             dp.close()
     return 0
+
+
+def _one_line(err: BaseException) -> str:
+    """A message on one line: the selector errors list a run's phases on several."""
+    return "; ".join(line.strip() for line in str(err).splitlines() if line.strip())
+
+
+def _inside(filename: object, root: Path) -> bool:
+    if not isinstance(filename, (str, os.PathLike)):
+        return False
+    try:
+        return Path(filename).resolve().is_relative_to(root.resolve())
+    except (OSError, ValueError):
+        return False
 
 
 if __name__ == "__main__":

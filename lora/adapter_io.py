@@ -16,6 +16,12 @@ Three formats, three readers:
       inference engine loads it like the base). Never W_nf4 + B A re-quantised: that rounds
       the update into 16 levels per block and the merged model drifts from the trained one.
 
+Loading refuses, with one ValueError line naming the file and the problem, anything that is
+not a plain finite LoRA: a config that is not a JSON object or lacks r / lora_alpha (or
+holds impossible values), tensors with NaN/inf (named), non-float tensors. Saving refuses
+non-finite tensors too. Injected layers take the mode of the model they join: an adapter
+loaded into an eval-mode model is in eval (PEFT's inference default), so its dropout is off.
+
 Loading accepts safetensors only. A pickle (.bin / .pt) can run arbitrary code when
 unpickled; convert it first (load with torch.load(..., weights_only=True) somewhere you
 trust, save with safetensors.torch.save_file).
@@ -26,6 +32,7 @@ Simplified: one adapter, no DoRA / rsLoRA / per-module ranks (rank_pattern) / tr
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -117,12 +124,15 @@ def save_adapter(model: nn.Module, directory: str | Path,
     dropout = first.lora_dropout.p if isinstance(first.lora_dropout, nn.Dropout) else 0.0
 
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
     tensors = {}
     for name, m in layers.items():
         # contiguous CPU copies: safetensors writes raw buffers
         tensors[f"{PEFT_PREFIX}{name}.lora_A.weight"] = m.lora_A.detach().cpu().contiguous()
         tensors[f"{PEFT_PREFIX}{name}.lora_B.weight"] = m.lora_B.detach().cpu().contiguous()
+    bad = _nonfinite_tensor(tensors)
+    if bad:
+        raise ValueError(f"save_adapter: tensor {bad}; nothing was written (a NaN adapter is no model)")
+    directory.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(directory / ADAPTER_WEIGHTS), metadata={"format": "pt"})
 
     config = {
@@ -169,11 +179,24 @@ def _refuse_pickles(path: Path) -> None:
         raise FileNotFoundError(f"{path} has no {ADAPTER_CONFIG}")
 
 
+def _nonfinite_tensor(tensors: dict[str, torch.Tensor]) -> str | None:
+    for key, t in tensors.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            return f"{key!r} has {int((~torch.isfinite(t)).sum())} non-finite values (NaN/inf) of {t.numel()}"
+    return None
+
+
 def _read_config(path: Path) -> dict:
+    file = path / ADAPTER_CONFIG
     try:
-        config = json.loads((path / ADAPTER_CONFIG).read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path / ADAPTER_CONFIG} is not valid JSON: {err}") from None
+        config = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{file} is not valid JSON: {err}") from None
+    except OSError as err:
+        raise ValueError(f"{file} cannot be read ({type(err).__name__}: {err.strerror or err})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{file} holds a JSON {type(config).__name__}, not an object with peft_type, r, "
+                         "lora_alpha, ...: is it an adapter_config.json?")
     if config.get("peft_type") != "LORA":
         raise ValueError(f"{path}: peft_type is {config.get('peft_type')!r}, only 'LORA' is supported")
     unsupported = {
@@ -190,7 +213,16 @@ def _read_config(path: Path) -> dict:
         raise ValueError(f"{path}: adapter uses {used}, which this plain LoRA does not implement")
     for key in ("r", "lora_alpha"):
         if key not in config:
-            raise ValueError(f"{path / ADAPTER_CONFIG} has no {key!r}")
+            raise ValueError(f"{file} has no {key!r}")
+    r, alpha, dropout = config["r"], config["lora_alpha"], config.get("lora_dropout", 0.0)
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        raise ValueError(f"{file}: r={r!r}; the rank must be an integer >= 1")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha) or alpha <= 0:
+        raise ValueError(f"{file}: lora_alpha={alpha!r}; it must be a finite number > 0")
+    if dropout is None:
+        config["lora_dropout"] = dropout = 0.0
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
+        raise ValueError(f"{file}: lora_dropout={dropout!r}; it must be a number in [0, 1)")
     return config
 
 
@@ -223,6 +255,14 @@ def load_adapter(model: nn.Module, directory: str | Path, verbose: bool = False)
     except SafetensorError as err:
         raise ValueError(f"{path / ADAPTER_WEIGHTS} is not a valid safetensors file: {err}") from None
     sd = _split_peft_keys(tensors, path)
+    not_float = [k for k, t in tensors.items() if not t.is_floating_point()]
+    if not_float:
+        raise ValueError(f"{path / ADAPTER_WEIGHTS}: tensor {not_float[0]!r} has dtype "
+                         f"{tensors[not_float[0]].dtype}; LoRA factors are floating point")
+    bad = _nonfinite_tensor(tensors)
+    if bad:  # checked before injecting, so the model is untouched
+        raise ValueError(f"{path / ADAPTER_WEIGHTS}: tensor {bad}; refusing an adapter that would make "
+                         "every output NaN")
     r, alpha = config["r"], float(config["lora_alpha"])
 
     if not lora_modules(model):
@@ -291,6 +331,9 @@ def export_merged(model: nn.Module, directory: str | Path, dtype: torch.dtype = 
                         f"got {type(model).__name__}")
     directory = Path(directory)
     sd = merged_state_dict(model, dtype)
+    bad = _nonfinite_tensor(sd)
+    if bad:
+        raise ValueError(f"export_merged: tensor {bad}; nothing was written")
     # save_pretrained writes the live model's dtype into config.json; restore ours after.
     model.save_pretrained(str(directory), state_dict=sd)
     config_path = directory / "config.json"

@@ -124,12 +124,17 @@ def find_target_names(model: nn.Module, cfg: LoRAConfig) -> list[str]:
 # ---------------------------------------------------------------- injection
 def inject_lora(model: nn.Module, cfg: LoRAConfig = LoRAConfig(), verbose: bool = True) -> ParamCount:
     """Wrap every selected linear in a LoRALinear (in place), freeze everything else,
-    print and return trainable / total parameter counts."""
+    print and return trainable / total parameter counts. Each new layer takes its
+    parent's train/eval mode."""
     for name in find_target_names(model, cfg):
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         base = getattr(parent, child)
-        setattr(parent, child, LoRALinear(base, cfg.r, cfg.alpha, cfg.dropout, cfg.lora_dtype))
+        # A new module starts in training mode; the one it joins may be in eval. Left like
+        # that, dropout would run inside an eval-mode model (PEFT: an adapter loaded for
+        # inference is in eval), and the logits would change from call to call.
+        layer = LoRALinear(base, cfg.r, cfg.alpha, cfg.dropout, cfg.lora_dtype).train(parent.training)
+        setattr(parent, child, layer)
     freeze_all_but_lora(model)
     count = count_parameters(model)
     if verbose:

@@ -368,3 +368,167 @@ def test_no_pickle_anywhere(tmp_path):
     for p in files:
         head = p.read_bytes()[:2]
         assert head[:1] != b"\x80" and head != b"PK", p  # pickle protocol 2+ / torch.save zip
+
+
+# ----------------------------------------------------------------------------- integrity (issue 15)
+
+
+def flip_bit(path: Path, offset_from_end: int = 5) -> None:
+    data = bytearray(path.read_bytes())
+    data[-offset_from_end] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_digests_are_recorded_and_a_flipped_bit_is_refused(tmp_path):
+    path = save(tmp_path, "A", 20)
+    state = json.loads((path / "state.json").read_text())
+    for name in ("adapter.safetensors", "optimizer.safetensors", "optimizer.json"):
+        spec = state["files"][name]
+        assert spec["size"] == (path / name).stat().st_size and len(spec["sha256"]) == 64
+    entry, = read_registry(tmp_path, "A")["checkpoints"]
+    assert len(entry["state_sha256"]) == 64
+    flip_bit(path / "adapter.safetensors")  # inside the tensor data: the safetensors header still parses
+    with pytest.raises(CheckpointError, match=r"adapter.safetensors does not match the sha256 recorded"):
+        load_checkpoint(path)
+
+
+def test_format_1_checkpoints_without_digests_still_load(tmp_path):
+    path = save(tmp_path, "A", 20)
+    state = json.loads((path / "state.json").read_text())
+    state["format_version"] = 1
+    state["files"] = {n: spec["size"] for n, spec in state["files"].items()}
+    (path / "state.json").write_text(json.dumps(state))
+    reg = read_registry(tmp_path, "A")
+    reg["format_version"] = 1
+    del reg["checkpoints"][0]["state_sha256"]
+    (tmp_path / "A" / "registry.json").write_text(json.dumps(reg))
+    params, _, _ = tiny_trained()
+    loaded = load_checkpoint(path, optimizer=tiny_trained()[1])
+    assert torch.equal(loaded.tensors["layer.lora_A"], params["layer.lora_A"].detach())
+    # without a digest a garbage header is still one CheckpointError, not a SafetensorError
+    adapter = path / "adapter.safetensors"
+    adapter.write_bytes(b"\xff" * adapter.stat().st_size)
+    with pytest.raises(CheckpointError, match="adapter.safetensors is not a valid safetensors file"):
+        load_checkpoint(path)
+
+
+def test_non_finite_tensors_are_never_saved(tmp_path):
+    params, opt, _ = tiny_trained()
+    with torch.no_grad():
+        params["layer.lora_B"][1, 0] = float("nan")
+    with pytest.raises(CheckpointError, match=r"adapter.safetensors tensor 'layer.lora_B' has 1 non-finite values"):
+        save(tmp_path, "A", 20, params=params, opt=opt)
+    assert not (tmp_path / "A" / "registry.json").exists()
+    assert not [p for p in (tmp_path / "A").iterdir()]  # nothing was written, not even a temp dir
+    params, opt, _ = tiny_trained()
+    next(iter(opt.state.values()))["exp_avg_sq"].fill_(float("inf"))
+    with pytest.raises(CheckpointError, match=r"optimizer.safetensors tensor 'optim.state.0.exp_avg_sq'"):
+        save(tmp_path, "A", 20, params=params, opt=opt)
+
+
+def test_a_foreign_checkpoint_with_nan_tensors_is_refused_by_name(tmp_path):
+    from safetensors.torch import save as st_save
+
+    path = save(tmp_path, "A", 20, params={"w": torch.ones(3)}, opt=None)
+    data = st_save({"w": torch.tensor([1.0, float("nan"), float("inf")])})
+    (path / "adapter.safetensors").write_bytes(data)
+    state = json.loads((path / "state.json").read_text())
+    state["files"]["adapter.safetensors"] = {"size": len(data), "sha256": ckpt._sha256(data)}  # digests re-made
+    (path / "state.json").write_text(json.dumps(state))
+    reg = read_registry(tmp_path, "A")
+    reg["checkpoints"][0]["state_sha256"] = ckpt._sha256((path / "state.json").read_bytes())
+    (tmp_path / "A" / "registry.json").write_text(json.dumps(reg))
+    with pytest.raises(CheckpointError, match=r"tensor 'w' has 2 non-finite values \(NaN/inf\) of 3"):
+        load_checkpoint(path)
+
+
+@pytest.mark.parametrize("edit,match", [
+    (lambda r: r["checkpoints"].append({"step": 30, "dir": "../../victim", "scores": {}}),
+     "dir '../../victim'; it must be that step's own directory 'step_000030'"),
+    (lambda r: r["checkpoints"][0].update(dir="/tmp/victim"), "dir '/tmp/victim'"),
+    (lambda r: r["checkpoints"][0].update(dir="step_000020"), "step 10 has dir 'step_000020'"),  # would delete step 10
+    (lambda r: r.clear(), "lacks 'checkpoints', 'aliases'"),
+    (lambda r: r["aliases"].update(latest="20"), "alias 'latest' points to '20'"),
+    (lambda r: r["aliases"].update(best_structure=99), "alias 'best_structure' points to 99"),
+    (lambda r: r.update(phase="B"), "says phase 'B'"),
+])
+def test_registry_entries_are_checked_before_anything_is_deleted(tmp_path, edit, match):
+    run = tmp_path / "run"
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "precious.txt").write_text("keep me")
+    save(run, "A", 10)
+    save(run, "A", 20)
+    reg = json.loads((run / "A" / "registry.json").read_text())
+    edit(reg)
+    (run / "A" / "registry.json").write_text(json.dumps(reg))
+    for action in (lambda: save(run, "A", 40, keep_last=0), lambda: resolve(run, "A:latest"),
+                   lambda: ckpt.resume_point(run, "A", set_aside=True)):
+        with pytest.raises(CheckpointError, match=match) as e:
+            action()
+        assert "\n" not in str(e.value)
+    assert (victim / "precious.txt").read_text() == "keep me"
+    assert sorted(p.name for p in (run / "A").iterdir()) == ["registry.json", "step_000010", "step_000020"]
+
+
+@pytest.mark.parametrize("base", ["/etc", "../../elsewhere/A/step_000002", "A/../../x", "A/step_2", 7])
+def test_extra_base_must_name_a_checkpoint_inside_the_run(tmp_path, base):
+    with pytest.raises(CheckpointError, match="extra.base=.* is not a checkpoint inside the run directory"):
+        save(tmp_path, "A", 20, extra={"base": base})
+    path = save(tmp_path, "A", 20, extra={"base": "warmup/step_000600"})
+    state = json.loads((path / "state.json").read_text())
+    state["extra"]["base"] = base
+    (path / "state.json").write_text(json.dumps(state))
+    reg = read_registry(tmp_path, "A")
+    del reg["checkpoints"][0]["state_sha256"]  # an editor who also knows to drop the digest
+    (tmp_path / "A" / "registry.json").write_text(json.dumps(reg))
+    with pytest.raises(CheckpointError, match=r"state.json: extra.base=.* is not a checkpoint inside"):
+        load_checkpoint(path)
+
+
+def test_resume_point_skips_damaged_latest_and_sets_it_aside(tmp_path):
+    for step, s in ((10, 0.9), (20, 0.1), (30, 0.2)):
+        save(tmp_path, "A", step, {"structure": s, "correctness": s, "composite": s})
+    assert ckpt.resume_point(tmp_path, "A") [0].step == 30
+    (tmp_path / "A" / "step_000030" / "state.json").write_text('{"step": 3')  # half a JSON file
+    flip_bit(tmp_path / "A" / "step_000020" / "optimizer.safetensors")
+    found, damaged = ckpt.resume_point(tmp_path, "A")  # looking changes nothing
+    assert found.step == 10 and [s for s, _ in damaged] == [30, 20]
+    assert "state.json does not match the sha256" in damaged[0][1]
+    assert "optimizer.safetensors does not match the sha256" in damaged[1][1]
+    assert read_registry(tmp_path, "A")["aliases"]["latest"] == 30
+    found, damaged = ckpt.resume_point(tmp_path, "A", set_aside=True)
+    assert found.step == 10
+    reg = read_registry(tmp_path, "A")
+    assert [c["step"] for c in reg["checkpoints"]] == [10]
+    assert reg["aliases"] == {"latest": 10, "best_structure": 10, "best_correctness": 10, "best_composite": 10}
+    assert sorted(p.name for p in (tmp_path / "A").iterdir()) == [
+        "damaged-step_000020", "damaged-step_000030", "registry.json", "step_000010"]
+    save(tmp_path, "A", 20)  # the resumed run saves its steps again; the damaged copies stay
+    assert (tmp_path / "A" / "damaged-step_000020").is_dir() and resolve(tmp_path, "A:latest").name == "step_000020"
+
+
+def test_resume_point_never_starts_from_nothing_silently(tmp_path):
+    assert ckpt.resume_point(tmp_path, "A") == (None, [])
+    save(tmp_path, "A", 10)
+    (tmp_path / "A" / "step_000010" / "adapter.safetensors").unlink()
+    with pytest.raises(CheckpointError, match=r"no intact checkpoint of phase A .* all 1 are damaged "
+                                              r"\(step 10: .*adapter.safetensors is missing"):
+        ckpt.resume_point(tmp_path, "A", set_aside=True)
+    assert read_registry(tmp_path, "A")["aliases"]["latest"] == 10  # nothing was set aside
+
+
+def test_resume_must_keep_what_a_step_is(tmp_path):
+    cfg = TrainConfig()
+    cfg.phase.name = "A"
+    save(tmp_path, "A", 20, config=cfg)
+    ckpt.check_resumable(tmp_path, cfg)
+    changed = TrainConfig()
+    changed.phase.name, changed.phase.steps, changed.optim.lr = "A", 999, 1.0  # how long and how fast: fine
+    ckpt.check_resumable(tmp_path, changed)
+    changed.sampling.G = 4
+    with pytest.raises(ConfigError, match=r"holds phase A up to step 20; resuming it with sampling.G: saved 8, now 4"):
+        ckpt.check_resumable(tmp_path, changed)
+    other_phase = TrainConfig()
+    other_phase.sampling.G = 4
+    ckpt.check_resumable(tmp_path, other_phase)  # phase B has nothing to resume

@@ -54,7 +54,14 @@ def test_bad_overrides_name_the_problem(argv, match):
 @pytest.mark.parametrize(
     "key,value,match",
     [
-        ("G", 0, "group size must be >= 1"),
+        ("G", 0, "sampling.G=0: GRPO phase B needs a group of >= 2"),
+        ("G", 1, "with one there is no group"),
+        ("lr", float("inf"), "optim.lr=inf: must be a finite number"),
+        ("weights", {"format": 0.0, "correctness": 0}, "every weight is 0"),
+        ("log_every", 0, "run.log_every=0"),
+        ("seed", -1, r"run.seed=-1: must be in \[0, 2\*\*32\)"),
+        ("device", "tpu", "model.device='tpu': use auto, cpu, cuda or cuda:N"),
+        ("G", 4.0, "sampling.G=4.0: expected int"),
         ("max_new_tokens", -3, "max_new_tokens=-3"),
         ("rank", 0, "lora.rank=0"),
         ("loss_type", "ppo", "use grpo, bnpo, dr_grpo or dapo"),
@@ -66,6 +73,13 @@ def test_impossible_values_are_refused(key, value, match):
     cfg = apply_overrides(TrainConfig(), {key: value})
     with pytest.raises(ConfigError, match=match):
         cfg.validate()
+
+
+def test_warmup_has_no_group_or_rewards_to_check():
+    cfg = apply_overrides(phase_preset("warmup"), {"G": 1, "weights": {"format": 0.0}})
+    assert cfg.validate() is cfg  # SFT samples no groups and computes no rewards
+    with pytest.raises(ConfigError, match="sampling.G=0: the group size must be >= 1"):
+        apply_overrides(cfg, {"G": 0}).validate()
 
 
 def test_json_round_trip_and_help():

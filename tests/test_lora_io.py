@@ -3,6 +3,7 @@ the bf16 merged export, and every malformed adapter we refuse."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -233,3 +234,54 @@ def test_bad_config_and_paths_are_named(saved, tmp_path_factory):
     cfg_path.write_text(json.dumps(config))
     with pytest.raises(ValueError, match="not a valid safetensors file"):
         load_adapter(tiny_model(), saved)
+
+
+# ---------------------------------------------------------------- adapter mode and non-finite values (issue 15)
+def test_peft_adapter_with_dropout_loads_in_eval_mode_like_peft(tmp_path):
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(7)
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.05, target_modules=["q_proj", "v_proj", "up_proj"],
+                          exclude_modules=r".*visual.*", init_lora_weights=False)
+    peft.get_peft_model(tiny_model(), cfg).save_pretrained(str(tmp_path))
+    reference = peft.PeftModel.from_pretrained(tiny_model(), str(tmp_path))  # inference: PEFT puts it in eval
+    assert not reference.training
+    ours = tiny_model()  # eval mode, as from_pretrained returns it
+    load_adapter(ours, tmp_path)
+    layers = lora_modules(ours)
+    assert layers and not any(m.training for m in layers.values())
+    assert all(isinstance(m.lora_dropout, torch.nn.Dropout) and m.lora_dropout.p == 0.05 for m in layers.values())
+    batch = text_batch()
+    first = logits(ours, batch)
+    assert torch.equal(first, logits(ours, batch))  # no dropout: the same logits on every call
+    torch.testing.assert_close(first, logits(reference, batch), atol=1e-5, rtol=1e-5)
+    ours.train()  # and training mode still reaches the injected dropout
+    assert all(m.lora_dropout.training for m in layers.values())
+
+
+@pytest.mark.parametrize("mode", [True, False])
+def test_injected_layers_take_the_parents_mode(mode):
+    model = tiny_model().train(mode)
+    inject_lora(model, LoRAConfig(r=2, alpha=2, dropout=0.1), verbose=False)
+    assert {m.training for m in lora_modules(model).values()} == {mode}
+    assert {m.lora_dropout.training for m in lora_modules(model).values()} == {mode}
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_adapters_are_refused_by_tensor_name(saved, value):
+    key = "base_model.model.model.language_model.layers.1.mlp.down_proj.lora_B.weight"
+    rewrite_tensors(saved, lambda t: t[key].fill_(value))
+    model = tiny_model()
+    with pytest.raises(ValueError, match=rf"tensor '{re.escape(key)}' has 512 non-finite values \(NaN/inf\) of 512"):
+        load_adapter(model, saved)
+    assert not lora_modules(model)  # refused before injecting
+
+
+def test_non_finite_adapter_is_never_saved(tmp_path):
+    model = adapted_model()
+    with torch.no_grad():
+        next(iter(lora_modules(model).values())).lora_A[0, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"save_adapter: tensor '.*lora_A.weight' has 1 non-finite values"):
+        save_adapter(model, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(ValueError, match="export_merged: tensor .* non-finite"):
+        export_merged(model, tmp_path / "merged")

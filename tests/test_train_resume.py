@@ -176,7 +176,71 @@ def test_three_nan_steps_in_a_row_stop_the_run(tmp_path, monkeypatch):
     monkeypatch.setattr(loss_mod, "grpo_loss", nan_loss_on({1, 2, 3}))
     rc, out, err = train(run, "--phase.steps", "5", "--run.eval_every", "10")
     assert rc == 1
-    assert err.startswith("error: phase A: 3 non-finite losses in a row at step 3") and "--optim.lr" in err
+    assert err.startswith("error: phase A: 3 non-finite losses or updates in a row at step 3") and "--optim.lr" in err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
     assert [r["step"] for r in log_lines(run) if r.get("event") == "nan"] == [1, 2, 3]
     assert not read_registry(run, "A")["checkpoints"]  # nothing half-trained was saved
+
+
+def test_a_resume_whose_latest_is_damaged_continues_from_the_newest_intact_one(straight, tmp_path):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(straight, run)
+    adapter = run / "A" / "step_000004" / "adapter.safetensors"
+    data = bytearray(adapter.read_bytes())
+    data[-3] ^= 0x10  # one flipped bit in the tensor data: the header still parses
+    adapter.write_bytes(bytes(data))
+    with reward_spread():
+        rc, out, err = train(run, "--phase.steps", "4")
+    assert rc == 0, err
+    assert "phase A: checkpoint step 4 is damaged, skipped and set aside" in out and "does not match the sha256" in out
+    assert "resuming phase A at step 2" in out
+    assert (run / "A" / "damaged-step_000004").is_dir()  # kept for inspection, out of the registry
+    assert_same_tensors(adapter_at(run, "A:latest"), adapter_at(straight, "A:latest"))  # redone, bit for bit
+    assert [r["step"] for r in log_lines(run) if r.get("event") == "damaged_checkpoint"] == [4]
+
+
+def poisoned_update_on(calls: set[int]):
+    """AdamW.step that writes a NaN into the first parameter after the given (1-based) calls."""
+    real = torch.optim.AdamW.step
+    n = [0]
+
+    def step(self, *args, **kw):
+        n[0] += 1
+        out = real(self, *args, **kw)
+        if n[0] in calls:
+            with torch.no_grad():
+                self.param_groups[0]["params"][0].view(-1)[0] = float("nan")
+        return out
+
+    return step
+
+
+def test_a_non_finite_update_is_undone_like_a_skipped_step(tmp_path, monkeypatch):
+    """A finite loss whose update makes a parameter NaN: parameters AND optimiser state go
+    back to before the step, so the run is bit-identical to one that skipped that step."""
+    with reward_spread():
+        with monkeypatch.context() as mp:
+            mp.setattr(loss_mod, "grpo_loss", nan_loss_on({1}))
+            rc, _, err = train(tmp_path / "skipped", "--phase.steps", "2")
+        assert rc == 0, err
+        with monkeypatch.context() as mp:
+            mp.setattr(torch.optim.AdamW, "step", poisoned_update_on({1}))
+            rc, out, err = train(tmp_path / "undone", "--phase.steps", "2")
+    assert rc == 0, err
+    assert "[A 1] non-finite update (1 tensors, e.g. " in out and "restored (1 in a row)" in out
+    nan, = [r for r in log_lines(tmp_path / "undone") if r.get("event") == "nan"]
+    assert nan["step"] == 1 and nan["params"][0].endswith(".lora_A")
+    assert_same_tensors(adapter_at(tmp_path / "undone", "A:latest"), adapter_at(tmp_path / "skipped", "A:latest"))
+    opt = [(tmp_path / r / "A" / "step_000002" / "optimizer.safetensors").read_bytes() for r in ("undone", "skipped")]
+    assert opt[0] == opt[1]
+
+
+def test_three_non_finite_updates_in_a_row_stop_the_run_and_save_nothing(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.optim.AdamW, "step", poisoned_update_on({1, 2, 3}))
+    with reward_spread():
+        rc, out, err = train(tmp_path / "run", "--phase.steps", "5", "--run.eval_every", "10")
+    assert rc == 1
+    assert err.startswith("error: phase A: 3 non-finite losses or updates in a row at step 3")
+    assert not read_registry(tmp_path / "run", "A")["checkpoints"]
