@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import typing
 from dataclasses import dataclass, field
 from typing import Any
@@ -93,6 +94,10 @@ class SamplingConfig:
     """Nucleus sampling mass (1.0 = off)."""
     rollout: str = "plain"
     """Decode path of the rollouts: plain (the policy's 4-bit + LoRA layers) or merged (bf16 copy, LoRA merged, CUDA graph)."""
+    dynamic_sampling: bool = False
+    """DAPO dynamic sampling: drop groups whose G rewards are all equal, refill from the stream (grpo/dynamic_sampling.py)."""
+    max_refills: int = 4
+    """Dynamic sampling: at most this many refill rounds per step; then train on what was kept (none kept: stop)."""
 
 
 @dataclass
@@ -123,6 +128,14 @@ class OptimConfig:
     """Advantage scaling: group (per-group std), batch (batch std) or none (Dr. GRPO)."""
     importance: str = "token"
     """Importance ratio level: token (GRPO) or sequence (GSPO)."""
+    updates_per_batch: int = 1
+    """mu: optimiser steps per rollout batch (PPO epochs); the ratio is taken against the sampling policy, so the clip binds from the 2nd."""
+    kl_bias_correction: bool = False
+    """KL term ratio * k3 with the gradient through the ratio (TRL's use_bias_correction_kl); needs beta > 0."""
+    adv_mode: str = "total"
+    """Advantage source: total (z-score of the weighted reward) or components (sum_k w_k/sum(w) z(r_k), each term alone)."""
+    adv_std_floor: float = 0.0
+    """Divide by max(std, floor) instead of std, so a tiny tie-breaker spread is not stretched to a full advantage (0 = off)."""
 
 
 @dataclass
@@ -212,6 +225,23 @@ class TrainConfig:
             (self.optim.loss_type in ("grpo", "bnpo", "dr_grpo", "dapo"), f"optim.loss_type={self.optim.loss_type!r}: use grpo, bnpo, dr_grpo or dapo"),
             (self.optim.adv_scale in ("group", "batch", "none"), f"optim.adv_scale={self.optim.adv_scale!r}: use group, batch or none"),
             (self.optim.importance in ("token", "sequence"), f"optim.importance={self.optim.importance!r}: use token or sequence"),
+            (self.optim.updates_per_batch >= 1, f"optim.updates_per_batch={self.optim.updates_per_batch}: must be >= 1 (1 = one update per rollout batch)"),
+            (self.optim.adv_mode in ("total", "components"), f"optim.adv_mode={self.optim.adv_mode!r}: use total or components"),
+            (self.optim.adv_std_floor >= 0 and math.isfinite(self.optim.adv_std_floor),
+             f"optim.adv_std_floor={self.optim.adv_std_floor}: must be a finite number >= 0 (0 = off)"),
+            (not (self.optim.adv_std_floor > 0 and self.optim.adv_scale == "none"),
+             f"optim.adv_std_floor={self.optim.adv_std_floor} floors the std, but optim.adv_scale='none' divides by no std: "
+             f"use adv_scale group or batch, or drop the floor"),
+            (not (self.optim.kl_bias_correction and self.optim.beta == 0),
+             "optim.kl_bias_correction=true weights the KL term, which optim.beta=0 switches off: set --optim.beta > 0 "
+             "or leave the correction off"),
+            (not (self.optim.updates_per_batch > 1 and self.lora.dropout > 0),
+             f"optim.updates_per_batch={self.optim.updates_per_batch} with lora.dropout={self.lora.dropout}: the ratio "
+             f"would compare two dropout masks, noise the clip then acts on; set --lora.dropout 0 or updates_per_batch 1"),
+            (not (self.optim.adv_mode == "components" and self.rewards.rubric_mode == "prefix"),
+             "optim.adv_mode='components' with rewards.rubric_mode='prefix': the prefix mode builds its own token "
+             "advantages from R_ans and the rubric scores; use adv_mode total or rubric_mode sequence"),
+            (self.sampling.max_refills >= 0, f"sampling.max_refills={self.sampling.max_refills}: must be >= 0"),
             (self.model.dtype in ("float32", "bfloat16", "float16"), f"model.dtype={self.model.dtype!r}: use float32 or bfloat16"),
             (self.model.image_size >= 28, f"model.image_size={self.model.image_size}: must be >= 28 (two 14-px patches)"),
             (self.rewards.rubric_mode in ("sequence", "prefix"), f"rewards.rubric_mode={self.rewards.rubric_mode!r}: use sequence or prefix"),
