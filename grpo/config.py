@@ -235,9 +235,6 @@ class TrainConfig:
             (not (self.optim.kl_bias_correction and self.optim.beta == 0),
              "optim.kl_bias_correction=true weights the KL term, which optim.beta=0 switches off: set --optim.beta > 0 "
              "or leave the correction off"),
-            (not (self.optim.updates_per_batch > 1 and self.lora.dropout > 0),
-             f"optim.updates_per_batch={self.optim.updates_per_batch} with lora.dropout={self.lora.dropout}: the ratio "
-             f"would compare two dropout masks, noise the clip then acts on; set --lora.dropout 0 or updates_per_batch 1"),
             (not (self.optim.adv_mode == "components" and self.rewards.rubric_mode == "prefix"),
              "optim.adv_mode='components' with rewards.rubric_mode='prefix': the prefix mode builds its own token "
              "advantages from R_ans and the rubric scores; use adv_mode total or rubric_mode sequence"),

@@ -42,6 +42,9 @@ reference log-probs are computed once per batch, and on a CPU, where rollouts do
 buys mu updates per rollout. A "step" (phase.steps, eval_every, checkpoints, the log line)
 is a rollout batch; the learning-rate schedule counts optimiser steps (lr_at). A merged
 rollout copy is refreshed once after the batch's last update: only sampling reads it.
+Every combination has a ratio to clip: all four aggregations, token and sequence (GSPO)
+importance, the V-Rubrics prefix mode (token advantages, per-token ratio); the policy runs
+in eval mode (grpo/policy.py), so no dropout makes two passes of one policy differ.
 
 Simplified: no value model (that is GRPO's point); evaluation is greedy with one sample per
 prompt, the staged paper's final protocol.

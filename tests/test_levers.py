@@ -505,8 +505,6 @@ def test_resume_is_bit_identical_with_the_new_options_on(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("args, message", [
     (["--optim.updates_per_batch", "0"], "optim.updates_per_batch=0: must be >= 1"),
-    (["--optim.updates_per_batch", "2", "--lora.dropout", "0.05"],
-     "the ratio would compare two dropout masks"),
     (["--optim.kl_bias_correction", "true"], "optim.kl_bias_correction=true weights the KL term, which optim.beta=0"),
     (["--optim.adv_std_floor", "0.5", "--optim.adv_scale", "none"], "optim.adv_scale='none' divides by no std"),
     (["--optim.adv_std_floor", "-1"], "optim.adv_std_floor=-1.0: must be a finite number >= 0"),
