@@ -615,7 +615,10 @@ def run_grpo_phase(cfg: TrainConfig, files: RunFiles, device: str, dp=None) -> N
             print(f"[{phase} {step + 1}/{cfg.phase.steps}] reward {record['reward']:.3f}  "
                   + " ".join(f"{k} {v:.2f}" for k, v in record["components"].items())
                   + f"  len {record['completion_len']:.1f}  zero-spread {record['zero_spread']:.2f}"
-                  f"  {record['time']['step']:.2f}s/step", flush=True)
+                  + (f"  refills {fill.refills} fill {fill.fill:.2f}" if fill is not None else "")
+                  + (f"  clip@{len(updates)} {updates[-1]['clip_low'] + updates[-1]['clip_high']:.3f}"
+                     if mu > 1 and updates else "")
+                  + f"  {record['time']['step']:.2f}s/step", flush=True)
 
         # ---- 7-9. eval -> gates -> checkpoint
         last = step + 1 == cfg.phase.steps

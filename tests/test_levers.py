@@ -412,6 +412,27 @@ def test_mu_1_is_the_old_path_and_the_first_of_mu_2(tmp_path, monkeypatch):
     assert r2["updates"][0]["grad_norm"] == r1["grad_norm"] and r2["loss"] == r1["loss"]
 
 
+def test_a_non_finite_second_update_skips_the_rest_of_its_batch(tmp_path, monkeypatch):
+    mod = importlib.import_module("kernels.grpo_loss")
+    real, n = mod.grpo_loss, [0]
+
+    def nan_on_2(*args, **kw):
+        n[0] += 1
+        loss, stats = real(*args, **kw)
+        return (loss * float("nan") if n[0] == 2 else loss), stats
+
+    monkeypatch.setattr(mod, "grpo_loss", nan_on_2)
+    with reward_spread():
+        rc, out, err = train(tmp_path / "run", "--phase.steps", "2", "--optim.updates_per_batch", "3")
+    assert rc == 0, err
+    nan = [r for r in log_lines(tmp_path / "run") if r.get("event") == "nan"]
+    assert [(r["step"], r["update"]) for r in nan] == [(1, 2)]
+    recs = steps(tmp_path / "run")
+    assert [len(recs[s]["updates"]) for s in (1, 2)] == [1, 3]  # update 3 of batch 1 never ran
+    assert recs[1]["grad_norm"] is None and recs[2]["grad_norm"] is not None
+    assert n[0] == 2 + 3
+
+
 def even_pid(ex) -> bool:
     return sum(map(ord, ex.pid)) % 2 == 0
 
