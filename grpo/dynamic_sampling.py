@@ -26,9 +26,10 @@ Design choices and what they cost:
   price is more (smaller) sampler calls when few groups have spread.
 - At the bound. No group with spread after ``max_refills`` refills: the trainer stops with
   one line naming the phase, the step, the refill count and what to change
-  (``no_spread_message``). Some but fewer than wanted: the step trains on what it has (the
-  loss is the mean over the groups collected, so each counts a little more) and the log
-  says how full it was (``fill``).
+  (``no_spread_message``). Some but fewer than wanted: the step trains on what it has, in
+  ceil(kept / B) micro-batches, the last one smaller (the step's loss averages the
+  micro-batches it has, so each kept group counts a little more), and the log says how
+  full it was (``fill``).
 - Prompts whose image fails to preprocess are dropped by the sampler as before; with
   dynamic sampling their places are refilled too.
 - With nothing dropped, the batch is the round-0 rollouts themselves: a run where every
