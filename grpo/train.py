@@ -2,7 +2,8 @@
 
 What is implemented (read top to bottom: it is the algorithm)
 -------------------------------------------------------------
-Group Relative Policy Optimisation (DeepSeekMath's GRPO, TRL's current conventions) for a
+Group Relative Policy Optimisation (DeepSeekMath's GRPO in TRL's loss conventions; kernels/
+grpo_loss.py says where TRL's defaults differ from ours) for a
 vision-language policy = frozen base (optionally NF4 4-bit) + rank-8 LoRA, run as the
 staged, metric-gated curriculum of the staged-GRPO paper:
 

@@ -20,8 +20,9 @@ ratio_t (logp_t - ref_t) d logp_t, the importance-weighted gradient of KL(pi || 
 for tokens drawn from the old policy. At mu = 1 the ratio is 1 in value, so the loss value
 is unchanged but the gradient is not: the plain term pushes with 1 - exp(ref - logp) ~
 (logp - ref) - (logp - ref)^2 / 2, the corrected one with exactly logp - ref. Default off
-(the DeepSeekMath form this project has always used); TRL leaves it off by default too in
-the versions we read. kl_mean reports the KL term as it enters the loss (corrected or not).
+(the DeepSeekMath form this project has always used; the TRL grpo_config.py we could read
+also documents it as off by default, but defaults move between TRL releases: check yours
+before comparing runs). kl_mean reports the KL term as it enters the loss (corrected or not).
 
 Aggregation ("loss_type"), with n_i active tokens in row i and M = sum_i n_i:
     grpo     mean_i( sum_t loss_it / n_i )      per-sequence mean, then mean over the N rows
