@@ -3,12 +3,18 @@
 Input: the trainer's JSONL log, one JSON object per line. The format (the trainer writes
 exactly this; unknown keys are ignored, so it can add more):
 
-    step line (no "event" key, or "event": "step"), one per optimiser step:
+    step line (no "event" key, or "event": "step"), one per rollout batch:
         {"phase": "A", "step": 12, "reward": 3.41,
          "components": {"format": 1.8, "parseable": 0.9, ...},   # mean raw component
          "weights": {"format": 1.0, "parseable": 1.0, ...}}      # weights in force
-        "step" counts optimiser steps *within* the phase; an optional "global_step"
-        (on every step line) is used as the x axis instead, when present.
+        "step" counts rollout batches *within* the phase (= optimiser steps unless
+        optim.updates_per_batch > 1); an optional "global_step" (on every step line) is
+        used as the x axis instead, when present. The trainer also writes loss, kl,
+        clip_low/high, zero_spread, adv_abs, lengths, lr, grad_norm and timings (the first
+        update's values); with optim.updates_per_batch > 1 an "updates" list, one entry
+        per optimiser step: {"update", "loss", "clip_low", "clip_high", "kl_old",
+        "grad_norm", "lr"}; with sampling.dynamic_sampling a "dynamic" object:
+        {"refills", "sampled_groups", "kept_groups", "dropped_frac", "fill"}.
     gate line, one per controller rule that fired after a checkpoint eval:
         {"event": "gate", "phase": "A", "step": 20, "rule": "parseable_floor",
          "changes": {"parseable": [0.5, 0.75]}}                  # optional

@@ -860,6 +860,7 @@ def check_init_compatible(path: str | Path, config: TrainConfig) -> None:
 # prompts of at most L tokens, accumulated over micro-batches) and which data comes next
 # (the saved data position counts draws from this exact stream).
 RESUME_FIXED_FIELDS = ("sampling.G", "sampling.max_new_tokens", "phase.prompts_per_step", "optim.accumulation",
+                       "optim.updates_per_batch", "sampling.dynamic_sampling",
                        "phase.mixture", "run.seed", "run.data", "run.train_per_stage")
 
 
@@ -873,12 +874,13 @@ def check_resumable(run_dir: str | Path, config: TrainConfig) -> None:
     if saved is None:
         return
     now = json.loads(config.to_json())
+    defaults = json.loads(type(config)().to_json())  # a field added later: older runs had its default
 
     def pick(cfg: dict) -> dict[str, Any]:
         out = {}
         for key in RESUME_FIXED_FIELDS:
             sec, name = key.split(".")
-            value = (cfg.get(sec) or {}).get(name, "<missing>")
+            value = (cfg.get(sec) or {}).get(name, defaults[sec][name])
             out[key] = {str(k): v for k, v in value.items()} if isinstance(value, dict) else value
         return out
 

@@ -95,6 +95,10 @@ class SamplingConfig:
     """Nucleus sampling mass (1.0 = off)."""
     rollout: str = "plain"
     """Decode path of the rollouts: plain (the policy's 4-bit + LoRA layers) or merged (bf16 copy, LoRA merged, CUDA graph)."""
+    dynamic_sampling: bool = False
+    """DAPO dynamic sampling: drop groups whose G rewards are all equal, refill from the stream (grpo/dynamic_sampling.py)."""
+    max_refills: int = 4
+    """Dynamic sampling: at most this many refill rounds per step; then train on what was kept (none kept: stop)."""
 
 
 @dataclass
@@ -125,6 +129,14 @@ class OptimConfig:
     """Advantage scaling: group (per-group std), batch (batch std) or none (Dr. GRPO)."""
     importance: str = "token"
     """Importance ratio level: token (GRPO) or sequence (GSPO)."""
+    updates_per_batch: int = 1
+    """mu: optimiser steps per rollout batch (PPO epochs); the ratio is taken against the sampling policy, so the clip binds from the 2nd."""
+    kl_bias_correction: bool = False
+    """KL term ratio * k3 with the gradient through the ratio (TRL's use_bias_correction_kl); needs beta > 0."""
+    adv_mode: str = "total"
+    """Advantage source: total (z-score of the weighted reward) or components (sum_k w_k/sum(w) z(r_k), each term alone)."""
+    adv_std_floor: float = 0.0
+    """Divide by max(std, floor) instead of std, so a tiny tie-breaker spread is not stretched to a full advantage (0 = off)."""
 
 
 @dataclass
@@ -236,6 +248,19 @@ class TrainConfig:
             (o.loss_type in ("grpo", "bnpo", "dr_grpo", "dapo"), f"optim.loss_type={o.loss_type!r}: use grpo, bnpo, dr_grpo or dapo"),
             (o.adv_scale in ("group", "batch", "none"), f"optim.adv_scale={o.adv_scale!r}: use group, batch or none"),
             (o.importance in ("token", "sequence"), f"optim.importance={o.importance!r}: use token or sequence"),
+            (o.updates_per_batch >= 1, f"optim.updates_per_batch={o.updates_per_batch}: must be >= 1 (1 = one update per rollout batch)"),
+            (o.adv_mode in ("total", "components"), f"optim.adv_mode={o.adv_mode!r}: use total or components"),
+            (o.adv_std_floor >= 0, f"optim.adv_std_floor={o.adv_std_floor}: must be a finite number >= 0 (0 = off)"),
+            (not (o.adv_std_floor > 0 and o.adv_scale == "none"),
+             f"optim.adv_std_floor={o.adv_std_floor} floors the std, but optim.adv_scale='none' divides by no std: "
+             f"use adv_scale group or batch, or drop the floor"),
+            (not (o.kl_bias_correction and o.beta == 0),
+             "optim.kl_bias_correction=true weights the KL term, which optim.beta=0 switches off: set --optim.beta > 0 "
+             "or leave the correction off"),
+            (not (o.adv_mode == "components" and ru.rubric_mode == "prefix"),
+             "optim.adv_mode='components' with rewards.rubric_mode='prefix': the prefix mode builds its own token "
+             "advantages from R_ans and the rubric scores; use adv_mode total or rubric_mode sequence"),
+            (s.max_refills >= 0, f"sampling.max_refills={s.max_refills}: must be >= 0"),
             (bool(m.name.strip()), "model.name is empty: use 'tiny', a local model directory or a hub id"),
             (m.dtype in ("float32", "bfloat16", "float16"), f"model.dtype={m.dtype!r}: use float32 or bfloat16"),
             (re.fullmatch(r"auto|cpu|cuda(:\d+)?", m.device) is not None,

@@ -27,7 +27,8 @@ What is added to the anchor
 - Vanishing advantages. GRPO's advantage is (r - mean_g) / (std_g + eps): a group whose G
   rewards are all equal (all right or all wrong, same format) has zero advantage and
   contributes no gradient. The trainer passes `zero_spread`, the fraction of such groups
-  averaged over the steps since the last checkpoint. Above `zero_spread_max` the
+  averaged over the steps since the last checkpoint (with dynamic sampling, the fraction of
+  the *sampled* groups it dropped: the trained batch has none). Above `zero_spread_max` the
   controller first raises the sampling temperature a notch (more diverse samples within a
   group are the direct cure, and unlike a reward weight it does not change what is being
   optimised), up to `temperature_max` (1.2, R1-VL's setting). Once the temperature is at

@@ -144,7 +144,8 @@ class DataParallel:
 
     # -------------------------------------------------------------- batch and sampling
 
-    def check_batch(self, B: int, adv_scale: str = "group", prefix_rubrics: bool = False) -> None:
+    def check_batch(self, B: int, adv_scale: str = "group", prefix_rubrics: bool = False,
+                    dynamic_sampling: bool = False) -> None:
         """Refuse settings the split cannot honour, before any work is done."""
         if B % self.world != 0:
             raise DistributedError(
@@ -155,6 +156,11 @@ class DataParallel:
             raise DistributedError(
                 "optim.adv_scale='batch' with rewards.rubric_mode='prefix' is not supported across processes "
                 "(the batch std of every rubric column would need gathering); use adv_scale group or none")
+        if self.enabled and dynamic_sampling:
+            raise DistributedError(
+                f"sampling.dynamic_sampling is not supported across {self.world} processes (each rank would refill "
+                "a different number of times and the ranks' data streams and micro-batches would part ways); "
+                "run it in one process or set --sampling.dynamic_sampling false")
 
     def shard(self, examples: Sequence[Any]) -> list[Any]:
         """This rank's prompts of a global batch (positions rank, rank+W, ...)."""
@@ -177,21 +183,34 @@ class DataParallel:
                   for (n, m), (gn, gm) in zip(local.tolist(), glob.tolist())]
         return float(glob[:, 1].sum()), shares
 
-    def advantage_inputs(self, rewards: torch.Tensor, adv_scale: str, eps: float = 1e-4) -> tuple[torch.Tensor, str]:
+    def advantage_inputs(self, rewards: torch.Tensor, adv_scale: str, eps: float = 1e-4,
+                         std_floor: float = 0.0) -> tuple[torch.Tensor, str]:
         """(rewards, scale) to hand the loss kernel so that scale="batch" uses the global std.
 
         Single process, or another scale: unchanged. Otherwise the unbiased std of the
         micro-batch's rewards over all ranks (two all-reduces: mean, then squared
         deviations, which avoids the cancellation of sum-of-squares) and the rewards
-        divided by (std + eps) with scale "none" -- the same advantages (module doc).
+        divided by (max(std, std_floor) + eps) with scale "none" -- the same advantages
+        (module doc). rewards [N], or reward components [N, K]: one std per column.
         """
         if not self.enabled or adv_scale != "batch":
             return rewards, adv_scale
+        if rewards.dim() == 2:
+            c = rewards.double()
+            n_sum = self._all_reduce(torch.cat([c.new_tensor([float(c.shape[0])]), c.sum(0)]))
+            mean = n_sum[1:] / n_sum[0].clamp(min=1)
+            sq = self._all_reduce((c - mean).square().sum(0))
+            std = (sq / (n_sum[0] - 1).clamp(min=1)).sqrt()
+            if std_floor > 0:
+                std = std.clamp(min=std_floor)
+            return (c / (std + eps)).to(rewards.dtype), "none"
         r = rewards.double()
         n_sum = self._all_reduce(torch.stack([r.new_tensor(float(r.numel())), r.sum()]))
         mean = n_sum[1] / n_sum[0].clamp(min=1)
         sq = self._all_reduce((r - mean).square().sum().reshape(1))[0]
         std = (sq / (n_sum[0] - 1).clamp(min=1)).sqrt()
+        if std_floor > 0:
+            std = std.clamp(min=std_floor)
         return (r / (std + eps)).to(rewards.dtype), "none"
 
     # -------------------------------------------------------------- collectives

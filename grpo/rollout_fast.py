@@ -41,8 +41,9 @@ mask.
 
 Numerics. Sampling from W' instead of (W_nf4, B, A) changes the logits by bf16 rounding
 (the policy rounds W x and B A x separately). The trainer's loss does not use the sampler's
-log-probs (old = detached current, mu = 1), so this only makes rollouts off-policy by
-rounding, as in every setup that samples with a separate inference engine. On the tiny
+log-probs (old is the policy's own pass of update 1, also with mu > 1), so this only makes
+rollouts off-policy by rounding, as in every setup that samples with a separate inference
+engine. On the tiny
 fp32 model the two paths give the same greedy tokens (tests/test_rollout_fast.py).
 
 Simplified / left out: no batch compaction (finished rows keep decoding: shapes must stay

@@ -2,7 +2,8 @@
 
 What is implemented (read top to bottom: it is the algorithm)
 -------------------------------------------------------------
-Group Relative Policy Optimisation (DeepSeekMath's GRPO, TRL's current conventions) for a
+Group Relative Policy Optimisation (DeepSeekMath's GRPO in TRL's loss conventions; kernels/
+grpo_loss.py says where TRL's defaults differ from ours) for a
 vision-language policy = frozen base (optionally NF4 4-bit) + rank-8 LoRA, run as the
 staged, metric-gated curriculum of the staged-GRPO paper:
 
@@ -15,13 +16,16 @@ One GRPO step, for B prompts:
     1. sample   G completions per prompt; the prompt (and its image) is encoded once and
                 its KV cache copied G times (grpo/sampler.py)
     2. reward   verifier components (+ step / detail / rubric terms) weighted by the
-                controller's current weights (grpo/rewards)
+                controller's current weights (grpo/rewards); with sampling.dynamic_sampling,
+                groups without reward spread are dropped and the batch refilled from the
+                stream (DAPO, grpo/dynamic_sampling.py)
     3. logp     completion log-probs under the policy (with grad) and, if beta > 0, the
                 reference = the same model with LoRA switched off (grpo/logprobs.py)
     4. loss     group-normalised advantages, clipped ratio, k3 KL, aggregation -- one
                 fused pass (kernels/grpo_loss.py: Triton on CUDA, PyTorch on CPU)
     5. step     backward into the LoRA parameters, clip, AdamW, schedule (an update that
                 leaves a parameter non-finite is undone, like a NaN loss is skipped)
+    3-5 run mu = optim.updates_per_batch times on the same rollouts (PPO epochs)
     6. log      one JSON line (eval/plots.py documents the format) + a progress bar
     every run.eval_every steps and at the end:
     7. eval     greedy decoding on a fixed held-out subset (eval/evaluate.py)
@@ -29,10 +33,23 @@ One GRPO step, for B prompts:
     9. save     atomic checkpoint + aliases latest / best_structure / best_correctness /
                 best_composite (grpo/checkpoint.py)
 
-Simplifications (and why): one policy update per batch (mu = 1), so the "old" policy is
-the current one detached and the ratio is 1 in value (its gradient is not) -- the common
-setting in TRL and the staged paper; no value model (that is GRPO's point); evaluation is
-greedy with one sample per prompt, the staged paper's final protocol.
+Several updates per batch. With mu = 1 (the default, TRL's and the staged paper's setting)
+the "old" policy is the current one detached and the ratio is 1 in value (its gradient is
+not), so the clip never binds. With mu > 1 the first update still runs that way and keeps
+its log-probs -- they are the sampling policy's, since nothing has been updated yet -- as
+old_logp; updates 2..mu take the ratio against them and the clip binds (logged per update:
+clip fractions, kl_old = approximate KL of the current policy to the sampling one). This
+costs no extra forward pass (TRL runs one without grad at sampling time), rewards and the
+reference log-probs are computed once per batch, and on a CPU, where rollouts dominate, it
+buys mu updates per rollout. A "step" (phase.steps, eval_every, checkpoints, the log line)
+is a rollout batch; the learning-rate schedule counts optimiser steps (lr_at). A merged
+rollout copy is refreshed once after the batch's last update: only sampling reads it.
+Every combination has a ratio to clip: all four aggregations, token and sequence (GSPO)
+importance, the V-Rubrics prefix mode (token advantages, per-token ratio); the policy runs
+in eval mode (grpo/policy.py), so no dropout makes two passes of one policy differ.
+
+Simplified: no value model (that is GRPO's point); evaluation is greedy with one sample per
+prompt, the staged paper's final protocol.
 """
 
 from __future__ import annotations
@@ -73,6 +90,10 @@ class TrainingDiverged(RuntimeError):
     """Losses stayed non-finite: the run stops (main() prints one line, exit code 1)."""
 
 
+class NoRewardSpread(RuntimeError):
+    """Dynamic sampling found no group with reward spread within its bound (one line, exit code 1)."""
+
+
 def pick_device(name: str) -> str:
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
@@ -85,12 +106,21 @@ def pick_device(name: str) -> str:
     return name
 
 
+def updates_per_batch(cfg: TrainConfig) -> int:
+    """mu: optimiser steps per rollout batch in a GRPO phase (the SFT warm-up takes one per batch)."""
+    return 1 if cfg.phase.name == "warmup" else cfg.optim.updates_per_batch
+
+
 def lr_at(step: int, cfg: TrainConfig) -> float:
     """Learning rate for optimiser step ``step`` (0-based): linear warm-up, then the schedule.
 
-    A pure function of the step, so resuming needs only the step to restore the schedule.
+    phase.steps counts rollout batches; a GRPO phase takes mu = optim.updates_per_batch
+    optimiser steps per batch, so the schedule (and optim.warmup_steps) runs over
+    phase.steps x mu optimiser steps, and batch s's updates are optimiser steps s*mu ..
+    s*mu + mu - 1. A pure function of the step, so resuming needs only the step to restore
+    the schedule (checkpoints fall on batch boundaries).
     """
-    o, total = cfg.optim, max(1, cfg.phase.steps)
+    o, total = cfg.optim, max(1, cfg.phase.steps * updates_per_batch(cfg))
     if step < o.warmup_steps:
         return o.lr * (step + 1) / o.warmup_steps
     frac = (step - o.warmup_steps) / max(1, total - o.warmup_steps)
@@ -378,6 +408,60 @@ def resolve_init(cfg: TrainConfig, files: RunFiles) -> tuple[Path | None, str]:
     return resolve(files.root, init), init
 
 
+def advantage_kwargs(rb, cfg: TrainConfig, dp, device: str) -> dict:
+    """The advantage source of one micro-batch, as kernels.grpo_loss keyword arguments.
+
+    rubric prefix mode: V-Rubrics token advantages from R_ans and the rubric scores.
+    adv_mode "total": A = z(sum_k w_k r_k), GRPO's one z-score of the weighted reward.
+    adv_mode "components": A = sum_k (w_k / sum_j w_j) z(r_k), every term z-scored in its
+    group on its own (GDPO, Liu et al. 2026, "Group reward-Decoupled Normalization Policy
+    Optimization"; TRL's multi_objective_aggregation="normalize_then_sum"). A tie-breaker
+    of weight w then moves a tied group's advantages by at most its share w / sum(w) of a
+    unit z-score, never the full unit that z(total) gives it; a group that splits on
+    every term gets advantages of z(total)'s size. GDPO batch-normalises the sum
+    afterwards; we divide by the fixed sum of weights instead, because a batch std would
+    stretch a batch of tied groups back to unit size. Components with weight 0 are left
+    out (they would add nothing but would count as spread).
+    """
+    if cfg.rewards.rubric_mode == "prefix" and rb.prefix is not None:
+        from kernels.grpo_loss import PrefixRubrics
+
+        p = rb.prefix
+        prefix = PrefixRubrics(R_ans=p.R_ans.to(device), s=p.s.to(device), scored=p.scored.to(device),
+                               rho=p.rho.to(device), t_end=p.t_end.to(device), a=cfg.rewards.prefix_answer_weight)
+        _, scale = dp.advantage_inputs(rb.total.to(device), cfg.optim.adv_scale)
+        return dict(prefix=prefix, scale=scale, adv_std_floor=cfg.optim.adv_std_floor)
+    names = [k for k, w in rb.weights.items() if w > 0]
+    if cfg.optim.adv_mode == "components" and names:
+        values = torch.stack([rb.components[k] for k in names], 1).to(device)
+        w = torch.tensor([rb.weights[k] for k in names], dtype=torch.float32)
+        values, scale = dp.advantage_inputs(values, cfg.optim.adv_scale, std_floor=cfg.optim.adv_std_floor)
+        return dict(reward_components=values, component_weights=(w / w.sum()).to(device), scale=scale,
+                    adv_std_floor=_floor_left(cfg, scale))
+    values, scale = dp.advantage_inputs(rb.total.to(device), cfg.optim.adv_scale,  # batch std over ranks
+                                        std_floor=cfg.optim.adv_std_floor)
+    return dict(rewards=values, scale=scale, adv_std_floor=_floor_left(cfg, scale))
+
+
+def _floor_left(cfg: TrainConfig, scale: str) -> float:
+    """The std floor still to apply: none once the data-parallel batch std (floored) was divided out."""
+    return cfg.optim.adv_std_floor if scale == cfg.optim.adv_scale else 0.0
+
+
+def spread_columns(rb, cfg: TrainConfig) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(values [N, C], valid [N, C] or None): the reward columns the advantages come from, so
+    that "a group has spread" means "its advantages are not all zero" (dynamic sampling)."""
+    if cfg.rewards.rubric_mode == "prefix" and rb.prefix is not None:
+        p = rb.prefix
+        values = torch.cat([p.R_ans.float()[:, None], p.s.float()], 1)
+        valid = torch.cat([torch.ones(len(p.R_ans), 1, dtype=torch.bool), p.scored.bool()], 1)
+        return values, valid
+    names = [k for k, w in rb.weights.items() if w > 0]
+    if cfg.optim.adv_mode == "components" and names:
+        return torch.stack([rb.components[k] for k in names], 1), None
+    return rb.total[:, None], None
+
+
 def run_grpo_phase(cfg: TrainConfig, files: RunFiles, device: str, dp=None) -> None:
     from eval.evaluate import _content_tokens
     from grpo.distributed import DataParallel
@@ -388,6 +472,7 @@ def run_grpo_phase(cfg: TrainConfig, files: RunFiles, device: str, dp=None) -> N
     from grpo.policy import adapter_tensors, base_checkpoint_of, build_policy
     from grpo.rewards import RewardModel
     from grpo.rollout_fast import MergedRollout
+    from grpo.dynamic_sampling import Rollout, fill_batch, groups_with_spread, no_spread_message
     from grpo.sampler import sample
     from kernels.grpo_loss import grpo_loss
     from lora import disable_adapters, load_lora_state_dict, lora_parameters, lora_state_dict
@@ -395,7 +480,8 @@ def run_grpo_phase(cfg: TrainConfig, files: RunFiles, device: str, dp=None) -> N
 
     phase = cfg.phase.name
     dp = dp if dp is not None else DataParallel(device=device)  # world 1 unless under torchrun
-    dp.check_batch(cfg.phase.prompts_per_step, cfg.optim.adv_scale, cfg.rewards.rubric_mode == "prefix")
+    dp.check_batch(cfg.phase.prompts_per_step, cfg.optim.adv_scale, cfg.rewards.rubric_mode == "prefix",
+                   dynamic_sampling=cfg.sampling.dynamic_sampling)
     gen_key = dp.generator_key(GEN_KEY)  # each rank saves and restores its own sampler generator
     # --- where this phase starts: same-phase resume, or the preset's checkpoint alias
     # the newest intact checkpoint; damaged newer ones are set aside (renamed, not deleted) and named
@@ -459,84 +545,105 @@ def run_grpo_phase(cfg: TrainConfig, files: RunFiles, device: str, dp=None) -> N
     nan_streak = 0
     bar = Progress(cfg.phase.steps, f"phase {phase}", start)
 
+    mu = cfg.optim.updates_per_batch
+
+    def draw(n: int) -> Rollout:
+        """Sample G completions for each of the stream's next n prompts (this rank's share) and score them."""
+        t0 = time.time()
+        examples = dp.shard(stream.next_batch(n))  # n is global: this rank's n / world prompts
+        prompts = encode_prompts(bundle, examples, on_bad_image="skip").to(device)
+        out = sample_fn(bundle, prompts, G=G, max_new_tokens=L, temperature=temperature,
+                        top_k=cfg.sampling.top_k, top_p=cfg.sampling.top_p, generator=gen)
+        timing["sampling"] += time.time() - t0
+        # ---- 2. reward: every completion of the group is scored against its prompt's example
+        t0 = time.time()
+        examples = [examples[i] for i in prompts.kept]
+        ex_rows = [examples[row // G] for row in range(len(out.texts))]
+        rb = rewards(ex_rows, out.texts, num_tokens=_content_tokens(out), completion_ids=out.completion_ids)
+        timing["rewards"] += time.time() - t0
+        return Rollout(examples, out, rb)
+
+    def spread(r: Rollout) -> list[int]:
+        values, valid = spread_columns(r.rb, cfg)
+        return groups_with_spread(values, G, valid=valid)
+
     for step in range(start, cfg.phase.steps):
         t_step = time.time()
         timing = dict(sampling=0.0, rewards=0.0, logprobs=0.0, backward=0.0)
-        lr = lr_at(step, cfg)
-        for g in opt.param_groups:
-            g["lr"] = lr
         temperature = controller.temperature
 
-        # ---- 1. sample: B prompts x G completions (all micro-batches first: dapo needs the token count)
-        t0 = time.time()
-        rollouts = []
-        for _ in range(cfg.optim.accumulation):
-            examples = dp.shard(stream.next_batch(B))  # B is global: this rank's B / world prompts
-            prompts = encode_prompts(bundle, examples, on_bad_image="skip").to(device)
-            out = sample_fn(bundle, prompts, G=G, max_new_tokens=L, temperature=temperature,
-                            top_k=cfg.sampling.top_k, top_p=cfg.sampling.top_p, generator=gen)
-            rollouts.append(([examples[i] for i in prompts.kept], out))
-        timing["sampling"] = time.time() - t0
+        # ---- 1-2. sample B prompts x G completions and score them, every micro-batch first
+        # (dapo needs the step's token count, dynamic sampling the rewards)
+        batch = [draw(B) for _ in range(cfg.optim.accumulation)]
+        fill = None
+        if cfg.sampling.dynamic_sampling:  # DAPO: keep groups with reward spread, refill (grpo/dynamic_sampling.py)
+            batch, fill = fill_batch(batch, draw, spread, B, cfg.sampling.max_refills, bundle.pad_token_id)
+            if not batch:
+                raise NoRewardSpread(no_spread_message(phase, step + 1, fill, G, temperature,
+                                                       cfg.sampling.max_refills))
         # dapo divides by the active tokens of the whole step (every micro-batch of every rank);
         # share scales a micro-batch's loss to this rank's part of the global loss (1 on one process)
-        active_tokens, shares = dp.loss_shares(cfg.optim.loss_type, [out.completion_mask for _, out in rollouts])
+        active_tokens, shares = dp.loss_shares(cfg.optim.loss_type, [r.out.completion_mask for r in batch])
+        adv_kwargs = [advantage_kwargs(r.rb, cfg, dp, device) for r in batch]  # the same for all mu updates
 
-        opt.zero_grad(set_to_none=True)
-        logs, loss_sum = [], 0.0
-        for (examples, out), share in zip(rollouts, shares):
-            # ---- 2. reward: every completion of the group is scored against its prompt's example
-            t0 = time.time()
-            ex_rows = [examples[n // G] for n in range(len(out.texts))]
-            rb = rewards(ex_rows, out.texts, num_tokens=_content_tokens(out), completion_ids=out.completion_ids)
-            timing["rewards"] += time.time() - t0
-
-            # ---- 3. log-probs: reference (LoRA off, no grad) and policy (with grad), vision reused
-            t0 = time.time()
-            ids, mask = out.completion_ids, out.completion_mask
-            ref_logp = None
-            if cfg.optim.beta > 0:
-                ref_logp = reference_logprobs(model, out.context, ids, mask, G, temperature=temperature,
-                                              ref_context=lambda: disable_adapters(model))
-            logp = completion_logprobs(model, out.context, ids, mask, G, temperature=temperature)
-            timing["logprobs"] += time.time() - t0
-
-            # ---- 4. loss: group-normalised advantages, clipped ratio, k3 KL, aggregation
-            t0 = time.time()
-            prefix = None
-            if cfg.rewards.rubric_mode == "prefix" and rb.prefix is not None:
-                from kernels.grpo_loss import PrefixRubrics
-
-                p = rb.prefix
-                prefix = PrefixRubrics(R_ans=p.R_ans.to(device), s=p.s.to(device), scored=p.scored.to(device),
-                                       rho=p.rho.to(device), t_end=p.t_end.to(device), a=cfg.rewards.prefix_answer_weight)
-            adv_rewards, adv_scale = dp.advantage_inputs(rb.total.to(device), cfg.optim.adv_scale)  # batch std over ranks
-            loss, stats = grpo_loss(
-                logp, mask.float(), None if prefix is not None else adv_rewards, G=G,
-                ref_logp=ref_logp, beta=cfg.optim.beta, eps_low=cfg.optim.eps_low, eps_high=cfg.optim.eps_high,
-                loss_type=cfg.optim.loss_type, scale=adv_scale, importance=cfg.optim.importance,
-                max_len=L, prefix=prefix, num_active_tokens=active_tokens,
-            )
-            loss = loss * share
-            if cfg.optim.loss_type != "dapo":  # dapo already divides by the whole batch's tokens
-                loss = loss / cfg.optim.accumulation
-
-            # ---- 5. backward into the LoRA parameters
-            if torch.isfinite(loss):
-                loss.backward()
-            loss_sum += float(loss.detach())
-            timing["backward"] += time.time() - t0
-            logs.append((rb, stats, out))
-
-        loss_sum = dp.all_reduce_sum(loss_sum)  # the global loss: non-finite on any rank skips the step on all
-        # NaN guard: skip the update, log it, stop after three in a row.
-        if not math.isfinite(loss_sum):
-            nan_streak += 1
+        # ---- 3-5. mu optimiser steps on these rollouts. Update 1 runs with old = the current
+        # policy detached (ratio 1 in value, exactly as with mu = 1) and keeps its log-probs:
+        # they ARE the sampling policy's (no update happened yet), so updates 2..mu take the
+        # ratio against them at no extra forward pass. The reference log-probs do not change.
+        ref_cache: list[torch.Tensor | None] = [None] * len(batch)
+        old_cache: list[torch.Tensor | None] = [None] * len(batch)
+        updates, logs = [], []
+        for u in range(mu):
+            lr = lr_at(step * mu + u, cfg)  # the schedule counts optimiser steps
+            for g in opt.param_groups:
+                g["lr"] = lr
             opt.zero_grad(set_to_none=True)
-            files.write_log(dict(event="nan", phase=phase, step=step + 1, loss=str(loss_sum)))
-            print(f"[{phase} {step + 1}] non-finite loss {loss_sum}: update skipped ({nan_streak} in a row)")
-            if nan_streak >= 3:
-                raise diverged(phase, step + 1, cfg, files)
-        else:
+            stats_u, loss_sum = [], 0.0
+            for k, (r, share) in enumerate(zip(batch, shares)):
+                # ---- 3. log-probs: reference (LoRA off, no grad; once per batch) and policy (with grad)
+                t0 = time.time()
+                ids, mask, ctx = r.out.completion_ids, r.out.completion_mask, r.out.context
+                if cfg.optim.beta > 0 and ref_cache[k] is None:
+                    ref_cache[k] = reference_logprobs(model, ctx, ids, mask, G, temperature=temperature,
+                                                      ref_context=lambda: disable_adapters(model))
+                logp = completion_logprobs(model, ctx, ids, mask, G, temperature=temperature)
+                timing["logprobs"] += time.time() - t0
+
+                # ---- 4. loss: group-normalised advantages, clipped ratio against old, KL, aggregation
+                t0 = time.time()
+                loss, stats = grpo_loss(
+                    logp, mask.float(), G=G, old_logp=old_cache[k],
+                    ref_logp=ref_cache[k], beta=cfg.optim.beta, eps_low=cfg.optim.eps_low,
+                    eps_high=cfg.optim.eps_high, loss_type=cfg.optim.loss_type, importance=cfg.optim.importance,
+                    max_len=L, num_active_tokens=active_tokens, kl_bias_correction=cfg.optim.kl_bias_correction,
+                    **adv_kwargs[k],
+                )
+                if u == 0 and mu > 1:
+                    old_cache[k] = logp.detach()
+                loss = loss * share
+                if cfg.optim.loss_type != "dapo":  # dapo already divides by the whole batch's tokens
+                    loss = loss / len(batch)
+
+                # ---- 5. backward into the LoRA parameters
+                if torch.isfinite(loss):
+                    loss.backward()
+                loss_sum += float(loss.detach())
+                timing["backward"] += time.time() - t0
+                stats_u.append(stats)
+                if u == 0:
+                    logs.append((r.rb, stats, r.out))
+
+            loss_sum = dp.all_reduce_sum(loss_sum)  # the global loss: non-finite on any rank skips the step on all
+            # NaN guard: skip the update (and this batch's later ones), log it, stop after three batches in a row.
+            if not math.isfinite(loss_sum):
+                nan_streak += 1
+                opt.zero_grad(set_to_none=True)
+                files.write_log(dict(event="nan", phase=phase, step=step + 1, loss=str(loss_sum),
+                                     **({"update": u + 1} if mu > 1 else {})))
+                print(f"[{phase} {step + 1}] non-finite loss {loss_sum}: update skipped ({nan_streak} in a row)")
+                if nan_streak >= 3:
+                    raise diverged(phase, step + 1, cfg, files)
+                break
             t0 = time.time()
             dp.all_reduce_gradients(params)  # sum of the ranks' shares = the global batch's gradient
             gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip or float("inf"))
@@ -546,18 +653,25 @@ def run_grpo_phase(cfg: TrainConfig, files: RunFiles, device: str, dp=None) -> N
             if bad:  # a finite loss can still give a non-finite update: undo it, count it like a NaN loss
                 guard.restore()
                 nan_streak += 1
-                files.write_log(dict(event="nan", phase=phase, step=step + 1, loss=loss_sum, params=bad[:5]))
+                files.write_log(dict(event="nan", phase=phase, step=step + 1, loss=loss_sum, params=bad[:5],
+                                     **({"update": u + 1} if mu > 1 else {})))
                 print(f"[{phase} {step + 1}] non-finite update ({len(bad)} tensors, e.g. {bad[0]}): parameters and "
                       f"optimiser state restored ({nan_streak} in a row)")
                 if nan_streak >= 3:
                     raise diverged(phase, step + 1, cfg, files)
-            else:
-                nan_streak = 0
-            if rollout is not None:
-                rollout.refresh()  # the merged copy follows the new adapter
+                break
+            nan_streak = 0
             timing["backward"] += time.time() - t0
+            # per update: the clip fractions and the KL to the sampling policy (0 at update 1 by
+            # construction), averaged over micro-batches and ranks
+            su = dp.mean_over_ranks({key: float(sum(float(getattr(x, f)) for x in stats_u) / len(stats_u))
+                                     for key, f in (("clip_low", "clip_low_frac"), ("clip_high", "clip_high_frac"),
+                                                    ("kl_old", "kl_old_mean"))})
+            updates.append(dict(update=u + 1, loss=loss_sum, grad_norm=float(gnorm), lr=lr, **su))
+        if rollout is not None and updates:
+            rollout.refresh()  # the merged copy follows the new adapter (it is only read by the next sampling)
 
-        # ---- 6. log: one JSON line per optimiser step
+        # ---- 6. log: one JSON line per rollout batch (= per optimiser step when mu = 1)
         rb0 = logs[0][0]
         comps = {k: float(torch.cat([r.components[k] for r, _, _ in logs]).mean()) for k in rb0.components}
         totals = torch.cat([r.total for r, _, _ in logs])
@@ -567,14 +681,20 @@ def run_grpo_phase(cfg: TrainConfig, files: RunFiles, device: str, dp=None) -> N
         st = dp.mean_over_ranks({k: float(sum(float(getattr(s, k)) for _, s, _ in logs) / len(logs))
                                  for k in ("kl_mean", "clip_low_frac", "clip_high_frac", "zero_spread_frac",
                                            "adv_abs_mean")})
-        zero_spread_since_eval.append(st["zero_spread_frac"])
+        # With dynamic sampling the trained batch has no zero-spread group; the gate reads what was sampled.
+        zero_spread_since_eval.append(fill.dropped_frac if fill is not None else st["zero_spread_frac"])
         record = dict(phase=phase, step=step + 1, reward=float(totals.mean()), components=comps,
                       weights=dict(rewards.weights), loss=loss_sum, kl=st["kl_mean"],
                       clip_low=st["clip_low_frac"], clip_high=st["clip_high_frac"],
                       zero_spread=st["zero_spread_frac"], adv_abs=st["adv_abs_mean"],
-                      completion_len=float(lengths.mean()), truncation=float(trunc.mean()), lr=lr,
+                      completion_len=float(lengths.mean()), truncation=float(trunc.mean()), lr=lr_at(step * mu, cfg),
                       temperature=temperature, grad_norm=float(gnorm) if nan_streak == 0 else None,
                       time=dict(timing, step=time.time() - t_step))
+        if mu > 1:  # the first update's loss and stats above (on-policy); every update here
+            record["loss"] = updates[0]["loss"] if updates else loss_sum
+            record["updates"] = updates
+        if fill is not None:
+            record["dynamic"] = fill.to_dict()
         record = dp.mean_over_ranks(record)  # rank 0 logs the means over ranks
         files.write_log(record)
         bar.update(step + 1, f"reward {record['reward']:.2f} len {record['completion_len']:.0f}")
@@ -583,7 +703,10 @@ def run_grpo_phase(cfg: TrainConfig, files: RunFiles, device: str, dp=None) -> N
             print(f"[{phase} {step + 1}/{cfg.phase.steps}] reward {record['reward']:.3f}  "
                   + " ".join(f"{k} {v:.2f}" for k, v in record["components"].items())
                   + f"  len {record['completion_len']:.1f}  zero-spread {record['zero_spread']:.2f}"
-                  f"  {record['time']['step']:.2f}s/step", flush=True)
+                  + (f"  refills {fill.refills} fill {fill.fill:.2f}" if fill is not None else "")
+                  + (f"  clip@{len(updates)} {updates[-1]['clip_low'] + updates[-1]['clip_high']:.3f}"
+                     if mu > 1 and updates else "")
+                  + f"  {record['time']['step']:.2f}s/step", flush=True)
 
         # ---- 7-9. eval -> gates -> checkpoint
         last = step + 1 == cfg.phase.steps
@@ -808,7 +931,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, SelectorError, ModelLoadError) as err:  # the command asks for something wrong: say what
         print(f"error: {_one_line(err)}", file=sys.stderr)
         return 2
-    except (CheckpointError, TrainingDiverged) as err:  # the run failed; its earlier checkpoints are intact
+    except (CheckpointError, TrainingDiverged, NoRewardSpread) as err:  # the run failed; its earlier checkpoints are intact
         print(f"error: {_one_line(err)}", file=sys.stderr)
         return 1
     except OSError as err:

@@ -1,13 +1,28 @@
 """Fused GRPO loss: advantages, clipped ratio, k3 KL, aggregation and d loss / d logp in one pass.
 
-What is implemented (TRL's current conventions, DESIGN.md section 4):
+What is implemented (TRL's GRPO loss, DESIGN.md section 4; TRL's own defaults differ in
+places: its default aggregation is now "dapo", ours "grpo"):
 
     A          = (r - mean_g) / (std_g + adv_eps)      group-normalised advantage, per prompt
     ratio_t    = exp(logp_t - old_t)                   importance="token"
     ratio_t    = exp(mean_t'(logp_t' - old_t'))        importance="sequence" (GSPO), every token
     pg_t       = -min(ratio_t * A_t, clip(ratio_t, 1 - eps_low, 1 + eps_high) * A_t)
     kl_t       = exp(ref_t - logp_t) - (ref_t - logp_t) - 1                        (k3 estimator)
+    kl_t       = ratio_t * k3_t                        kl_bias_correction=True (see below)
     loss       = aggregate(pg_t + beta * kl_t) over active tokens (mask != 0)
+
+KL convention. The plain k3 term is DeepSeekMath's; its value estimates KL(pi || pi_ref)
+when the tokens come from pi itself, but its gradient, (1 - exp(ref_t - logp_t)) d logp_t,
+is not the gradient of that KL. ``kl_bias_correction=True`` is TRL's
+``use_bias_correction_kl`` (DeepSeek-V3.2's unbiased KL estimate): k3 weighted by the same
+importance ratio as the policy term, gradient through the ratio included. Its gradient is
+ratio_t (logp_t - ref_t) d logp_t, the importance-weighted gradient of KL(pi || pi_ref)
+for tokens drawn from the old policy. At mu = 1 the ratio is 1 in value, so the loss value
+is unchanged but the gradient is not: the plain term pushes with 1 - exp(ref - logp) ~
+(logp - ref) - (logp - ref)^2 / 2, the corrected one with exactly logp - ref. Default off
+(the DeepSeekMath form this project has always used; the TRL grpo_config.py we could read
+also documents it as off by default, but defaults move between TRL releases: check yours
+before comparing runs). kl_mean reports the KL term as it enters the loss (corrected or not).
 
 Aggregation ("loss_type"), with n_i active tokens in row i and M = sum_i n_i:
     grpo     mean_i( sum_t loss_it / n_i )      per-sequence mean, then mean over the N rows
@@ -24,7 +39,14 @@ Advantage sources (exactly one; kernels/grpo_advantages.py has the z-score detai
                                      never chunked, so they cannot be mixed up)
 zero_spread_frac counts the groups in which every reward input is constant (G = 1
 included), i.e. whose advantages are all 0; with token_adv, those whose active token
-advantages are all 0.
+advantages are all 0. adv_std_floor > 0 divides by max(std, floor) instead of std (the
+tie-breaker rule of kernels/grpo_advantages.py).
+
+Several updates per batch (mu > 1, PPO epochs): pass old_logp = the log-probs of the
+policy that sampled the batch, detached; from the second update on the ratio differs from
+1 and the clip binds. kl_old_mean reports k3 of the current policy against old,
+mean_t (ratio_t - 1) - log ratio_t with token ratios (Schulman's approximate KL; 0 when
+old_logp is None).
 
 Gradient: only logp gets one. old_logp, ref_logp and all advantage inputs are constants
 (exactly as in GRPO). At a tie of the two min() branches the gradient is -A (torch.minimum
@@ -79,11 +101,12 @@ _INT32_MAX = 2**31 - 1
 class GRPOStats:
     """Diagnostics from the same pass, detached 0-d fp32 tensors (no host sync)."""
 
-    kl_mean: torch.Tensor  # mean k3 KL over active tokens (0 when no ref_logp is given)
+    kl_mean: torch.Tensor  # mean KL term vs ref over active tokens (k3, or ratio * k3; 0 without ref_logp)
     clip_low_frac: torch.Tensor  # active tokens with ratio < 1 - eps_low and A < 0
     clip_high_frac: torch.Tensor  # active tokens with ratio > 1 + eps_high and A > 0
     zero_spread_frac: torch.Tensor  # groups with constant rewards (token_adv: all-zero A)
     adv_abs_mean: torch.Tensor  # mean |A_t| over active tokens
+    kl_old_mean: torch.Tensor  # mean k3 of the current policy vs old_logp: (ratio - 1) - log ratio
 
     def to_dict(self) -> dict[str, torch.Tensor]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -99,7 +122,7 @@ def grpo_loss_reference(
     old_logp: torch.Tensor | None = None, ref_logp: torch.Tensor | None = None,
     beta: float = 0.0, eps_low: float = 0.2, eps_high: float = 0.2, loss_type: str = "grpo",
     importance: str = "token", max_len: int | None = None,
-    num_active_tokens: float | torch.Tensor | None = None,
+    num_active_tokens: float | torch.Tensor | None = None, kl_bias_correction: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Loss from given advantages adv [N] or [N, T]; stats without zero_spread_frac."""
     N, T = logp.shape
@@ -111,7 +134,8 @@ def grpo_loss_reference(
     A = torch.where(m, A.detach(), 0.0)
     n = mf.sum(-1).clamp(min=1)  # [N]
 
-    log_ratio = lp - old
+    token_log_ratio = lp - old
+    log_ratio = token_log_ratio
     if importance == "sequence":
         log_ratio = ((log_ratio * mf).sum(-1, keepdim=True) / n[:, None]).expand(N, T)
     ratio = torch.exp(log_ratio)
@@ -123,6 +147,8 @@ def grpo_loss_reference(
     if ref_logp is not None:
         d = torch.where(m, ref_logp.float(), 0.0) - lp
         kl = torch.exp(d) - d - 1
+        if kl_bias_correction:  # TRL's use_bias_correction_kl: the ratio carries gradient too
+            kl = ratio * kl
         if beta != 0.0:
             per_token = per_token + beta * kl
 
@@ -147,6 +173,7 @@ def grpo_loss_reference(
             "clip_low_frac": ((ratio < 1 - eps_low) & (A < 0) & m).sum() / M,
             "clip_high_frac": ((ratio > 1 + eps_high) & (A > 0) & m).sum() / M,
             "adv_abs_mean": (A.abs() * mf).sum() / M,
+            "kl_old_mean": ((torch.exp(token_log_ratio) - 1 - token_log_ratio) * mf).sum() / M,
         }
     return loss, stats
 
@@ -165,6 +192,7 @@ def _grpo_loss_fwd_kernel(
     ADV_MODE: tl.constexpr,  # 0 row advantage, 1 prefix cut-offs, 2 token advantages
     HAS_OLD: tl.constexpr, HAS_REF: tl.constexpr, KL_IN_LOSS: tl.constexpr,
     SEQ: tl.constexpr, ROW_MEAN: tl.constexpr, BLOCK_T: tl.constexpr, C_PAD: tl.constexpr,
+    BIAS_KL: tl.constexpr,  # kl_t = ratio_t * k3_t (TRL's use_bias_correction_kl)
 ):
     """One program per completion row i. Writes grad[i, :] and 8 row partials."""
     i = tl.program_id(0).to(tl.int64)
@@ -210,7 +238,8 @@ def _grpo_loss_fwd_kernel(
     acc_hi = 0.0
     acc_abs = 0.0
     acc_max = 0.0
-    acc_dratio = 0.0  # sum_t d pg_t / d ratio_seq (sequence importance only)
+    acc_dratio = 0.0  # sum_t d (pg_t + beta kl_t) / d ratio_seq (sequence importance only)
+    acc_kl_old = 0.0  # sum_t k3(current vs old) = (r_t - 1) - log r_t, token ratios
     for start in range(0, T, BLOCK_T):
         t = start + offs
         inb = t < T
@@ -242,15 +271,30 @@ def _grpo_loss_fwd_kernel(
         dpg = tl.where((pg_loss2 < pg_loss1) & (~in_range), 0.0, -A)
 
         dkl = tl.zeros([BLOCK_T], dtype=tl.float32)
+        dkl_dratio = tl.zeros([BLOCK_T], dtype=tl.float32)  # d(beta * kl) / d ratio (BIAS_KL)
         if HAS_REF:
             ref = tl.where(m, tl.load(ref_ptr + i * stride_ref + t, mask=inb, other=0.0).to(tl.float32), 0.0)
             d = ref - lp
             e = tl.exp(d)
             kl = e - d - 1.0
-            acc_kl += tl.sum(tl.where(m, kl, 0.0))
+            if BIAS_KL:
+                acc_kl += tl.sum(tl.where(m, ratio * kl, 0.0))
+            else:
+                acc_kl += tl.sum(tl.where(m, kl, 0.0))
             if KL_IN_LOSS:
-                per_token += beta * kl
-                dkl = beta * (1.0 - e)  # d(beta * kl) / d logp
+                if BIAS_KL:
+                    per_token += beta * ratio * kl
+                    if SEQ:  # the direct part; the ratio's part goes through pass 3
+                        dkl = beta * ratio * (1.0 - e)
+                        dkl_dratio = beta * kl
+                    else:  # d(r k3)/d logp = r k3 + r (1 - e) = r (logp - ref)
+                        dkl = beta * ratio * (lp - ref)
+                else:
+                    per_token += beta * kl
+                    dkl = beta * (1.0 - e)  # d(beta * kl) / d logp
+        if HAS_OLD:  # approximate KL of the current policy against the sampling one
+            lr_tok = lp - old
+            acc_kl_old += tl.sum(tl.where(m, tl.exp(lr_tok) - 1.0 - lr_tok, 0.0))
 
         acc_n += tl.sum(m.to(tl.float32))
         acc_loss += tl.sum(tl.where(m, per_token, 0.0))
@@ -259,7 +303,7 @@ def _grpo_loss_fwd_kernel(
         acc_abs += tl.sum(tl.abs(A))
         acc_max = tl.maximum(acc_max, tl.max(tl.abs(A)))
         if SEQ:
-            acc_dratio += tl.sum(tl.where(m, dpg, 0.0))
+            acc_dratio += tl.sum(tl.where(m, dpg + dkl_dratio, 0.0))
             grad = dkl
         else:
             grad = dpg * ratio + dkl  # d ratio / d logp = ratio
@@ -283,6 +327,7 @@ def _grpo_loss_fwd_kernel(
     tl.store(part + 4, acc_hi)
     tl.store(part + 5, acc_abs)
     tl.store(part + 6, acc_max)
+    tl.store(part + 7, acc_kl_old)
 
 
 @triton.jit
@@ -293,13 +338,14 @@ def _grpo_finalize_kernel(
     NORM_MODE: tl.constexpr,  # dapo normaliser: 0 this batch's M, 1 norm_value, 2 *norm_ptr
     TOKEN_ADV: tl.constexpr, BLOCK_N: tl.constexpr, G_PAD: tl.constexpr, C_PAD: tl.constexpr,
 ):
-    """Row partials [N, 8] -> loss, stats [kl, clip_lo, clip_hi, zero_frac, |A|], [scale, M]."""
+    """Row partials [N, 8] -> loss, stats [kl, clip_lo, clip_hi, zero_frac, |A|, kl_old], [scale, M]."""
     loss = 0.0
     M = 0.0
     kl = 0.0
     lo = 0.0
     hi = 0.0
     ab = 0.0
+    klo = 0.0
     for start in range(0, N, BLOCK_N):
         rows = start + tl.arange(0, BLOCK_N)
         ok = rows < N
@@ -309,6 +355,7 @@ def _grpo_finalize_kernel(
         lo += tl.sum(tl.load(part_ptr + rows * 8 + 3, mask=ok, other=0.0))
         hi += tl.sum(tl.load(part_ptr + rows * 8 + 4, mask=ok, other=0.0))
         ab += tl.sum(tl.load(part_ptr + rows * 8 + 5, mask=ok, other=0.0))
+        klo += tl.sum(tl.load(part_ptr + rows * 8 + 7, mask=ok, other=0.0))
     M_safe = tl.maximum(M, 1.0)
     if LOSS_TYPE == 0:
         scale = 1.0 / N
@@ -341,6 +388,7 @@ def _grpo_finalize_kernel(
     tl.store(stats_ptr + 2, hi / M_safe)
     tl.store(stats_ptr + 3, zero / B)
     tl.store(stats_ptr + 4, ab / M_safe)
+    tl.store(stats_ptr + 5, klo / M_safe)
     tl.store(extra_ptr + 0, scale)
     tl.store(extra_ptr + 1, M)
 
@@ -364,9 +412,9 @@ def _grpo_loss_fwd_triton(
     ref_logp: torch.Tensor | None, adv_mode: int, coef: torch.Tensor | None,
     tend: torch.Tensor | None, token_adv: torch.Tensor | None, const: torch.Tensor | None,
     G: int, beta: float, eps_low: float, eps_high: float, loss_type: str, importance: str,
-    max_len: int | None, num_active_tokens: float | torch.Tensor | None,
+    max_len: int | None, num_active_tokens: float | torch.Tensor | None, kl_bias_correction: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> (loss 0-d, stats [5], extra [2] = [normaliser, M], grad [N, T] fp32 without it)."""
+    """-> (loss 0-d, stats [6], extra [2] = [normaliser, M], grad [N, T] fp32 without it)."""
     N, T = logp.shape
     dev = logp.device
     logp, mask = last_dim_contiguous(logp), last_dim_contiguous(mask)
@@ -390,7 +438,8 @@ def _grpo_loss_fwd_triton(
         beta, eps_low, eps_high,
         ADV_MODE=adv_mode, HAS_OLD=old_logp is not None, HAS_REF=ref_logp is not None,
         KL_IN_LOSS=beta != 0.0, SEQ=importance == "sequence", ROW_MEAN=loss_type == "grpo",
-        BLOCK_T=BLOCK_T, C_PAD=next_pow2(C), num_warps=max(4, min(16, BLOCK_T // 256)),
+        BLOCK_T=BLOCK_T, C_PAD=next_pow2(C), BIAS_KL=bool(kl_bias_correction) and ref_logp is not None,
+        num_warps=max(4, min(16, BLOCK_T // 256)),
     )
     norm_is_tensor = isinstance(num_active_tokens, torch.Tensor)
     if loss_type == "dr_grpo":
@@ -401,7 +450,7 @@ def _grpo_loss_fwd_triton(
         norm_mode = 2 if norm_is_tensor else 1
         norm_value = 1.0 if norm_is_tensor else float(num_active_tokens)
     loss = torch.empty((), dtype=torch.float32, device=dev)
-    stats = torch.empty(5, dtype=torch.float32, device=dev)
+    stats = torch.empty(6, dtype=torch.float32, device=dev)
     extra = torch.empty(2, dtype=torch.float32, device=dev)
     if const is None:
         const = part  # unused when TOKEN_ADV
@@ -471,7 +520,7 @@ def _check_finite(name: str, x: torch.Tensor, where: torch.Tensor | None = None)
 def _validate(
     logp, mask, rewards, G, old_logp, ref_logp, beta, eps_low, eps_high, loss_type, scale,
     adv_eps, token_adv, reward_components, component_weights, prefix, importance, max_len,
-    num_active_tokens,
+    num_active_tokens, adv_std_floor=0.0, kl_bias_correction=False,
 ) -> None:
     if not isinstance(logp, torch.Tensor) or logp.dim() != 2:
         raise ValueError(f"logp must be a [N, T] tensor, got {getattr(logp, 'shape', type(logp))}")
@@ -540,6 +589,12 @@ def _validate(
                          f"{beta}, {eps_low}, {eps_high}, {adv_eps}")
     if beta > 0 and ref_logp is None:
         raise ValueError(f"beta = {beta} > 0 needs ref_logp (the reference policy's log-probs)")
+    if not adv_std_floor >= 0:  # also refuses NaN
+        raise ValueError(f"adv_std_floor must be >= 0 (0 = off), got {adv_std_floor}")
+    if adv_std_floor > 0 and scale == "none":
+        raise ValueError(f"adv_std_floor = {adv_std_floor} needs a std to floor: scale='none' divides by none")
+    if kl_bias_correction and ref_logp is None:
+        raise ValueError("kl_bias_correction=True weights the KL term, which needs ref_logp")
     if max_len is not None and (not isinstance(max_len, int) or max_len < 1):
         raise ValueError(f"max_len must be a positive int (max completion length), got {max_len!r}")
     if isinstance(num_active_tokens, torch.Tensor):
@@ -553,16 +608,17 @@ def _validate(
 
 def _prepare_advantages_triton(
     rewards, reward_components, component_weights, prefix, token_adv, T, G, scale, adv_eps,
+    std_floor=0.0,
 ) -> dict:
     """Launch the z-score kernel; return the advantage part of the loss kernel's inputs."""
     if token_adv is not None:
         return dict(adv_mode=2, coef=None, tend=None, token_adv=token_adv, const=None)
     if prefix is None:
         if rewards is not None:
-            coef, const = group_zscore_triton(rewards[:, None], None, None, G, scale, adv_eps)
+            coef, const = group_zscore_triton(rewards[:, None], None, None, G, scale, adv_eps, std_floor)
         else:  # weights [K] -> [N, K] with stride 0 over rows: no copy
             w = component_weights.float()[None, :].expand(reward_components.shape)
-            coef, const = group_zscore_triton(reward_components, None, w, G, scale, adv_eps)
+            coef, const = group_zscore_triton(reward_components, None, w, G, scale, adv_eps, std_floor)
         return dict(adv_mode=0, coef=coef, tend=None, token_adv=None, const=const)
     # V-Rubrics: column 0 is the answer reward (credits every token), columns 1.. the rubrics.
     N, J = prefix.s.shape
@@ -573,7 +629,7 @@ def _prepare_advantages_triton(
                    (1.0 - prefix.a) * prefix.rho.float().expand(N, J)], 1)
     tend = torch.cat([torch.full((N, 1), _INT32_MAX, dtype=torch.int32, device=dev),
                       prefix.t_end.clamp(-1, T).to(torch.int32)], 1)
-    coef, const = group_zscore_triton(values, valid, w, G, scale, adv_eps)
+    coef, const = group_zscore_triton(values, valid, w, G, scale, adv_eps, std_floor)
     return dict(adv_mode=1, coef=coef, tend=tend, token_adv=None, const=const)
 
 
@@ -585,7 +641,8 @@ def grpo_loss(
     reward_components: torch.Tensor | None = None,
     component_weights: torch.Tensor | None = None, prefix: PrefixRubrics | None = None,
     importance: str = "token", max_len: int | None = None,
-    num_active_tokens: float | torch.Tensor | None = None, backend: str = "auto",
+    num_active_tokens: float | torch.Tensor | None = None, adv_std_floor: float = 0.0,
+    kl_bias_correction: bool = False, backend: str = "auto",
 ) -> tuple[torch.Tensor, GRPOStats]:
     """GRPO loss (0-d fp32, differentiable w.r.t. logp) and detached diagnostics.
 
@@ -596,16 +653,19 @@ def grpo_loss(
     "batch" | "none"; importance: "token" | "sequence"; loss_type: "grpo" | "bnpo" |
     "dr_grpo" (divides by N * max_len, default T) | "dapo" (divides by num_active_tokens,
     default this micro-batch's count) - formulas in the module docstring. mask: nonzero =
-    active. backend: "auto" (CUDA -> Triton, else the reference), "torch", or "triton" (on
+    active. adv_std_floor: divide by max(std, floor) (0 = off; kernels/grpo_advantages.py).
+    kl_bias_correction: kl_t = ratio_t * k3_t (TRL's use_bias_correction_kl). backend: "auto" (CUDA -> Triton, else the reference), "torch", or "triton" (on
     a CPU only under TRITON_INTERPRET=1). Host syncs: the NaN checks of the reward inputs.
     """
     _validate(logp, mask, rewards, G, old_logp, ref_logp, beta, eps_low, eps_high, loss_type,
               scale, adv_eps, token_adv, reward_components, component_weights, prefix,
-              importance, max_len, num_active_tokens)
+              importance, max_len, num_active_tokens, adv_std_floor, kl_bias_correction)
     N, T = logp.shape
     loss_args = dict(old_logp=old_logp, ref_logp=ref_logp, beta=float(beta),
                      eps_low=float(eps_low), eps_high=float(eps_high), loss_type=loss_type,
-                     importance=importance, max_len=max_len, num_active_tokens=num_active_tokens)
+                     importance=importance, max_len=max_len, num_active_tokens=num_active_tokens,
+                     kl_bias_correction=bool(kl_bias_correction))
+    floor = float(adv_std_floor)
 
     if resolve_backend(backend, logp.device) == "torch":
         if token_adv is not None:
@@ -613,18 +673,18 @@ def grpo_loss(
             active_abs = torch.where(mask != 0, token_adv.float().abs(), 0.0)
             zero = active_abs.amax(1).view(N // G, G).amax(1) == 0
         elif prefix is not None:
-            adv, zero = prefix_advantages_reference(prefix, T, G, scale=scale, eps=adv_eps)
+            adv, zero = prefix_advantages_reference(prefix, T, G, scale=scale, eps=adv_eps, std_floor=floor)
         else:
             values = rewards if rewards is not None else reward_components
             adv, zero = grpo_advantages_reference(values, G, scale=scale, eps=adv_eps,
-                                                  weights=component_weights)
+                                                  weights=component_weights, std_floor=floor)
         loss, st = grpo_loss_reference(logp, mask, adv, **loss_args)
         return loss, GRPOStats(zero_spread_frac=zero.float().mean(), **st)
 
     check_launchable(_grpo_loss_fwd_kernel, logp.device, __name__)
     launch = _prepare_advantages_triton(rewards, reward_components, component_weights, prefix,
-                                        token_adv, T, G, scale, float(adv_eps))
+                                        token_adv, T, G, scale, float(adv_eps), floor)
     launch.update(mask=mask, G=G, **loss_args)
     loss, s = _FusedGRPOLoss.apply(logp, launch)
     return loss, GRPOStats(kl_mean=s[0], clip_low_frac=s[1], clip_high_frac=s[2],
-                           zero_spread_frac=s[3], adv_abs_mean=s[4])
+                           zero_spread_frac=s[3], adv_abs_mean=s[4], kl_old_mean=s[5])

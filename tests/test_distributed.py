@@ -10,7 +10,9 @@ What is compared, exactly:
    computing the same loss on the whole global batch: loss and LoRA gradients must agree to
    float rounding for grpo, bnpo, dr_grpo and dapo, with accumulation and the batch std.
    A naive average of per-rank losses (what plain DDP averaging would give) must NOT agree
-   for bnpo / dapo / batch std, so the comparison can fail. After an AdamW step the
+   for bnpo / dapo / batch std, so the comparison can fail. The same for per-component
+   advantages (optim.adv_mode components: one batch std per column, over ranks) with a
+   std floor (optim.adv_std_floor). After an AdamW step the
    replicas must be bit-identical, and the replica check must catch a perturbed rank.
 2. The trainer end to end: ``grpo.train.main`` in both processes (exactly what
    ``torchrun -m grpo.train`` runs: torchrun only sets the environment): a 2-step warm-up
@@ -18,7 +20,9 @@ What is compared, exactly:
    8 new tokens, eval on 4 prompts split 2/2. It must finish (the trainer
    checks replica equality, bit for bit, before every checkpoint), rank 0 alone must write
    one log line per step, and the checkpoint must hold the gathered eval and both ranks'
-   sampler generators. Whole runs are NOT compared with a single process: each rank samples
+   sampler generators. Then phase B from it with two optimiser steps per rollout batch
+   (optim.updates_per_batch 2): the replica check at its checkpoint must pass after six
+   updates. Whole runs are NOT compared with a single process: each rank samples
    with its own generator, so the completions are other draws (see grpo/distributed.py).
 
 Both parts run in ONE torchrun launch of this file as a script (import costs dominate);
@@ -48,6 +52,9 @@ CASES = [  # (loss_type, adv_scale, accumulation, beta)
     ("bnpo", "batch", 2, 0.0),
     ("grpo", "batch", 1, 0.0),
 ]
+# per-component advantages with the batch std over ranks and a std floor that binds on one column:
+# (loss_type, adv_scale, accumulation, beta, adv_std_floor)
+COMPONENT_CASES = [("bnpo", "batch", 2, 0.0, 0.9), ("grpo", "group", 1, 0.0, 0.9)]
 TRAIN_ARGS = ["--phase", "A", "--warmup.phase.steps", "2", "--warmup.phase.prompts_per_step", "4",
               "--model.device", "cpu", "--run.train_per_stage", "16",
               "--run.eval_size", "4", "--sampling.G", "2", "--sampling.max_new_tokens", "8",
@@ -137,6 +144,29 @@ def test_update_equals_single_process_on_the_global_batch(two_ranks, case):
         assert results[0]["cases"][key]["naive_err"] > 1e-3 * results[0]["cases"][key]["grad_scale"]
 
 
+@pytest.mark.parametrize("case", COMPONENT_CASES, ids=lambda c: f"components-{c[0]}-{c[1]}-floor{c[4]}")
+def test_component_advantages_equal_single_process(two_ranks, case):
+    results, _ = two_ranks
+    key = "components/" + "/".join(map(str, case))
+    for rank, res in enumerate(results):
+        r = res["cases"][key]
+        assert r["grad_scale"] > 1e-4
+        assert r["loss_err"] <= 1e-5 * max(1.0, abs(r["loss_ref"])), (rank, r)
+        assert r["grad_err"] <= 1e-4 * r["grad_scale"], (rank, r)
+        assert r["replicas_equal"], (rank, r)
+    if case[1] == "batch":
+        assert results[0]["cases"][key]["naive_err"] > 1e-3 * results[0]["cases"][key]["grad_scale"]
+
+
+def test_several_updates_per_batch_keep_replicas_equal(two_ranks):
+    results, out = two_ranks
+    assert [res["train_mu2_rc"] for res in results] == [0, 0]  # check_replicas ran at the checkpoint
+    lines = [json.loads(x) for x in (out / "run" / "train_log.jsonl").read_text().splitlines()]
+    steps = [r for r in lines if r.get("phase") == "B" and "event" not in r]
+    assert [r["step"] for r in steps] == [1, 2, 3] and all(len(r["updates"]) == 2 for r in steps)
+    assert any(u["kl_old"] > 0 for r in steps for u in r["updates"][1:]), "the policy never moved"
+
+
 def test_replica_check_catches_a_perturbed_rank(two_ranks):
     results, _ = two_ranks
     for res in results:
@@ -179,8 +209,9 @@ def _rollouts(bundle, examples):
     return out.completion_ids, mask, rewards
 
 
-def _step_grads(model, micro_batches, loss_type, adv_scale, beta, dp, naive=False):
-    """The trainer's step 3-5 (grpo/train.py) on given rollouts: (global loss, summed grads)."""
+def _step_grads(model, micro_batches, loss_type, adv_scale, beta, dp, naive=False, floor=0.0, weights=None):
+    """The trainer's step 3-5 (grpo/train.py) on given rollouts: (global loss, summed grads).
+    Rewards [N, K] with ``weights`` [K]: per-component advantages, as adv_mode components."""
     from grpo.logprobs import completion_logprobs, reference_logprobs
     from grpo.prompt_context import build_prompt_context
     from kernels.grpo_loss import grpo_loss
@@ -200,9 +231,11 @@ def _step_grads(model, micro_batches, loss_type, adv_scale, beta, dp, naive=Fals
         if beta > 0:
             ref = reference_logprobs(model, ctx, ids, mask, G, ref_context=lambda: disable_adapters(model))
         logp = completion_logprobs(model, ctx, ids, mask, G)
-        rr, scale = (r, adv_scale) if naive else dp.advantage_inputs(r, adv_scale)
-        loss, _ = grpo_loss(logp, mask.float(), rr, G=G, ref_logp=ref, beta=beta, loss_type=loss_type,
-                            scale=scale, max_len=L, num_active_tokens=active)
+        rr, scale = (r, adv_scale) if naive else dp.advantage_inputs(r, adv_scale, std_floor=floor)
+        source = dict(rewards=rr) if r.dim() == 1 else dict(reward_components=rr, component_weights=weights)
+        loss, _ = grpo_loss(logp, mask.float(), G=G, ref_logp=ref, beta=beta, loss_type=loss_type,
+                            scale=scale, max_len=L, num_active_tokens=active,
+                            adv_std_floor=floor if scale == adv_scale else 0.0, **source)
         loss = loss * share
         if loss_type != "dapo":
             loss = loss / len(micro_batches)
@@ -268,6 +301,20 @@ def _worker(out_dir: Path) -> None:
             loss_ref=ref_loss, loss_err=abs(dp_loss - ref_loss), grad_scale=float(ref_grad.abs().max()),
             grad_err=float((dp_grad - ref_grad).abs().max()), naive_err=float((naive_grad - ref_grad).abs().max()),
             replicas_equal=equal)
+    components = torch.stack([rewards, torch.tensor([0.0, 1.0, 1.0, 0.5, 0.0, 2.0, 1.0, 1.0])[:len(rewards)]], 1)
+    weights = torch.tensor([0.8, 0.2])
+    for loss_type, adv_scale, acc, beta, floor in COMPONENT_CASES:
+        kw = dict(floor=floor, weights=weights)
+        ref_loss, ref_grad = _step_grads(model, _micro_batches(bundle, examples, ids, mask, components, prompt_ids,
+                                                              acc, single), loss_type, adv_scale, beta, single, **kw)
+        mbs = _micro_batches(bundle, examples, ids, mask, components, prompt_ids, acc, dp)
+        _, naive_grad = _step_grads(model, mbs, loss_type, adv_scale, beta, dp, naive=True, **kw)
+        dp_loss, dp_grad = _step_grads(model, mbs, loss_type, adv_scale, beta, dp, **kw)
+        equal = all(torch.equal(dp_grad, other) for other in dp.gather_objects(dp_grad))
+        result["cases"]["components/" + "/".join(map(str, (loss_type, adv_scale, acc, beta, floor)))] = dict(
+            loss_ref=ref_loss, loss_err=abs(dp_loss - ref_loss), grad_scale=float(ref_grad.abs().max()),
+            grad_err=float((dp_grad - ref_grad).abs().max()), naive_err=float((naive_grad - ref_grad).abs().max()),
+            replicas_equal=equal)
     # the replica check must notice one perturbed parameter on rank 1
     params = lora_parameters(model)
     with torch.no_grad():
@@ -285,6 +332,10 @@ def _worker(out_dir: Path) -> None:
     from grpo.train import main
 
     result["train_rc"] = main(["--run.run_dir", str(out_dir / "run"), *TRAIN_ARGS])
+    dp.barrier()  # rank 0 has written A's checkpoints: every rank must plan phase B alone
+    args_b = [("B" if a == "A" else a) for a in TRAIN_ARGS]  # phase B from A:best_structure, mu = 2
+    result["train_mu2_rc"] = main(["--run.run_dir", str(out_dir / "run"), *args_b, "--optim.updates_per_batch", "2",
+                                   "--optim.lr", "5e-2"])
     (out_dir / f"rank{dp.rank}.json").write_text(json.dumps(result))
     dp.barrier()
     torch.distributed.destroy_process_group()

@@ -132,6 +132,139 @@ def test_kernel_matches_reference(case):
         assert gold[2]["clip_low_frac"] > 0 and gold[2]["clip_high_frac"] > 0  # clipping exercised
 
 
+# (N, T, G, loss_type, importance, scale, beta, use_old, source, kl_bias_correction, adv_std_floor)
+LEVER_CASES = [
+    (6, 37, 3, "grpo", "token", "group", 0.1, True, "rewards", True, 0.0),
+    (9, 20, 3, "bnpo", "sequence", "group", 0.04, True, "rewards", True, 0.0),
+    (8, 13, 2, "dapo", "token", "batch", 0.04, False, "components", True, 0.0),
+    (10, 19, 2, "dr_grpo", "sequence", "group", 0.1, False, "rewards", True, 0.5),
+    (12, 37, 3, "grpo", "token", "group", 0.0, True, "rewards", False, 0.7),
+    (15, 11, 3, "bnpo", "token", "batch", 0.0, True, "components", False, 0.9),
+    (12, 29, 3, "grpo", "sequence", "group", 0.04, True, "prefix", True, 0.4),
+    (6, 23, 3, "dapo", "token", "group", 0.1, True, "token_adv", True, 0.0),
+]
+
+
+@pytest.mark.parametrize("case", LEVER_CASES, ids=lambda c: f"N{c[0]}T{c[1]}-{c[3]}-{c[4]}-{c[8]}-bias{int(c[9])}"
+                                                           f"-floor{c[10]}")
+def test_kernel_matches_reference_with_bias_corrected_kl_and_std_floor(case):
+    """The two levers of the loss (TRL's bias-corrected KL, the std floor): kernel == reference
+    (loss, d loss / d logp, every stat including kl_old_mean) on awkward shapes."""
+    N, T, G, loss_type, importance, scale, beta, use_old, source, bias, floor = case
+    inp = make_inputs(N, T, G, seed=N * T + 1)
+    kw = dict(G=G, old_logp=inp["old"] if use_old else None, ref_logp=inp["ref"], beta=beta,
+              eps_high=0.28, loss_type=loss_type, importance=importance, scale=scale,
+              kl_bias_correction=bias, adv_std_floor=floor, **source_kwargs(source, inp, N, T))
+    kernel, gold = run_both(inp, **kw)
+    assert_match(kernel, gold)
+    if use_old:
+        assert gold[2]["kl_old_mean"] > 0
+    else:
+        assert gold[2]["kl_old_mean"] == 0
+
+
+@pytest.mark.parametrize("importance", ["token", "sequence"])
+def test_bias_corrected_kl_against_autograd_of_a_plain_formula(importance):
+    """kl_bias_correction: loss and gradient equal autograd through an independent one-line
+    formula, beta * ratio * k3 (ratio with gradient, TRL's use_bias_correction_kl), on rows
+    whose advantages are 0 (constant rewards) so that only the KL term is left."""
+    N, T, G, beta = 4, 11, 2, 0.3
+    inp = make_inputs(N, T, G, seed=21)
+    m = inp["mask"].cpu()  # row 0 fully masked: its mean is over max(1, 0) tokens
+    mf = m.float()
+    n = mf.sum(1, keepdim=True).clamp(min=1)
+    for backend in ("torch", "triton"):
+        logp = inp["logp"].clone().requires_grad_()
+        loss, st = gl.grpo_loss(logp, m.to(DEVICE), torch.ones(N, device=DEVICE), G=G, old_logp=inp["old"],
+                                ref_logp=inp["ref"], beta=beta, importance=importance,
+                                kl_bias_correction=True, backend=backend)
+        loss.backward()
+        lp = torch.where(m, inp["logp"].cpu(), 0.0).clone().requires_grad_()
+        old = torch.where(m, inp["old"].cpu(), 0.0)
+        ref = torch.where(m, inp["ref"].cpu(), 0.0)
+        lr = lp - old
+        if importance == "sequence":
+            lr = ((lr * mf).sum(1, keepdim=True) / n).expand(N, T)
+        d = ref - lp
+        kl = torch.exp(lr) * (torch.exp(d) - d - 1)
+        expect = ((beta * kl * mf).sum(1, keepdim=True) / n).mean()  # loss_type grpo
+        expect.backward()
+        torch.testing.assert_close(loss.detach().cpu(), expect.detach(), atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(logp.grad.cpu(), lp.grad * mf, atol=1e-7, rtol=1e-5)
+        torch.testing.assert_close(st.kl_mean.cpu(), (kl * mf).sum().detach() / mf.sum())
+        if importance == "token":  # the closed form: d(r k3)/d logp = r (logp - ref)
+            closed = torch.exp(lp - old) * (lp - ref) * mf * beta / (N * n)
+            torch.testing.assert_close(logp.grad.cpu(), closed.detach(), atol=1e-7, rtol=1e-5)
+
+
+def test_bias_corrected_kl_at_ratio_one_keeps_the_value_and_changes_the_gradient():
+    """mu = 1 (old_logp None): the corrected term has the plain term's value (ratio = 1) but
+    the gradient beta (logp - ref) instead of beta (1 - exp(ref - logp))."""
+    inp = make_inputs(6, 9, 3, seed=4)
+    out = {}
+    for bias in (False, True):
+        logp = inp["logp"].clone().requires_grad_()
+        loss, _ = gl.grpo_loss(logp, inp["mask"], inp["rewards"], G=3, ref_logp=inp["ref"], beta=0.2,
+                               kl_bias_correction=bias, backend="triton")
+        loss.backward()
+        out[bias] = (loss.detach(), logp.grad)
+    torch.testing.assert_close(out[True][0], out[False][0])
+    m = inp["mask"]
+    lp, ref = torch.where(m, inp["logp"], 0.0), torch.where(m, inp["ref"], 0.0)
+    n = m.sum(1, keepdim=True).clamp(min=1)
+    delta = 0.2 * ((lp - ref) - (1 - torch.exp(ref - lp))) * m / (6 * n)  # corrected - plain
+    torch.testing.assert_close(out[True][1] - out[False][1], delta, atol=1e-7, rtol=1e-5)
+    assert delta.abs().max() > 1e-4  # 1000x the gradient tolerance: the two gradients do differ
+
+
+def test_kl_old_mean_is_k3_of_the_token_ratios():
+    inp = make_inputs(6, 10, 3, seed=6)
+    m = inp["mask"]
+    lr = torch.where(m, inp["logp"], 0.0) - torch.where(m, inp["old"], 0.0)
+    expect = ((torch.exp(lr) - 1 - lr) * m).sum() / m.sum()
+    for backend in ("torch", "triton"):
+        for importance in ("token", "sequence"):  # token ratios either way
+            _, st = gl.grpo_loss(inp["logp"], m, inp["rewards"], G=3, old_logp=inp["old"],
+                                 importance=importance, backend=backend)
+            torch.testing.assert_close(st.kl_old_mean, expect)
+        _, st = gl.grpo_loss(inp["logp"], m, inp["rewards"], G=3, backend=backend)
+        assert st.kl_old_mean == 0
+
+
+def test_std_floor_by_hand():
+    """max(std, floor) + eps: a tied group's tiny tie-breaker spread stays small, a group
+    that splits on a big term is untouched, floor 0 is bit-identical to no floor."""
+    G = 4
+    tie = torch.tensor([3.0, 3.0, 3.1, 3.0])  # ties on everything but a .1 tie-breaker
+    split = torch.tensor([4.0, 0.0, 0.0, 4.1])
+    r = torch.cat([tie, split])
+    adv, _ = gl.grpo_advantages_reference(r, G)
+    adv_f, _ = gl.grpo_advantages_reference(r, G, std_floor=1.0)
+    assert adv[:4].abs().max() > 1.4  # the tie-breaker alone: a full-size advantage
+    torch.testing.assert_close(adv_f[:4], (tie - tie.mean()) / (1.0 + 1e-4))  # floored: .075 at most
+    torch.testing.assert_close(adv_f[4:], adv[4:])  # std 2.3 > floor: as before
+    assert torch.equal(gl.grpo_advantages_reference(r, G, std_floor=0.0)[0], adv)
+    adv_b, _ = gl.grpo_advantages_reference(r, G, scale="batch", std_floor=10.0)
+    torch.testing.assert_close(adv_b[:4], (tie - tie.mean()) / (10.0 + 1e-4))
+    for scale in ("group", "batch"):
+        for floor in (0.0, 1.0, 10.0):
+            coef, const = gl.group_zscore_triton(r[:, None], None, None, G, scale, 1e-4, floor)
+            z, c = gl.group_zscore_reference(r[:, None], G, scale=scale, std_floor=floor)
+            torch.testing.assert_close(coef, z)
+            assert torch.equal(const.bool(), c)
+
+
+def test_lever_inputs_are_refused_with_clear_errors():
+    inp = make_inputs(6, 8, 3)
+    logp, mask, r = inp["logp"], inp["mask"], inp["rewards"]
+    with pytest.raises(ValueError, match="adv_std_floor must be >= 0"):
+        gl.grpo_loss(logp, mask, r, G=3, adv_std_floor=-1.0)
+    with pytest.raises(ValueError, match="scale='none' divides by none"):
+        gl.grpo_loss(logp, mask, r, G=3, adv_std_floor=0.5, scale="none")
+    with pytest.raises(ValueError, match="kl_bias_correction=True weights the KL term, which needs ref_logp"):
+        gl.grpo_loss(logp, mask, r, G=3, kl_bias_correction=True)
+
+
 @pytest.mark.parametrize("loss_type,importance", [("grpo", "token"), ("dapo", "sequence")])
 def test_bf16_against_fp32_gold(loss_type, importance):
     inp = make_inputs(9, 37, 3, seed=3, dtype=torch.bfloat16)
@@ -317,13 +450,16 @@ import kernels.grpo_advantages as ga
 import kernels.grpo_loss as gl
 from kernels._dispatch import compile_for_gpu
 types = {"beta": "fp32", "eps_low": "fp32", "eps_high": "fp32", "eps": "fp32", "norm_value": "fp32",
+         "std_floor": "fp32",
          "logp_ptr": "*bf16", "mask_ptr": "*u8", "valid_ptr": "*u8", "tend_ptr": "*i32"}
-# (ADV_MODE, SEQ, HAS_OLD, HAS_REF, KL_IN_LOSS, ROW_MEAN)
-for mode, seq, old, ref, kl, row_mean, block in [(0, False, True, True, True, True, 4096),
-                                                (1, True, True, True, False, False, 1024),
-                                                (2, True, False, False, False, True, 4096)]:
+# (ADV_MODE, SEQ, HAS_OLD, HAS_REF, KL_IN_LOSS, ROW_MEAN, BLOCK_T, BIAS_KL)
+for mode, seq, old, ref, kl, row_mean, block, bias in [(0, False, True, True, True, True, 4096, False),
+                                                       (1, True, True, True, False, False, 1024, False),
+                                                       (2, True, False, False, False, True, 4096, False),
+                                                       (0, True, True, True, True, True, 4096, True),
+                                                       (0, False, False, True, True, False, 4096, True)]:
     compile_for_gpu(gl._grpo_loss_fwd_kernel, dict(ADV_MODE=mode, SEQ=seq, HAS_OLD=old, HAS_REF=ref,
-                    KL_IN_LOSS=kl, ROW_MEAN=row_mean, BLOCK_T=block, C_PAD=4), types,
+                    KL_IN_LOSS=kl, ROW_MEAN=row_mean, BLOCK_T=block, C_PAD=4, BIAS_KL=bias), types,
                     num_warps=block // 256)
 for scale, valid, w in ((0, False, False), (1, True, True), (2, True, False)):
     compile_for_gpu(ga._group_zscore_kernel, dict(SCALE=scale, HAS_VALID=valid, HAS_W=w, G_PAD=8,

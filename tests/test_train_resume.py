@@ -13,7 +13,6 @@ zero and the adapter would never move, making equality trivial. A deterministic 
 depends on the completion text gives each group a reward spread, so the updates are real.
 """
 
-import contextlib
 import errno
 from pathlib import Path
 
@@ -24,9 +23,8 @@ import grpo.checkpoint as ckpt_mod
 import kernels.grpo_loss as loss_mod
 from grpo.checkpoint import load_checkpoint, read_registry, resolve
 from grpo.policy import adapter_tensors
-from grpo.rewards import RewardModel
 from grpo.train import GEN_KEY
-from train_helpers import log_lines, run_main
+from train_helpers import log_lines, reward_spread, run_main
 
 TINY = [
     "--model.device", "cpu", "--run.train_per_stage", "20", "--run.eval_size", "4",
@@ -38,21 +36,6 @@ TINY = [
 def train(run_dir: Path, *args: str) -> tuple[int, str, str]:
     """main() on run_dir with this file's tiny settings: (exit code, stdout, stderr)."""
     return run_main(run_dir, *TINY, *args)
-
-
-@contextlib.contextmanager
-def reward_spread():
-    """Add a text-dependent bonus in [0, 1] to every reward (see the module docstring)."""
-    original = RewardModel.__call__
-
-    def with_spread(self, examples, completions, **kw):
-        rb = original(self, examples, completions, **kw)
-        rb.total = rb.total + torch.tensor([sum(map(ord, c)) % 5 / 4 for c in completions])
-        return rb
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(RewardModel, "__call__", with_spread)
-        yield
 
 
 def adapter_at(run_dir: Path, selector: str) -> dict[str, torch.Tensor]:

@@ -1,0 +1,290 @@
+"""DAPO dynamic sampling: train only on groups whose rewards differ, refilled from the stream.
+
+Why. GRPO's advantage is a z-score within each prompt's group of G completions. A group
+whose G rewards are all equal (all right, all wrong, same format) gets advantage 0 on every
+token: it costs its sampling, its log-prob passes and its share of the loss normaliser, and
+contributes no gradient. As a policy gets better (or stuck), more groups are like that and
+the effective batch shrinks. DAPO (Yu et al. 2025, "DAPO: An Open-Source LLM Reinforcement
+Learning System at Scale", section 3.2) over-samples and keeps only groups with spread, so
+every step trains on a full batch of informative groups.
+
+What is implemented
+-------------------
+    round 0   the step's usual sampling: accumulation x B prompts, G completions each, rewards
+    filter    a group is kept iff its advantage inputs are not all constant
+              (``groups_with_spread``: the same test as the loss kernel's zero_spread_frac)
+    refill    while fewer than B x accumulation groups are kept and fewer than
+              ``sampling.max_refills`` refills were made: sample the missing number of
+              prompts (the deficit, in sampler calls of at most B prompts) from the phase's
+              stream, score them, keep those with spread
+    batch     the kept groups, in stream order, cut into micro-batches of B groups
+
+Design choices and what they cost:
+- The deficit, not a whole new batch, is sampled per refill (verl samples whole generation
+  batches and discards the surplus): every sampled prompt is either kept or has no spread,
+  none is thrown away for being one too many, so the stream is not skipped over. The
+  price is more (smaller) sampler calls when few groups have spread.
+- At the bound. No group with spread after ``max_refills`` refills: the trainer stops with
+  one line naming the phase, the step, the refill count and what to change
+  (``no_spread_message``). Some but fewer than wanted: the step trains on what it has, in
+  ceil(kept / B) micro-batches, the last one smaller (the step's loss averages the
+  micro-batches it has, so each kept group counts a little more), and the log says how
+  full it was (``fill``).
+- Prompts whose image fails to preprocess are dropped by the sampler as before; with
+  dynamic sampling their places are refilled too.
+- With nothing dropped, the batch is the round-0 rollouts themselves: a run where every
+  group has spread is bit-identical to a run with dynamic sampling off.
+- The controller's vanishing-advantage gate reads the zero-spread fraction of what was
+  *sampled* (dropped / sampled groups): the trained batch has none by construction.
+- Resume: refills draw from the same seeded stream and the same sampler generator, whose
+  positions are checkpointed at step boundaries, so a resumed run refills exactly as a
+  straight run does.
+- Data parallel: refused (grpo/distributed.py ``check_batch``). Each rank would refill a
+  different number of times, so the ranks' stream positions and micro-batch counts would
+  part ways; agreeing on them needs collectives inside the refill loop.
+
+Merging rollouts. Kept groups from several sampler calls are joined into one micro-batch
+(``select_groups``, ``concat_rollouts``): prompts are re-left-padded to a common length,
+completions right-padded to a common length, visual features concatenated in prompt order,
+and the reward batch (and V-Rubrics prefix inputs, padded to a common item count) follows
+the same rows. The log-prob pass then sees one batch, as without refills.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from grpo.prompt_context import PromptContext, group_rows
+from grpo.sampler import SampleOutput
+from kernels.grpo_advantages import group_zscore_reference
+
+
+@dataclass
+class Rollout:
+    """One sampler call's prompts, completions and rewards (rows grouped by prompt, G each)."""
+
+    examples: list[Any]  # one per prompt the sampler kept, in row-group order
+    out: SampleOutput
+    rb: Any  # grpo.rewards.RewardBatch scored on out's rows
+
+    @property
+    def n_groups(self) -> int:
+        return self.out.completion_ids.shape[0] // self.out.G
+
+
+@dataclass
+class FillStats:
+    """What dynamic sampling did in one step (logged as the step line's "dynamic")."""
+
+    target: int  # groups wanted: B x accumulation
+    rounds: int = 0  # sampling rounds, round 0 included (refills = rounds - 1)
+    sampled_groups: int = 0  # groups sampled over all rounds
+    kept_groups: int = 0  # groups with spread that went into the batch
+
+    @property
+    def refills(self) -> int:
+        return max(0, self.rounds - 1)
+
+    @property
+    def dropped_frac(self) -> float:
+        """Zero-spread groups / sampled groups: the rate the controller gates on."""
+        return (self.sampled_groups - self.kept_groups) / self.sampled_groups if self.sampled_groups else 0.0
+
+    @property
+    def fill(self) -> float:
+        return self.kept_groups / self.target if self.target else 0.0
+
+    def to_dict(self) -> dict[str, float | int]:
+        return dict(refills=self.refills, sampled_groups=self.sampled_groups, kept_groups=self.kept_groups,
+                    dropped_frac=self.dropped_frac, fill=self.fill)
+
+
+# ----------------------------------------------------------------------------- the filter (pure)
+
+
+def groups_with_spread(values: torch.Tensor, G: int, valid: torch.Tensor | None = None) -> list[int]:
+    """Indices of the groups whose advantage inputs are not all constant.
+
+    values [N] (one reward per completion) or [N, C] (several columns, e.g. reward
+    components or V-Rubrics scores, with ``valid`` [N, C] marking scored entries). A group
+    has spread iff some column differs within it: exactly the groups whose advantages are
+    not all zero (kernels/grpo_advantages.py's "constant" test, max == min, so float
+    rounding of a mean never passes for spread).
+    """
+    cols = values[:, None] if values.dim() == 1 else values
+    if cols.shape[0] % G:
+        raise ValueError(f"{cols.shape[0]} rows are not whole groups of G = {G}")
+    if cols.shape[1] == 0:
+        return []
+    _, constant = group_zscore_reference(cols.float(), G, valid=valid)
+    return (~constant.all(1)).nonzero().flatten().tolist()
+
+
+# ----------------------------------------------------------------------------- merging rollouts
+
+
+def _select_context(ctx: PromptContext, prompts: torch.Tensor) -> PromptContext:
+    """The per-prompt tensors of ``prompts`` (indices, in order), leading all-pad columns cut."""
+    n_vis = ctx.image_mask.sum(1)  # visual rows of each prompt in image_embeds, prompt order
+    start = torch.cumsum(n_vis, 0) - n_vis
+    vis = torch.cat([torch.arange(int(start[p]), int(start[p] + n_vis[p]), device=ctx.image_embeds.device)
+                     for p in prompts.tolist()]) if len(prompts) else torch.zeros(0, dtype=torch.long)
+    am = ctx.attention_mask[prompts]
+    # Left padding: every prompt ends at column L-1; columns that are padding in every
+    # kept row only cost attention work.
+    first = int((am.sum(0) > 0).nonzero()[0]) if am.numel() else 0
+    return PromptContext(
+        input_ids=ctx.input_ids[prompts, first:],
+        attention_mask=am[:, first:],
+        position_ids=ctx.position_ids[:, prompts, first:],
+        next_position=ctx.next_position[prompts],
+        image_embeds=ctx.image_embeds[vis],
+        image_mask=ctx.image_mask[prompts, first:],
+    )
+
+
+def _select_rewards(rb: Any, rows: torch.Tensor) -> Any:
+    idx = rows.cpu()
+    prefix = rb.prefix
+    if prefix is not None:
+        prefix = type(prefix)(R_ans=prefix.R_ans[idx], s=prefix.s[idx], scored=prefix.scored[idx],
+                              rho=prefix.rho[idx], t_end=prefix.t_end[idx], a=prefix.a)
+    return type(rb)(total=rb.total[idx], components={k: v[idx] for k, v in rb.components.items()},
+                    weights=dict(rb.weights), prefix=prefix,
+                    vetoed=None if rb.vetoed is None else rb.vetoed[idx])
+
+
+def select_groups(r: Rollout, groups: Sequence[int]) -> Rollout:
+    """The rollout restricted to ``groups`` (prompt indices, in order); all of them -> ``r`` itself."""
+    groups = list(groups)
+    if groups == list(range(r.n_groups)):
+        return r
+    out, G = r.out, r.out.G
+    dev = out.completion_ids.device
+    g = torch.tensor(groups, dtype=torch.long, device=dev)
+    rows = (g[:, None] * G + torch.arange(G, device=dev)).flatten()
+    sub = SampleOutput(
+        completion_ids=out.completion_ids[rows], completion_mask=out.completion_mask[rows],
+        logprobs=out.logprobs[rows], sampler_logprobs=out.sampler_logprobs[rows],
+        finished=out.finished[rows], truncated=out.truncated[rows],
+        texts=[out.texts[i] for i in rows.tolist()], prompt_index=group_rows(len(groups), G, dev), G=G,
+        context=_select_context(out.context, g.to(out.context.input_ids.device)),
+    )
+    return Rollout([r.examples[i] for i in groups], sub, _select_rewards(r.rb, rows))
+
+
+def _pad_left(x: torch.Tensor, L: int, value: int | bool) -> torch.Tensor:
+    pad = L - x.shape[-1]
+    if pad == 0:
+        return x
+    return torch.cat([torch.full((*x.shape[:-1], pad), value, dtype=x.dtype, device=x.device), x], -1)
+
+
+def _pad_right(x: torch.Tensor, T: int, value: float | int | bool) -> torch.Tensor:
+    pad = T - x.shape[-1]
+    if pad == 0:
+        return x
+    return torch.cat([x, torch.full((*x.shape[:-1], pad), value, dtype=x.dtype, device=x.device)], -1)
+
+
+def _concat_rewards(rbs: Sequence[Any]) -> Any:
+    first = rbs[0]
+    prefix = None
+    if first.prefix is not None:
+        J = max(rb.prefix.s.shape[1] for rb in rbs)  # pad items: scored=False, s=0, rho=0, t_end=0
+        ps = [rb.prefix for rb in rbs]
+        prefix = type(first.prefix)(
+            R_ans=torch.cat([p.R_ans for p in ps]), s=torch.cat([_pad_right(p.s, J, 0.0) for p in ps]),
+            scored=torch.cat([_pad_right(p.scored, J, False) for p in ps]),
+            rho=torch.cat([_pad_right(p.rho, J, 0.0) for p in ps]),
+            t_end=torch.cat([_pad_right(p.t_end, J, 0) for p in ps]), a=first.prefix.a)
+    vetoed = None if first.vetoed is None else torch.cat([rb.vetoed for rb in rbs])
+    return type(first)(total=torch.cat([rb.total for rb in rbs]),
+                       components={k: torch.cat([rb.components[k] for rb in rbs]) for k in first.components},
+                       weights=dict(first.weights), prefix=prefix, vetoed=vetoed)
+
+
+def concat_rollouts(rs: Sequence[Rollout], pad_id: int) -> Rollout:
+    """One rollout holding the groups of ``rs`` in order (one input -> itself)."""
+    if len(rs) == 1:
+        return rs[0]
+    outs = [r.out for r in rs]
+    G = outs[0].G
+    L = max(o.context.L for o in outs)
+    T = max(o.completion_ids.shape[1] for o in outs)
+    ctxs = [o.context for o in outs]
+    ctx = PromptContext(
+        input_ids=torch.cat([_pad_left(c.input_ids, L, pad_id) for c in ctxs]),
+        attention_mask=torch.cat([_pad_left(c.attention_mask, L, 0) for c in ctxs]),
+        position_ids=torch.cat([_pad_left(c.position_ids, L, 0) for c in ctxs], 1),
+        next_position=torch.cat([c.next_position for c in ctxs]),
+        image_embeds=torch.cat([c.image_embeds for c in ctxs]),
+        image_mask=torch.cat([_pad_left(c.image_mask, L, False) for c in ctxs]),
+    )
+    dev = outs[0].completion_ids.device
+    n_prompts = sum(r.n_groups for r in rs)
+    out = SampleOutput(
+        completion_ids=torch.cat([_pad_right(o.completion_ids, T, pad_id) for o in outs]),
+        completion_mask=torch.cat([_pad_right(o.completion_mask, T, 0) for o in outs]),
+        logprobs=torch.cat([_pad_right(o.logprobs, T, 0.0) for o in outs]),
+        sampler_logprobs=torch.cat([_pad_right(o.sampler_logprobs, T, 0.0) for o in outs]),
+        finished=torch.cat([o.finished for o in outs]), truncated=torch.cat([o.truncated for o in outs]),
+        texts=[t for o in outs for t in o.texts], prompt_index=group_rows(n_prompts, G, dev), G=G, context=ctx,
+    )
+    return Rollout([e for r in rs for e in r.examples], out, _concat_rewards([r.rb for r in rs]))
+
+
+# ----------------------------------------------------------------------------- the refill loop
+
+
+def fill_batch(
+    first: Sequence[Rollout], draw: Callable[[int], Rollout], spread: Callable[[Rollout], list[int]],
+    B: int, max_refills: int, pad_id: int,
+) -> tuple[list[Rollout], FillStats]:
+    """Keep the groups with spread of ``first`` (the step's round-0 micro-batches), refill.
+
+    draw(n): sample and score the stream's next n prompts. spread(rollout): its kept group
+    indices. Returns (micro-batches of at most B groups, stats); no micro-batch at all when
+    no group had spread by the bound (the caller stops the run with ``no_spread_message``).
+    """
+    stats = FillStats(target=B * len(first), rounds=1)
+    pool: list[tuple[Rollout, list[int]]] = []
+
+    def take(rollouts: Sequence[Rollout]) -> None:
+        for r in rollouts:
+            keep = spread(r)
+            stats.sampled_groups += r.n_groups
+            stats.kept_groups += len(keep)
+            pool.append((r, keep))
+
+    take(first)
+    if all(len(k) == r.n_groups == B for r, k in pool):  # nothing to drop, nothing missing
+        return list(first), stats
+    while stats.kept_groups < stats.target and stats.refills < max_refills:
+        stats.rounds += 1
+        deficit = stats.target - stats.kept_groups
+        take([draw(min(B, deficit - done)) for done in range(0, deficit, B)])
+    # The kept groups in stream order, cut into micro-batches of B (a surplus cannot occur:
+    # each refill samples at most the deficit).
+    flat = [(i, g) for i, (_, keep) in enumerate(pool) for g in keep]
+    micro = []
+    for start in range(0, len(flat), B):
+        chunk = flat[start : start + B]
+        parts = []
+        for i in dict.fromkeys(i for i, _ in chunk):  # rollouts in order, each once
+            parts.append(select_groups(pool[i][0], [g for j, g in chunk if j == i]))
+        micro.append(concat_rollouts(parts, pad_id))
+    return micro, stats
+
+
+def no_spread_message(phase: str, step: int, stats: FillStats, G: int, temperature: float, max_refills: int) -> str:
+    """The one line the trainer stops with when no group had spread by the bound."""
+    return (f"phase {phase} step {step}: dynamic sampling found no group with reward spread after "
+            f"{stats.refills} refills ({stats.sampled_groups} groups of G={G} sampled, every completion of "
+            f"each prompt got the same reward); raise --sampling.temperature (now {temperature:g}), "
+            f"--sampling.G or --sampling.max_refills (now {max_refills}), change --rewards.weights so that "
+            f"completions differ in reward, or set --sampling.dynamic_sampling false")
