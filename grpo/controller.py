@@ -17,6 +17,7 @@ only when a metric crosses a gate, and returns every decision with the numbers b
     advantage                                                         then brevity += .05
     bounds       format/parseable [.25, 2], finished [.5, 2], correctness [1, 8],
                  brevity [0, 1], tolerance [0, 2]; other components are left alone
+    switched off a weight of exactly 0 stays 0: no gate and no bound turns it on
 
 The intuition: weights start shaped for the phase (A: structure, B: correctness, C: harder
 items + tolerance). Structure weights are *floored* when structure slips; correctness is
@@ -24,6 +25,12 @@ pushed up only once structure is stable and exact match has stopped rising, so t
 is not asked to get answers right before it reliably writes a checkable answer.
 
 What is added to the anchor
+- Switched-off terms stay off. ``--rewards.weights correctness=0`` (the staged paper's
+  accidental setting: its gold answers were empty, so it optimised everything but
+  correctness) would otherwise last until the first checkpoint, where the correctness
+  floor of 1 (or the plateau gate's +.5) switches the term back on. The gates tune the
+  terms being optimised; a term the config set to 0 is left at 0, and a gate that fires on
+  it is logged with "left at 0".
 - Vanishing advantages. GRPO's advantage is (r - mean_g) / (std_g + eps): a group whose G
   rewards are all equal (all right or all wrong, same format) has zero advantage and
   contributes no gradient. The trainer passes `zero_spread`, the fraction of such groups
@@ -353,6 +360,8 @@ class Controller:
             self.temperature = new
         elif target in self.weights:
             old = self.weights[target]
+            if old == 0.0:  # switched off by the config: the gate fired, the term stays off
+                new = 0.0
             self.weights[target] = new
         else:
             log.warning("controller rule %s fired but %r is not a reward component here; nothing changed", rule, target)
@@ -364,6 +373,8 @@ class Controller:
         clear = [c.clear() for c in checks]
         borderline = not (any(clear) if any_of else all(clear))
         cond = (" or " if any_of else " and ").join(c.text() for c in checks)
+        if target != "temperature" and old == 0.0:
+            cond += f" ({target} has weight 0 = switched off: left at 0)"
         return [Decision(rule, cond, target, old, new, values, cis, borderline)]
 
     def _fired(self, checks: list[_Check]) -> list[_Check]:
@@ -438,7 +449,7 @@ class Controller:
     def _apply_bounds(self) -> list[Decision]:
         out = []
         for name, (lo, hi) in BOUNDS.items():
-            if name in self.weights:
+            if name in self.weights and self.weights[name] != 0.0:  # 0 = switched off, not too small
                 w = self.weights[name]
                 clipped = min(max(w, lo), hi)
                 if clipped != w:

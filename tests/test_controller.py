@@ -56,6 +56,10 @@ TABLE = [
     ("floors-without-gates", dict(C, format=0.1, finished=0.2, correctness=0.5, brevity=1.5, tolerance=-1.0, step_rar=9.0),
      {}, 0.30, dict(format=0.25, finished=0.5, correctness=1.0, brevity=1.0, tolerance=0.0), ["bounds"] * 5),
     ("vanishing-raises-temperature", C, dict(zero_spread=0.6), 0.30, {}, ["vanishing_advantage"]),
+    # a weight of 0 is switched off: gates fire (and say so), bounds and steps leave it at 0
+    ("correctness-off-plateau", dict(C, correctness=0.0), dict(exact=0.41), 0.40, {}, ["correctness"]),
+    ("correctness-off-no-floor", dict(A, correctness=0.0), {}, 0.30, {}, []),
+    ("format-off-tags-low", dict(C, format=0.0), dict(solution_tag=0.5), 0.30, {}, ["format"]),
     ("vanishing-at-threshold", C, dict(zero_spread=0.5), 0.30, {}, []),
 ]
 
@@ -215,3 +219,13 @@ def test_bounds_cover_design_components():
     assert set(BOUNDS) == set(PHASE_WEIGHTS["A"])
     for phase, w in PHASE_WEIGHTS.items():  # presets start inside their bounds
         assert all(BOUNDS[k][0] <= v <= BOUNDS[k][1] for k, v in w.items()), phase
+
+
+def test_switched_off_weight_stays_off_over_a_phase():
+    """correctness=0 (the staged paper's accidental setting) survives every checkpoint of a phase."""
+    ctl = Controller(dict(PHASE_WEIGHTS["B"], correctness=0.0), L)
+    for exact in (0.10, 0.10, 0.05, 0.05):  # stable structure, plateaued EM: the correctness gate fires
+        decisions = ctl.update({**HEALTHY, "exact": exact})
+        assert ctl.weights["correctness"] == 0.0
+    fired = [d for d in decisions if d.rule == "correctness"]
+    assert fired and fired[0].new == 0.0 and "switched off: left at 0" in str(fired[0])
