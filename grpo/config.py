@@ -104,7 +104,7 @@ class SamplingConfig:
 @dataclass
 class OptimConfig:
     lr: float = 2e-3
-    """Peak learning rate of AdamW on the LoRA parameters."""
+    """Peak learning rate of AdamW on the LoRA parameters; 0 in a GRPO phase = the frozen-policy control (sampled, scored, logged, never updated)."""
     schedule: str = "constant"
     """Learning-rate schedule after warm-up: constant, linear or cosine (to 10% of lr)."""
     warmup_steps: int = 0
@@ -235,7 +235,14 @@ class TrainConfig:
             (bool(lo.targets) and all(t.strip() for t in lo.targets),
              f"lora.targets={','.join(lo.targets)!r}: name at least one module suffix, e.g. q_proj,v_proj"),
             (lo.dtype in ("float32", "bfloat16", "float16"), f"lora.dtype={lo.dtype!r}: use float32 or bfloat16"),
-            (o.lr > 0, f"optim.lr={o.lr}: must be > 0"),
+            # lr 0 is the frozen-policy control of a GRPO phase (bench/learning.py): the same
+            # prompts, samples, rewards, log lines, evals and checkpoints as a training run, with
+            # a policy that never moves -- the baseline a training curve is read against. The
+            # warm-up has no rewards to log, so there lr 0 is only a run that does nothing.
+            (o.lr > 0 or (grpo and o.lr == 0),
+             f"optim.lr={o.lr}: must be > 0" + (" in the warm-up (lr 0 is accepted in a GRPO phase only, as the "
+                                                "frozen-policy control: --B.optim.lr 0 freezes phase B alone)"
+                                                if o.lr == 0 else "")),
             (o.warmup_steps >= 0, f"optim.warmup_steps={o.warmup_steps}: must be >= 0"),
             (o.weight_decay >= 0, f"optim.weight_decay={o.weight_decay}: must be >= 0"),
             (o.vision_lr_scale >= 0, f"optim.vision_lr_scale={o.vision_lr_scale}: must be >= 0 (0 = frozen tower)"),

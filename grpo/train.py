@@ -536,6 +536,9 @@ def run_grpo_phase(cfg: TrainConfig, files: RunFiles, device: str, dp=None) -> N
         print(f"resuming phase {phase} at step {start} from {resume.path}")
     else:
         print(f"phase {phase}: starting from {init_name}" + (f" ({init_path})" if init_path else ""))
+    if cfg.optim.lr == 0:  # config.validate accepts lr 0 in GRPO phases only, as this control
+        print(f"phase {phase}: optim.lr = 0, the frozen-policy control: prompts are sampled, scored, logged, "
+              "evaluated and checkpointed exactly as in training, and the policy is never updated")
     rewards.set_weights(controller.weights)
     G, L, B = cfg.sampling.G, cfg.sampling.max_new_tokens, cfg.phase.prompts_per_step
     gen = torch.Generator(device=device).manual_seed(dp.sampling_seed(cfg.run.seed))

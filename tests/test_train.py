@@ -11,6 +11,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from grpo.checkpoint import ALIASES, load_checkpoint, read_registry, resolve, step_dirname
 from grpo.config import PHASE_WEIGHTS
@@ -132,6 +133,28 @@ def test_phase_C_with_B_present_runs_only_C(chained, tmp_path):
     rc, out, _ = train(run, "--phase", "warmup")
     assert rc == 0 and "warm-up already done" in out
     assert read_registry(run, "warmup") == before["warmup"]
+
+
+def test_lr_0_is_the_frozen_policy_control_of_a_grpo_phase(chained, tmp_path):
+    """--B.optim.lr 0: phase B samples, scores, logs, evaluates and checkpoints like training,
+    and the adapter it saves is bit-identical to the one it started from."""
+    from grpo.policy import adapter_tensors
+
+    run = copy_run(chained[0], tmp_path)
+    shutil.rmtree(run / "B")  # phase B again, from the same A:best_structure
+    rc, out, err = train(run, "--phase", "B", "--phase.steps", "2", "--run.eval_every", "1", "--B.optim.lr", "0")
+    assert rc == 0, err
+    assert "optim.lr = 0, the frozen-policy control" in out
+    start = adapter_tensors(load_checkpoint(resolve(run, "A:best_structure")).tensors)
+    for step in (1, 2):
+        saved = adapter_tensors(load_checkpoint(resolve(run, f"B:{step}")).tensors)
+        assert saved.keys() == start.keys() and all(torch.equal(saved[k], start[k]) for k in start)
+    records = [r for r in log_lines(run) if r.get("phase") == "B" and "event" not in r]
+    assert [r["step"] for r in records[-2:]] == [1, 2]
+    assert all(r["lr"] == 0 and "reward" in r and "correctness" in r["components"] for r in records[-2:])
+    # the warm-up has no rewards to log: there lr 0 stays refused, naming the control
+    rc, _, err = train(tmp_path / "other", "--phase", "B", "--optim.lr", "0")
+    assert rc == 2 and "optim.lr=0.0: must be > 0 in the warm-up" in err and "--B.optim.lr 0" in err
 
 
 def test_init_base_runs_just_the_phase_and_resumes_without_repeating_it(tmp_path):
