@@ -95,20 +95,26 @@ def shuffle_images(examples: Sequence[Example], seed: int = CONTROL_SEED) -> lis
 
 
 def blind_gap(true_records: Sequence[dict], shuffled_records: Sequence[dict],
-              pids: Sequence[str] | None = None) -> BlindGap:
+              pids: Sequence[str] | None = None, per_prompt: str = "mean") -> BlindGap:
     """Paired gap from two evaluations' per-completion records (``EvalResult.records``).
 
     Each record has ``pid`` and ``exact``; a prompt's exact rate is the mean over its
-    samples. Only prompts scored in both passes count; ``pids`` restricts to a subset
-    (a curriculum stage).
+    samples (``per_prompt="mean"``), or 1 if any of its samples is exact (``"any"``: then
+    the two rates are pass@k with true and with shuffled images, and the gap is the pass@k
+    a model loses without the right picture). Only prompts scored in both passes count;
+    ``pids`` restricts to a subset (a curriculum stage).
     """
-    def per_prompt(records):
+    if per_prompt not in ("mean", "any"):
+        raise ValueError(f"per_prompt={per_prompt!r}: use 'mean' (exact rate) or 'any' (pass@k)")
+    reduce = (lambda v: sum(v) / len(v)) if per_prompt == "mean" else max
+
+    def by_prompt(records):
         sums: dict[str, list[float]] = {}
         for r in records:
             sums.setdefault(str(r["pid"]), []).append(float(r["exact"]))
-        return {p: sum(v) / len(v) for p, v in sums.items()}
+        return {p: reduce(v) for p, v in sums.items()}
 
-    t, s = per_prompt(true_records), per_prompt(shuffled_records)
+    t, s = by_prompt(true_records), by_prompt(shuffled_records)
     keep = [p for p in t if p in s and (pids is None or p in pids)]
     if not keep:
         nan = float("nan")

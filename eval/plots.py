@@ -33,6 +33,9 @@ dashed vertical lines labelled with the phase name.
                                         marked with a triangle and the rule name
     plot_checkpoint_metrics(log, path)  checkpoint-eval metrics and scores, markers per eval
     plot_run(log_path, out_dir)         all three; ``python -m eval.plots LOG --out DIR``
+    plot_panels(specs, path)            any stack of panels (PanelSpec: series, axis labels,
+                                        phase boundaries, named x ticks): the kit the three
+                                        plots use, for other figures (bench/learning.py)
 
 Bad lines (not JSON, not an object) are skipped and counted in ``TrainLog.skipped``.
 """
@@ -166,6 +169,7 @@ class Series:
     width: int = 2
     markers: bool = False
     step: bool = False  # draw as a step function (weights change at discrete times)
+    dash: bool = False  # dashed line (a control beside the runs it controls)
 
 
 class Panel:
@@ -177,6 +181,7 @@ class Panel:
         self.title, self.xlabel, self.ylabel = title, xlabel, ylabel
         self.font, self.small = _font(15), _font(12)
         self.xr = self.yr = (0.0, 1.0)
+        self.xtick_labels: dict[float, str] | None = None  # named x ticks (categories) instead of numbers
 
     def set_limits(self, xs: Sequence[float], ys: Sequence[float]) -> None:
         """Tight x range, y range padded by 5%; ticks are round values inside the range."""
@@ -202,11 +207,13 @@ class Panel:
             d.line([(self.x0, y), (self.x1, y)], fill="#e6e6e6")
             d.line([(self.x0 - 5, y), (self.x0, y)], fill="black")
             d.text((self.x0 - 8, y), _fmt_tick(t), fill="black", font=self.small, anchor="rm")
-        for t in self.xticks:
+        named = self.xtick_labels
+        for t in (sorted(named) if named else self.xticks):
             x, _ = self.px(t, self.yr[0])
             if self.x0 - 0.5 <= x <= self.x1 + 0.5:
                 d.line([(x, self.y1), (x, self.y1 + 5)], fill="black")
-                d.text((x, self.y1 + 8), _fmt_tick(t), fill="black", font=self.small, anchor="mt")
+                d.text((x, self.y1 + 8), named[t] if named else _fmt_tick(t), fill="black", font=self.small,
+                       anchor="mt")
         d.rectangle([self.x0, self.y0, self.x1, self.y1], outline="black")
         d.text(((self.x0 + self.x1) / 2, self.y0 - 10), self.title, fill="black", font=self.font, anchor="md")
         d.text(((self.x0 + self.x1) / 2, self.y1 + 28), self.xlabel, fill="black", font=self.font, anchor="mt")
@@ -248,7 +255,10 @@ class Panel:
                     self.draw.ellipse([cx - 3, cy - 3, cx + 3, cy + 3], fill=s.color)
 
     def _flush(self, pts: list[tuple[float, float]], s: Series) -> None:
-        if len(pts) >= 2:
+        if len(pts) >= 2 and s.dash:
+            for a, b in _dashes(pts):
+                self.draw.line([a, b], fill=s.color, width=s.width)
+        elif len(pts) >= 2:
             self.draw.line(pts, fill=s.color, width=s.width, joint="curve")
         elif len(pts) == 1:
             x, y = pts[0]
@@ -261,6 +271,24 @@ class Panel:
             self.draw.line([(x, y + 8), (x + 22, y + 8)], fill=color, width=3)
             self.draw.text((x + 28, y + 8), label, fill="black", font=self.small, anchor="lm")
             y += 20
+
+
+def _dashes(pts: Sequence[tuple[float, float]], on: float = 9.0, off: float = 6.0
+            ) -> list[tuple[tuple[float, float], tuple[float, float]]]:
+    """The 'on' pieces of a polyline cut into on/off lengths in pixels (the pattern runs on
+    across vertices, so a dense curve is still visibly dashed)."""
+    out, pos, period = [], 0.0, on + off
+    for (xa, ya), (xb, yb) in zip(pts, pts[1:]):
+        seg = math.hypot(xb - xa, yb - ya)
+        t = 0.0
+        while t < seg:
+            phase = pos % period
+            step = min((on - phase) if phase < on else (period - phase), seg - t)
+            if phase < on:
+                f0, f1 = t / seg, (t + step) / seg
+                out.append(((xa + f0 * (xb - xa), ya + f0 * (yb - ya)), (xa + f1 * (xb - xa), ya + f1 * (yb - ya))))
+            t, pos = t + step, pos + step
+    return out
 
 
 def _figure(n_panels: int, width: int = 1100, panel_h: int = 330) -> tuple[Image.Image, list[tuple[int, int, int, int]]]:
@@ -373,6 +401,39 @@ def plot_checkpoint_metrics(log: TrainLog, path: str | Path) -> Path:
               for i, k in enumerate(present)]
     img, (box,) = _figure(1, panel_h=420)
     _draw_panel(img, box, "checkpoint evaluations", "rate / score", series, log, y_include=(0.0, 1.0))
+    return _save(img, path)
+
+
+@dataclass
+class PanelSpec:
+    """One panel of ``plot_panels``: what to draw and how to label it."""
+
+    title: str
+    ylabel: str
+    series: list[Series]
+    xlabel: str = "step"
+    phases: Sequence[tuple[str, float]] = ()  # (name, x) boundaries, dashed, as in the run plots
+    y_include: Sequence[float] = ()  # values the y range must contain (0 for a gap, [0, 1] for rates)
+    xtick_labels: dict[float, str] | None = None  # named ticks (e.g. checkpoints) instead of numbers
+
+
+def plot_panels(specs: Sequence[PanelSpec], path: str | Path, panel_h: int = 300) -> Path:
+    """A PNG of stacked panels drawn with the same axes, legend and line code as the run plots."""
+    if not specs:
+        raise ValueError("plot_panels: give at least one PanelSpec")
+    img, boxes = _figure(len(specs), panel_h=panel_h)
+    for spec, box in zip(specs, boxes):
+        p = Panel(img, box, spec.title, spec.xlabel, spec.ylabel)
+        xs = [x for s in spec.series for x in s.xs] + [x for _, x in spec.phases] + list(spec.xtick_labels or ())
+        p.set_limits(xs, [y for s in spec.series for y in s.ys] + list(spec.y_include))
+        if spec.xtick_labels:  # categories: a half-slot margin, so the outer points are not on the frame
+            lo, hi = min(spec.xtick_labels), max(spec.xtick_labels)
+            p.xr, p.xtick_labels = (lo - 0.3, hi + 0.3), dict(spec.xtick_labels)
+        p.axes()
+        p.phases(list(spec.phases))
+        for s in spec.series:
+            p.series(s)
+        p.legend([(s.label, s.color) for s in spec.series if s.label], box[2] + 20)
     return _save(img, path)
 
 

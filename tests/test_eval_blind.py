@@ -74,6 +74,19 @@ def test_blind_gap_is_the_paired_difference_with_its_interval():
     assert blind_gap(true, []).n == 0
 
 
+def test_blind_gap_of_pass_at_k_counts_a_prompt_once_if_any_sample_is_exact():
+    # a: 1 of 3 samples exact with true images, none shuffled; b: exact both ways; c: never
+    true = [{"pid": "a", "exact": e} for e in (0, 1, 0)] + [{"pid": "b", "exact": 1}] * 3 + [{"pid": "c", "exact": 0}] * 3
+    shuf = [{"pid": "a", "exact": 0}] * 3 + [{"pid": "b", "exact": e} for e in (0, 0, 1)] + [{"pid": "c", "exact": 0}] * 3
+    g = blind_gap(true, shuf, per_prompt="any")
+    assert (g.n, g.exact_match, g.exact_match_shuffled) == (3, pytest.approx(2 / 3), pytest.approx(1 / 3))
+    assert g.gap == pytest.approx(1 / 3) and g.lo < 0 < g.hi  # d = 1, 0, 0 over 3 prompts
+    mean = blind_gap(true, shuf)  # the exact rate pairs the sample means instead
+    assert mean.exact_match == pytest.approx((1 / 3 + 1 + 0) / 3) and mean.exact_match_shuffled == pytest.approx(1 / 9)
+    with pytest.raises(ValueError, match="per_prompt='max'"):
+        blind_gap(true, shuf, per_prompt="max")
+
+
 def _fake_models(monkeypatch, reads_image: bool):
     """encode_prompts/sample stand-ins: the model answers what the image shows, or the question's pid."""
     import grpo.model

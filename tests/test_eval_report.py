@@ -228,5 +228,24 @@ def test_plot_run_writes_pngs_with_gate_markers(tmp_path):
         plot_run(empty, tmp_path)
 
 
+def test_plot_panels_draws_solid_and_dashed_series_with_named_ticks(tmp_path):
+    from eval.plots import PanelSpec, Series, _dashes, plot_panels
+
+    solid = Series("run", [0, 1, 2, 3], [0.1, 0.2, 0.3, 0.4], PALETTE[0])
+    dashed = Series("control", [0, 1, 2, 3], [0.4, 0.3, 0.2, 0.1], PALETTE[1], dash=True)
+    specs = [PanelSpec("curves", "reward", [solid, dashed], phases=[("A", 0.0), ("B", 2.0)]),
+             PanelSpec("per checkpoint", "EM", [solid], xlabel="checkpoint", y_include=(0.0, 1.0),
+                       xtick_labels={0: "warm-up", 1: "A", 2: "B best", 3: "B last"})]
+    f = plot_panels(specs, tmp_path / "fig.png")
+    px = np.asarray(Image.open(f).convert("RGB"))
+    assert px.shape == (2 * (300 + 90) + 20, 1100, 3)
+    rgb = [int(PALETTE[1][i:i + 2], 16) for i in (1, 3, 5)]
+    assert (px == rgb).all(-1).sum() > 50  # the dashed control is drawn
+    pieces = _dashes([(0.0, 0.0), (30.0, 0.0)])  # 9 px on, 6 off: 0-9, 15-24
+    assert pieces == [((0.0, 0.0), (9.0, 0.0)), ((15.0, 0.0), (24.0, 0.0))]
+    with pytest.raises(ValueError, match="at least one PanelSpec"):
+        plot_panels([], tmp_path / "none.png")
+
+
 def test_no_nan_leaks_into_flat_metrics(tiny_run):
     assert all(not math.isnan(v) for v in evaluate_completions(*tiny_run, max_new_tokens=30).flat().values())
