@@ -264,11 +264,16 @@ class Panel:
             x, y = pts[0]
             self.draw.ellipse([x - 2, y - 2, x + 2, y + 2], fill=s.color)
 
-    def legend(self, items: Sequence[tuple[str, str]], x: int) -> None:
-        """Colour swatches and labels in a column starting at pixel x, top-aligned."""
+    def legend(self, items: Sequence[tuple[str, str] | tuple[str, str, bool]], x: int) -> None:
+        """Colour swatches and labels in a column starting at pixel x, top-aligned
+        (an item's optional third value True draws its swatch dashed, like its line)."""
         y = self.y0
-        for label, color in items:
-            self.draw.line([(x, y + 8), (x + 22, y + 8)], fill=color, width=3)
+        for label, color, *dash in items:
+            if dash and dash[0]:
+                for a, b in _dashes([(x, y + 8), (x + 22, y + 8)], on=5.0, off=4.0):
+                    self.draw.line([a, b], fill=color, width=3)
+            else:
+                self.draw.line([(x, y + 8), (x + 22, y + 8)], fill=color, width=3)
             self.draw.text((x + 28, y + 8), label, fill="black", font=self.small, anchor="lm")
             y += 20
 
@@ -433,7 +438,7 @@ def plot_panels(specs: Sequence[PanelSpec], path: str | Path, panel_h: int = 300
         p.phases(list(spec.phases))
         for s in spec.series:
             p.series(s)
-        p.legend([(s.label, s.color) for s in spec.series if s.label], box[2] + 20)
+        p.legend([(s.label, s.color, s.dash) for s in spec.series if s.label], box[2] + 20)
     return _save(img, path)
 
 
