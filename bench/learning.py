@@ -1,0 +1,994 @@
+"""The learning benchmark: does GRPO raise exact match here, by how much, and which lever helps?
+
+    python -m bench.learning                      # the main job x 3 seeds, every ablation, the control
+    python -m bench.learning --seeds 1 --variants mu2,frozen
+    python -m bench.learning --plan               # print every command line, run nothing
+    python -m bench.learning --quick              # a tiny smoke configuration (seconds; numbers mean nothing)
+
+What it runs
+------------
+Every run is the README's main job, ``python -m grpo.train --phase B`` with the defaults
+(warm-up -> A -> B, then the end-of-run report on the held-out test split), started as a
+subprocess (a fresh interpreter per run: no torch state, RNG or memory carried from one run
+into the next), with ``--run.seed k`` and its own run directory
+
+    <out>/<variant>/seed<k>/     the trainer's run directory (checkpoints, train_log.jsonl,
+                                 report/), plus train.out (the trainer's console output),
+                                 bench_run.json (what was asked for) and bench_eval.json
+                                 (the numbers this script took from it)
+
+A variant is a named list of trainer options on top of the defaults (``--plan`` prints each
+one's command). The defaults are read from grpo/config.py at run time (phase_configs), never
+copied here, so when they change the variants follow. Ablations change GRPO phases only:
+their options carry an ``A.`` / ``B.`` prefix, and each one starts from the *same seed's*
+warm-up checkpoint, copied from the default run, so a variant differs from the default in
+the one setting it names and in nothing the warm-up drew (checked: the shared phases'
+resolved configs must be equal, or the plan stops before any work).
+
+Resuming. A finished run (phase B at its last step, its report written) is never rerun; a
+run that was interrupted is continued by the trainer from its own checkpoints (an
+interrupted phase A is completed with ``--phase A`` first: ``--phase B`` alone would start
+B from an unfinished A). A run directory made with other settings (another variant's
+options, or changed defaults) is refused with the settings that differ, never reused.
+
+What it measures, per seed and checkpoint (warm-up base ``warmup:latest``, ``A:best_structure``,
+``B:best_composite``, ``B:latest``) on the synthetic *test* split (the report's examples,
+``run.test_per_stage`` per stage, never used to choose a checkpoint):
+
+    EM           greedy exact match, one sample per prompt (the report's protocol), Wilson 95%
+    EM shuffled  the same prompts with every image swapped for another of its family
+                 (eval/blind.py), Wilson 95%
+    blind gap    EM - EM shuffled: how much of EM comes from reading the picture; paired
+                 95% interval of the per-prompt differences (includes 0: cannot tell the
+                 model from one that ignores its images)
+    parseable    the answer is one parseable SOLUTION number, Wilson 95%
+    tokens       mean completion tokens, normal 95%
+    pass@k       k samples per prompt at temperature 1: any of them exact, Wilson 95% (with
+                 true images; and with shuffled images, and their paired gap)
+
+The greedy numbers are read from the run's own report (report/report.json): nothing is
+evaluated twice. pass@k is sampled here, once per checkpoint file (a copied warm-up is the
+same file and is not sampled again: results are cached by the sha256 of state.json).
+
+Aggregation over seeds: mean, and the spread as min..max over the seeds (with 3 seeds an
+sd is itself a guess; the range shows every seed). With one seed the cell shows that run's
+95% interval instead. summary.md has every per-seed value with its interval, and the
+paired per-seed difference B:latest - A:best_structure (issue 13's target).
+
+The frozen-policy control (variant ``frozen``): phase B again from the same
+A:best_structure, on the same prompts and sampler seed, with ``--B.optim.lr 0`` -- the
+trainer samples, scores, logs, evaluates and checkpoints as in training and never updates
+the policy (grpo/config.py accepts lr 0 in GRPO phases only, for this). Its training
+reward is the baseline the default's training curve is read against; it is not evaluated
+on the test split (its policy is A's). Plots (pillow, eval/plots.py): curves_seed<k>.png
+(phase B training reward and correctness, moving average, every variant against the
+frozen control; held-out val EM and blind gap at each checkpoint eval) and
+test_checkpoints.png (test EM and blind gap per checkpoint, per seed).
+
+Simplified: the runs go one after another (two cores: parallel runs would only slow each
+other down); bit-identical reruns are claimed only on the same machine and software.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import hashlib
+import json
+import math
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+DEFAULT_OUT = Path("bench/results/learning")
+QUICK_OUT = Path("bench/results/learning-quick")
+REQUESTED = "B"  # the README's main job: --phase B (warm-up -> A -> B)
+CHECKPOINTS = ("warmup:latest", "A:best_structure", "B:best_composite", "B:latest")
+CHECKPOINT_TITLES = {
+    "warmup:latest": "Warm-up base (`warmup:latest`)",
+    "A:best_structure": "After phase A (`A:best_structure`)",
+    "B:best_composite": "After phase B, best composite (`B:best_composite`)",
+    "B:latest": "Phase B's last step (`B:latest`)",
+}
+SHORT = {"warmup:latest": "warm-up", "A:best_structure": "A best", "B:best_composite": "B best", "B:latest": "B last"}
+PASS_TEMPERATURE = 1.0
+PASS_BATCH = 8  # prompts per sampler call: part of the sampled protocol (each batch seeds its own generator)
+SEP = ".."  # min..max in the tables: brackets are kept for 95% intervals
+
+# A smoke configuration: every phase, eval, report, control and plot runs, in seconds; the
+# numbers mean nothing (2 warm-up steps leave the model writing garbage).
+QUICK_ARGS = [
+    "--model.device", "cpu", "--run.train_per_stage", "20", "--run.eval_size", "4", "--run.eval_every", "1",
+    "--run.test_per_stage", "2", "--sampling.G", "2", "--sampling.max_new_tokens", "8",
+    "--warmup.phase.steps", "2", "--warmup.phase.prompts_per_step", "4",
+    "--A.phase.steps", "2", "--A.phase.prompts_per_step", "2", "--B.phase.steps", "2", "--B.phase.prompts_per_step", "2",
+]
+
+
+class BenchError(Exception):
+    """A request this script refuses (exit 2) or a run that failed (exit 1): one line."""
+
+    def __init__(self, message: str, code: int = 2):
+        super().__init__(message)
+        self.code = code
+
+
+# ----------------------------------------------------------------------------- variants
+
+
+def _weights(w: dict[str, float], **change: float) -> str:
+    """A full weight list for --rewards.weights: an override replaces the phase's whole dict
+    (grpo/config.py override), so 'correctness=0' alone would drop every other term."""
+    return ",".join(f"{k}={v!r}" for k, v in {**w, **change}.items())
+
+
+def _round_down(x: float, digits: int = 3) -> float:
+    """x cut (not rounded up) to `digits` significant digits: a floor just under a std leaves it unchanged."""
+    if x <= 0:
+        return 0.0
+    scale = 10 ** (digits - 1 - math.floor(math.log10(x)))
+    return math.floor(x * scale) / scale
+
+
+def std_floor(cfg) -> float:
+    """The std of the smallest correctness split: one completion of G right, the others tied.
+
+    That group's rewards differ by w_correctness in one place, so its (unbiased) std is
+    w / sqrt(G) (kernels/grpo_advantages.py): 2 / sqrt(8) = .707 in phase A, 4 / sqrt(8) = 1.41
+    in B with the current defaults. With the floor there, every group that splits on
+    correctness is normalised exactly as before, and a group that ties on correctness and
+    format and differs by one brevity bucket (w .2-.25, a step of .5 -> std ~ .04) keeps
+    advantages ~ 1/30 of a unit instead of a full unit z-score.
+    """
+    w = cfg.rewards.weights.get("correctness", 0.0)
+    if w <= 0:
+        raise BenchError(f"variant std_floor: phase {cfg.phase.name} has correctness weight {w}, so the floor "
+                         "(the std of one right answer in G) is 0; give the phase a correctness weight")
+    return _round_down(w / math.sqrt(cfg.sampling.G))
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    what: str  # one line: --help, the plan and the summary
+    args: Callable[[dict], list[str]]  # trainer options, from the default run's resolved configs
+    shares: tuple[str, ...] = ()  # phase directories copied from the default run of the same seed
+    control: bool = False  # the frozen policy: a curve baseline, not evaluated on the test split
+
+
+def _both(key: str, value: Callable[[Any], Any]) -> Callable[[dict], list[str]]:
+    """The option for phases A and B, each with its own value (a prefix keeps the warm-up untouched)."""
+    return lambda cfgs: [a for p in ("A", "B") for a in (f"--{p}.{key}", str(value(cfgs[p])))]
+
+
+VARIANTS: dict[str, Variant] = {v.name: v for v in [
+    Variant("default", "the README's main job with the defaults (every other variant is compared with it)",
+            lambda cfgs: []),
+    Variant("correctness0", "the staged paper's accidental setting: correctness weight 0 in phases A and B "
+            "(its gold answers were empty), every other weight as in the phase preset",
+            lambda cfgs: [a for p in ("A", "B") for a in (f"--{p}.rewards.weights",
+                                                          _weights(cfgs[p].rewards.weights, correctness=0.0))],
+            shares=("warmup",)),
+    Variant("mu2", "two optimiser steps per rollout batch in A and B (the clip binds from the 2nd)",
+            _both("optim.updates_per_batch", lambda c: 2), shares=("warmup",)),
+    Variant("dynamic", "DAPO dynamic sampling in A and B (zero-spread groups dropped, batch refilled)",
+            _both("sampling.dynamic_sampling", lambda c: "true"), shares=("warmup",)),
+    Variant("components", "per-component advantages in A and B (each reward term z-scored alone, GDPO)",
+            _both("optim.adv_mode", lambda c: "components"), shares=("warmup",)),
+    Variant("std_floor", "advantage std floor in A and B = w_correctness / sqrt(G) of the phase, the std of one "
+            "right answer in a group (see std_floor())", _both("optim.adv_std_floor", std_floor), shares=("warmup",)),
+    Variant("kl", "KL anchor beta = 0.04 in A and B (k3 against the LoRA-off reference)",
+            _both("optim.beta", lambda c: 0.04), shares=("warmup",)),
+    Variant("frozen", "frozen-policy control: phase B from the same A:best_structure with --B.optim.lr 0 "
+            "(sampled, scored and logged like training; curves only)",
+            lambda cfgs: ["--B.optim.lr", "0", "--B.run.test_per_stage", "0"], shares=("warmup", "A"), control=True),
+]}
+
+
+# ----------------------------------------------------------------------------- runs
+
+
+@dataclass
+class Run:
+    variant: Variant
+    seed: int
+    dir: Path
+    options: list[str]  # trainer options after --phase B (run dir and seed included)
+    configs: dict = field(default_factory=dict)  # phase -> resolved TrainConfig
+
+    @property
+    def name(self) -> str:
+        return f"{self.variant.name} seed{self.seed}"
+
+    def command(self, python: str = "python") -> list[str]:
+        return [python, "-m", "grpo.train", "--phase", REQUESTED, *self.options]
+
+
+def _config_json(configs: dict) -> dict:
+    """Resolved configs as plain JSON, without the run directory (it names the run, not what it does)."""
+    out = {}
+    for phase, cfg in configs.items():
+        d = json.loads(cfg.to_json())
+        d["run"].pop("run_dir", None)
+        out[phase] = d
+    return out
+
+
+def _diffs(a: Any, b: Any, where: str = "") -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [d for k in sorted(set(a) | set(b), key=str)
+                for d in _diffs(a.get(k, "<missing>"), b.get(k, "<missing>"), f"{where}.{k}" if where else str(k))]
+    return [] if a == b else [f"{where}: {a!r} -> {b!r}"]
+
+
+def plan_runs(variants: Sequence[str], seeds: Sequence[int], out: Path, base: Sequence[str]) -> list[Run]:
+    """Every run, its options and resolved configs, checked before anything is trained.
+
+    A bad option, a variant that would change a phase it shares with the default run, or an
+    existing run directory made with other settings is refused here (BenchError, exit 2).
+    """
+    from grpo.config import ConfigError, parse_override_args
+    from grpo.train import phase_configs
+
+    def resolve(options: list[str], what: str) -> dict:
+        try:
+            return phase_configs(REQUESTED, "tiny", parse_override_args(options))
+        except (ConfigError, ValueError) as err:
+            raise BenchError(f"{what}: {err}") from None
+
+    runs: list[Run] = []
+    defaults = resolve(list(base), "the default configuration")
+    for name in variants:
+        v = VARIANTS[name]
+        extra = v.args(defaults)
+        for seed in seeds:
+            d = out / name / f"seed{seed}"
+            options = ["--run.run_dir", str(d), "--run.seed", str(seed), *base, *extra]
+            run = Run(v, seed, d, options, resolve(options, f"variant {name} seed {seed}"))
+            if v.shares:
+                main = next(r for r in runs if r.variant.name == "default" and r.seed == seed)
+                mine, theirs = _config_json(run.configs), _config_json(main.configs)
+                for phase in v.shares:
+                    diff = _diffs(theirs[phase], mine[phase])
+                    if diff:
+                        raise BenchError(f"variant {name} changes phase {phase}, which it shares with the default run "
+                                         f"({'; '.join(diff[:3])}): give its options an A. or B. prefix")
+            _check_run_dir(run)
+            runs.append(run)
+    return runs
+
+
+def _check_run_dir(run: Run) -> None:
+    """An existing run directory must have been made by this script with these settings."""
+    meta = run.dir / "bench_run.json"
+    if not run.dir.exists() or not any(run.dir.iterdir()):
+        return
+    if not meta.is_file():
+        raise BenchError(f"{run.dir} exists but was not made by bench.learning (no bench_run.json): "
+                         "move it away or choose another --out")
+    try:
+        saved = json.loads(meta.read_text())["configs"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise BenchError(f"{meta} is unreadable ({err}): delete {run.dir} to rerun it") from None
+    diff = _diffs(saved, _config_json(run.configs))
+    if diff:
+        raise BenchError(f"{run.dir} holds a run made with other settings ({'; '.join(diff[:3])}"
+                         f"{f'; {len(diff) - 3} more' if len(diff) > 3 else ''}): delete it to rerun with "
+                         "these, or choose another --out")
+
+
+def _b_steps(run: Run) -> int:
+    return run.configs["B"].phase.steps
+
+
+def _latest(run_dir: Path, phase: str) -> int | None:
+    from grpo.checkpoint import read_registry
+
+    return read_registry(run_dir, phase)["aliases"].get("latest")
+
+
+def _report(run: Run) -> dict | None:
+    """The run's report.json if it is complete (every checkpoint of the table in it)."""
+    path = run.dir / "report" / "report.json"
+    try:
+        rep = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return rep if all(c in rep.get("models", {}) for c in CHECKPOINTS) else None
+
+
+def finished(run: Run) -> bool:
+    """Phase B at its last step and, unless the run makes no report, its report written."""
+    if not (run.dir / "B" / "registry.json").is_file() or _latest(run.dir, "B") != _b_steps(run):
+        return False
+    return run.configs["B"].run.test_per_stage == 0 or _report(run) is not None
+
+
+def state(run: Run) -> str:
+    if finished(run):
+        return "finished: reused"
+    if (run.dir / "bench_run.json").is_file():
+        return "interrupted: resumed from its checkpoints"
+    return "new: trained" + (f" from the default run's {' + '.join(run.variant.shares)}" if run.variant.shares else "")
+
+
+def _copy_shared(run: Run, main: Run) -> None:
+    """Start an ablation from the default run's phases (same seed): the log lines, then the
+    phase directories, each written under a temporary name and renamed, so an interrupted
+    copy is never mistaken for a complete one."""
+    log = run.dir / "train_log.jsonl"
+    if not log.exists():
+        lines = [json.dumps(row) for row in _log(main) if row.get("phase") in run.variant.shares]
+        tmp = run.dir / f".tmp-log-{uuid.uuid4().hex[:8]}"
+        tmp.write_text("".join(line + "\n" for line in lines))
+        os.replace(tmp, log)
+    for phase in run.variant.shares:
+        if (run.dir / phase / "registry.json").is_file():
+            continue
+        tmp = run.dir / f".tmp-{phase}-{uuid.uuid4().hex[:8]}"
+        shutil.copytree(main.dir / phase, tmp)
+        if (run.dir / phase).exists():  # a leftover without a registry: never a checkpoint
+            shutil.rmtree(run.dir / phase)
+        os.replace(tmp, run.dir / phase)
+        cfg = main.dir / f"config_{phase}.json"
+        if cfg.is_file():
+            shutil.copyfile(cfg, run.dir / f"config_{phase}.json")
+
+
+def _phase_a_options(run: Run) -> list[str]:
+    """The options that give phase A the same config when A itself is requested: --phase B's
+    unprefixed phase-local options (steps, weights, ...) belong to B and B.-prefixed ones to
+    B alone, so both are dropped; no report (B's run writes it)."""
+    from grpo.config import PHASES, parse_override_args
+    from grpo.train import _phase_local, phase_configs
+
+    keep = []
+    for key, value in parse_override_args(run.options).items():
+        head = key.partition(".")[0]
+        if (head in PHASES and head in ("warmup", "A")) or (head not in PHASES and not _phase_local(key)):
+            keep += [f"--{key}", value]
+    keep += ["--run.test_per_stage", "0"]
+    # the translation must give A exactly the config the --phase B command gives it
+    mine = _config_json({"A": phase_configs("A", "tiny", parse_override_args(keep))["A"]})["A"]
+    want = _config_json({"A": run.configs["A"]})["A"]
+    mine["run"].pop("test_per_stage"), want["run"].pop("test_per_stage")
+    diff = _diffs(want, mine)
+    if diff:
+        raise BenchError(f"{run.name}: cannot complete phase A alone with the same config ({'; '.join(diff[:3])}); "
+                         f"delete {run.dir} to rerun it from the start")
+    return keep
+
+
+def _train(run: Run, argv: list[str], label: str) -> None:
+    """One trainer subprocess, its console output appended to train.out; exit 1 names the last line."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")  # one thread everywhere, as the trainer
+    out = run.dir / "train.out"
+    t0 = time.time()
+    print(f"[bench] {run.name}: {label} ... (console: {out})", flush=True)
+    with out.open("a") as f:
+        f.write(f"\n$ {shlex.join(['python', *argv[1:]])}\n")
+        f.flush()
+        rc = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, env=env, check=False).returncode
+    if rc != 0:
+        lines = [ln for ln in out.read_text().splitlines() if ln.strip()]
+        last = next((ln for ln in reversed(lines) if ln.startswith("error:")), lines[-1] if lines else "")
+        raise BenchError(f"{run.name}: grpo.train exited with {rc} after {time.time() - t0:.0f}s ({last.strip()}); "
+                         f"see {out}", code=2 if rc == 2 else 1)
+    print(f"[bench] {run.name}: {label} done in {time.time() - t0:.0f}s", flush=True)
+
+
+def ensure_trained(run: Run, runs: Sequence[Run]) -> None:
+    if finished(run):
+        return
+    run.dir.mkdir(parents=True, exist_ok=True)
+    (run.dir / "bench_eval.json").unlink(missing_ok=True)  # whatever it says, it is about an older state
+    meta = {"variant": run.variant.name, "seed": run.seed, "command": shlex.join(run.command()),
+            "configs": _config_json(run.configs)}
+    (run.dir / "bench_run.json").write_text(json.dumps(meta, indent=2))
+    if run.variant.shares:
+        main = next(r for r in runs if r.variant.name == "default" and r.seed == run.seed)
+        if not finished(main):
+            raise BenchError(f"{run.name} starts from the default run of seed {run.seed}, which is not finished "
+                             f"({main.dir}); run it first (--variants default)", code=1)
+        _copy_shared(run, main)
+    a_steps = run.configs["A"].phase.steps
+    if (run.dir / "A" / "registry.json").is_file() and not (run.dir / "B" / "registry.json").is_file() \
+            and (_latest(run.dir, "A") or 0) < a_steps:
+        _train(run, [sys.executable, "-m", "grpo.train", "--phase", "A", *_phase_a_options(run)],
+               f"completing the interrupted phase A (step {_latest(run.dir, 'A')} of {a_steps})")
+    _train(run, run.command(sys.executable), "training" if not (run.dir / "B").exists() else "resuming")
+    if not finished(run):
+        raise BenchError(f"{run.name}: grpo.train exited 0 but phase B is not at step {_b_steps(run)} or the "
+                         f"report is missing; see {run.dir / 'train.out'}", code=1)
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+
+def _metric(value: Any, lo: Any, hi: Any) -> dict[str, float]:
+    def num(x: Any) -> float:  # None (no interval) and non-numbers are NaN
+        return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else math.nan
+
+    return {"value": num(value), "lo": num(lo), "hi": num(hi)}
+
+
+def greedy_metrics(model: dict) -> dict[str, dict[str, float]]:
+    """The table's greedy numbers of one report.json model entry (eval/evaluate.EvalResult.to_dict)."""
+    from eval.metrics import wilson_interval
+
+    ov, ctrl = model["overall"], (model.get("control") or {}).get("overall")
+    m, iv = ov["metrics"], ov["intervals"]
+    out = {
+        "exact_match": _metric(m.get("exact_match"), *iv.get("exact_match", (None, None))),
+        "parseable": _metric(m.get("parseable_rate"), *iv.get("parseable_rate", (None, None))),
+        "tokens": _metric(m.get("mean_completion_tokens"), *iv.get("mean_completion_tokens", (None, None))),
+    }
+    if ctrl and ctrl.get("n"):
+        n, em_s = int(ctrl["n"]), ctrl.get("exact_match_shuffled")
+        lo, hi = wilson_interval(em_s * n, n) if isinstance(em_s, (int, float)) else (None, None)
+        out["exact_match_shuffled"] = _metric(em_s, lo, hi)
+        out["blind_gap"] = _metric(ctrl.get("gap"), ctrl.get("lo"), ctrl.get("hi"))
+    return out
+
+
+def _digest(checkpoint: Path) -> str:
+    return hashlib.sha256((checkpoint / "state.json").read_bytes()).hexdigest()
+
+
+def sampled_metrics(run: Run, selector: str, k: int, cache_dir: Path) -> dict[str, dict[str, float]]:
+    """pass@k (k samples at temperature 1) with true and with shuffled images, and their
+    paired gap; cached by the checkpoint's state.json digest and the protocol."""
+    from eval.blind import blind_gap, shuffle_images
+    from eval.evaluate import EvalProtocol, evaluate_model
+    from grpo.checkpoint import resolve
+
+    cfg = run.configs["B"]
+    path = resolve(run.dir, selector)
+    protocol = EvalProtocol(samples_per_prompt=k, max_new_tokens=cfg.sampling.max_new_tokens,
+                            temperature=PASS_TEMPERATURE, seed=cfg.run.seed, batch_size=PASS_BATCH, image_control=False)
+    key = {"protocol": protocol.__dict__, "test_per_stage": cfg.run.test_per_stage,
+           "image_size": cfg.model.image_size}
+    cache = cache_dir / f"{_digest(path)}.json"
+    if cache.is_file():
+        saved = json.loads(cache.read_text())
+        if saved.get("key") == json.loads(json.dumps(key)):
+            return saved["metrics"]
+    from data.synthetic import generate
+    from grpo.policy import load_policy
+    from grpo.train import pick_device
+
+    t0 = time.time()
+    examples = [ex for s in (1, 2, 3) for ex in generate("test", s, cfg.run.test_per_stage, cfg.run.seed,
+                                                          cfg.model.image_size)]
+    bundle = load_policy(path, run_dir=run.dir, device=pick_device(cfg.model.device))
+    true = evaluate_model(bundle, examples, protocol)
+    shuffled = evaluate_model(bundle, shuffle_images(examples), protocol)
+    gap = blind_gap(true.records, shuffled.records, per_prompt="any")
+    em_gap = blind_gap(true.records, shuffled.records)
+    tm, ti, sm, si = true.metrics, true.overall.intervals, shuffled.metrics, shuffled.overall.intervals
+    metrics = {
+        "pass_at_k": _metric(tm["pass_at_k"], *ti["pass_at_k"]),
+        "pass_at_k_shuffled": _metric(sm["pass_at_k"], *si["pass_at_k"]),
+        "pass_gap": _metric(gap.gap, gap.lo, gap.hi),
+        "exact_match_t1": _metric(tm["exact_match"], *ti["exact_match"]),
+        "blind_gap_t1": _metric(em_gap.gap, em_gap.lo, em_gap.hi),
+    }
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = cache_dir / f".tmp-{uuid.uuid4().hex[:8]}"
+    tmp.write_text(json.dumps({"key": key, "checkpoint": str(path), "metrics": metrics}, indent=2))
+    os.replace(tmp, cache)
+    print(f"[bench] {run.name}: pass@{k} of {selector}: {tm['pass_at_k']:.3f} (shuffled images "
+          f"{sm['pass_at_k']:.3f}) in {time.time() - t0:.0f}s", flush=True)
+    return metrics
+
+
+def paired_difference(run: Run, a: str, b: str) -> dict[str, float] | None:
+    """EM(b) - EM(a) on the same test prompts, with the paired 95% interval (the report's samples files)."""
+    from eval.blind import blind_gap
+    from eval.report import _safe_name
+
+    def records(sel: str) -> list[dict]:
+        path = run.dir / "report" / f"samples_{_safe_name(sel)}.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    try:
+        g = blind_gap(records(b), records(a))
+    except (OSError, ValueError):
+        return None
+    return _metric(g.gap, g.lo, g.hi)
+
+
+def evaluate_run(run: Run, k: int, cache_dir: Path) -> dict:
+    """bench_eval.json: the table's numbers of one finished run (greedy from its report, pass@k sampled)."""
+    path = run.dir / "bench_eval.json"
+    want = {"pass_k": k, "pass_temperature": PASS_TEMPERATURE}
+    if path.is_file():
+        saved = json.loads(path.read_text())
+        if saved.get("protocol") == want:
+            return saved
+    result: dict[str, Any] = {"protocol": want, "checkpoints": {}}
+    if not run.variant.control:
+        report = _report(run)
+        for sel in CHECKPOINTS:
+            metrics = greedy_metrics(report["models"][sel])
+            if k > 0:
+                metrics.update(sampled_metrics(run, sel, k, cache_dir))
+            result["checkpoints"][sel] = metrics
+        result["b_minus_a"] = paired_difference(run, "A:best_structure", "B:latest")
+    result["training"] = training_summary(run)
+    tmp = run.dir / f".tmp-eval-{uuid.uuid4().hex[:8]}"
+    tmp.write_text(json.dumps(result, indent=2))
+    os.replace(tmp, path)
+    return result
+
+
+def _log(run: Run) -> list[dict]:
+    path = run.dir / "train_log.jsonl"
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict):
+            out.append(row)
+    return out
+
+
+def b_steps_of(log: list[dict]) -> list[dict]:
+    """Phase B's step lines, the last one per step (a resumed run may have logged a step twice)."""
+    by_step = {r["step"]: r for r in log if r.get("phase") == "B" and r.get("event", "step") == "step" and "reward" in r}
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def training_summary(run: Run) -> dict[str, float]:
+    """Phase B's training reward, correctness and length over its last quarter of steps."""
+    steps = b_steps_of(_log(run))
+    if not steps:
+        return {}
+    tail = steps[-max(1, math.ceil(len(steps) / 4)):]
+    def mean(key: Callable[[dict], float]) -> float:
+        return sum(key(r) for r in tail) / len(tail)
+
+    return {"reward": mean(lambda r: r["reward"]),
+            "correctness": mean(lambda r: r["components"].get("correctness", math.nan)),
+            "completion_len": mean(lambda r: r["completion_len"]), "steps": len(tail)}
+
+
+# ----------------------------------------------------------------------------- aggregation
+
+
+def columns(k: int) -> list[tuple[str, str, str]]:
+    """(metric key, column header, number format) of the tables."""
+    cols = [("exact_match", "EM", "{:.3f}"), ("exact_match_shuffled", "EM shuffled", "{:.3f}"),
+            ("blind_gap", "blind gap", "{:+.3f}"), ("parseable", "parseable", "{:.3f}"), ("tokens", "tokens", "{:.1f}")]
+    if k > 0:
+        cols += [("pass_at_k", f"pass@{k}", "{:.3f}"), ("pass_at_k_shuffled", f"pass@{k} shuffled", "{:.3f}"),
+                 ("pass_gap", f"pass@{k} gap", "{:+.3f}")]
+    return cols
+
+
+def aggregate(per_seed: dict[int, dict[str, float] | None]) -> dict[str, Any] | None:
+    """Mean, min, max and sd (n - 1) over the seeds that have the value, plus each seed's value and interval."""
+    rows = [(s, m) for s, m in sorted(per_seed.items()) if m and math.isfinite(m["value"])]
+    if not rows:
+        return None
+    vals = [m["value"] for _, m in rows]
+    mean = sum(vals) / len(vals)
+    sd = math.sqrt(sum((v - mean) ** 2 for v in vals) / (len(vals) - 1)) if len(vals) > 1 else None
+    return {"mean": mean, "min": min(vals), "max": max(vals), "sd": sd, "n": len(vals),
+            "per_seed": [{"seed": s, **m} for s, m in rows]}
+
+
+def summarize(runs: Sequence[Run], evals: dict[str, dict[int, dict]], k: int, seeds: Sequence[int]) -> dict:
+    variants = list(dict.fromkeys(r.variant.name for r in runs))
+    results: dict[str, Any] = {}
+    for name in variants:
+        v, done = VARIANTS[name], evals.get(name, {})
+        entry: dict[str, Any] = {"what": v.what, "command": _command_template(runs, name), "seeds": sorted(done),
+                                 "training": {key: aggregate({s: _metric(e["training"].get(key), None, None)
+                                                              for s, e in done.items() if e.get("training")})
+                                              for key in ("reward", "correctness", "completion_len")}}
+        if not v.control:
+            entry["checkpoints"] = {sel: {key: aggregate({s: e["checkpoints"][sel].get(key) for s, e in done.items()})
+                                          for key, _, _ in columns(k) + [("exact_match_t1", "", ""),
+                                                                         ("blind_gap_t1", "", "")]}
+                                    for sel in CHECKPOINTS}
+            entry["b_minus_a"] = aggregate({s: e.get("b_minus_a") for s, e in done.items()})
+        results[name] = entry
+    return {"seeds": list(seeds), "spread": "min..max over seeds (sd in 'sd', n - 1)",
+            "pass": {"k": k, "temperature": PASS_TEMPERATURE, "batch_size": PASS_BATCH},
+            "checkpoints": list(CHECKPOINTS), "variants": results}
+
+
+def _command_template(runs: Sequence[Run], name: str) -> str:
+    """The variant's trainer command with the seed as <k> (a template: put in 0 .. N-1)."""
+    run = next(r for r in runs if r.variant.name == name)
+    cmd = run.command()
+    cmd[cmd.index("--run.seed") + 1] = "SEEDK"
+    cmd[cmd.index("--run.run_dir") + 1] = str(run.dir.parent / "seedSEEDK")
+    return shlex.join(cmd).replace("SEEDK", "<k>")
+
+
+# ----------------------------------------------------------------------------- Markdown
+
+
+def _cell(agg: dict | None, fmt: str) -> str:
+    """'mean (min..max)' over seeds; one seed: 'value [lo, hi]', its 95% interval."""
+    if not agg:
+        return "—"
+    if agg["n"] == 1:
+        m = agg["per_seed"][0]
+        ci = f" [{fmt.format(m['lo'])}, {fmt.format(m['hi'])}]" if math.isfinite(m.get("lo", math.nan)) else ""
+        return fmt.format(agg["mean"]) + ci
+    return f"{fmt.format(agg['mean'])} ({fmt.format(agg['min'])}{SEP}{fmt.format(agg['max'])})"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"] + \
+           ["| " + " | ".join(r) + " |" for r in rows]
+
+
+def main_table(summary: dict, k: int) -> list[str]:
+    """The README's table: the default run, one row per checkpoint."""
+    cols = columns(k)
+    d = summary["variants"].get("default", {})
+    rows = [[CHECKPOINT_TITLES[sel]] + [_cell(d.get("checkpoints", {}).get(sel, {}).get(key), fmt)
+                                        for key, _, fmt in cols] for sel in CHECKPOINTS]
+    return _table(["model"] + [h for _, h, _ in cols], rows)
+
+
+def phase_tables(summary: dict, k: int) -> list[str]:
+    """One table per checkpoint of the comparison, one row per variant (the warm-up is shared)."""
+    cols, out = columns(k), []
+    evaluated = [n for n, e in summary["variants"].items() if "checkpoints" in e]
+    for sel in CHECKPOINTS:
+        names = ["default"] if sel == "warmup:latest" else evaluated
+        rows = [[f"`{n}`"] + [_cell(summary["variants"][n]["checkpoints"][sel].get(key), fmt) for key, _, fmt in cols]
+                for n in names if n in summary["variants"]]
+        note = " (every variant starts from this warm-up, copied from the default run of its seed)" \
+            if sel == "warmup:latest" else ""
+        out += [f"### {CHECKPOINT_TITLES[sel]}{note}", ""] + _table(["variant"] + [h for _, h, _ in cols], rows) + [""]
+    return out
+
+
+def training_table(summary: dict) -> list[str]:
+    rows = []
+    for name, e in summary["variants"].items():
+        t = e.get("training", {})
+        if any(t.get(key) for key in ("reward", "correctness")):
+            rows.append([f"`{name}`", _cell(t.get("reward"), "{:.3f}"), _cell(t.get("correctness"), "{:.3f}"),
+                         _cell(t.get("completion_len"), "{:.1f}")])
+    return _table(["variant", "weighted reward", "correctness (raw)", "completion tokens"], rows)
+
+
+def per_seed_lines(summary: dict, k: int) -> list[str]:
+    cols, out = columns(k), []
+    for name, e in summary["variants"].items():
+        if "checkpoints" not in e or not e["seeds"]:
+            continue
+        rows = []
+        for sel in CHECKPOINTS:
+            for seed in e["seeds"]:
+                cells = []
+                for key, _, fmt in cols:
+                    agg = e["checkpoints"][sel].get(key)
+                    m = next((p for p in (agg or {}).get("per_seed", []) if p["seed"] == seed), None)
+                    cells.append("—" if m is None else fmt.format(m["value"]) + (
+                        f" [{fmt.format(m['lo'])}, {fmt.format(m['hi'])}]" if math.isfinite(m["lo"]) else ""))
+                rows.append([SHORT[sel], str(seed)] + cells)
+        out += [f"#### `{name}`", ""] + _table(["checkpoint", "seed"] + [h for _, h, _ in cols], rows) + [""]
+    return out
+
+
+def b_minus_a_lines(summary: dict) -> list[str]:
+    rows = []
+    for name, e in summary["variants"].items():
+        agg = e.get("b_minus_a")
+        if agg:
+            per = ", ".join(f"seed {p['seed']}: {p['value']:+.3f} [{p['lo']:+.3f}, {p['hi']:+.3f}]" for p in agg["per_seed"])
+            rows.append([f"`{name}`", _cell(agg, "{:+.3f}") if agg["n"] > 1 else f"{agg['mean']:+.3f}", per])
+    return _table(["variant", "mean (min..max)", "per seed [paired 95% interval]"], rows)
+
+
+def render(summary: dict, runs: Sequence[Run], k: int, failures: list[str]) -> str:
+    seeds = summary["seeds"]
+    n_seed = f"{len(seeds)} seed{'s' if len(seeds) > 1 else ''} ({', '.join(map(str, seeds))})"
+    spread = ("Cells: mean over seeds (min..max over seeds); a cell with one seed shows that run's 95% interval "
+              "[lo, hi] instead.")
+    sampled = (f"; pass@{k} draws {k} samples per prompt at temperature {PASS_TEMPERATURE:g}" if k > 0
+               else "; pass@k was skipped (--pass-k 0)")
+    out = ["# Learning benchmark (`python -m bench.learning`)", "",
+           (f"The README's main job (`python -m grpo.train --phase B`, defaults from grpo/config.py) for {n_seed}, "
+            "evaluated on the held-out synthetic test split (the end-of-run report's examples). Greedy decoding, one "
+            f"sample per prompt, for EM, EM shuffled, blind gap, parseable and tokens{sampled}. {spread}"), ""]
+    out += ["## Main run (defaults)", ""] + main_table(summary, k) + [""]
+    out += ["## Phase B's last step minus phase A (`B:latest` - `A:best_structure` test EM, paired per seed)", ""]
+    out += b_minus_a_lines(summary) + [""]
+    out += ["## Ablations (same seeds, same warm-up, same budget)", ""]
+    out += [f"- `{r.variant.name}`: {r.variant.what}" for r in runs if r.seed == seeds[0]] + [""]
+    out += phase_tables(summary, k)
+    out += ["## Training curves: phase B's last quarter of steps, against the frozen-policy control", "",
+            ("Means over the last 25% of phase B's training steps (sampled at the training temperature; the weighted "
+             "reward uses each run's own controller weights, correctness is the raw 0/1 term; with dynamic sampling, "
+             "over the groups it kept). `frozen` is the same phase on the same prompts with the policy never updated."),
+            ""] + training_table(summary) + [""]
+    out += ["## Per-seed values (95% intervals: Wilson for rates, paired normal for gaps, normal for tokens)", ""]
+    out += per_seed_lines(summary, k)
+    out += ["## Command lines", ""] + [f"- `{r.variant.name}`: `{_command_template(runs, r.variant.name)}`"
+                                       for r in runs if r.seed == seeds[0]] + [""]
+    if failures:
+        out += ["## Runs that failed (not in the tables)", ""] + [f"- {f}" for f in failures] + [""]
+    out += ["## What the numbers mean", "",
+            ("EM: the SOLUTION number equals the gold. EM shuffled: the same prompts with each image swapped for another "
+             "example's of the same family (eval/blind.py). Blind gap = EM - EM shuffled, with the paired interval of "
+             "the per-prompt differences: an interval that includes 0 means the EM does not measurably depend on the "
+             "image. Parseable: exactly one parseable SOLUTION number. Tokens: mean completion tokens. pass@k: any of k "
+             "samples exact; its gap is paired the same way. Plots: curves_seed<k>.png, test_checkpoints.png."), ""]
+    return "\n".join(out)
+
+
+def one_line(summary: dict, k: int) -> str:
+    d = summary["variants"].get("default", {})
+    em = {sel: (d.get("checkpoints", {}).get(sel, {}).get("exact_match") or {}).get("mean") for sel in CHECKPOINTS}
+    if em["B:latest"] is None:
+        return "summary: no finished default run to summarise"
+    parts = [f"summary: {len(d['seeds'])} seed(s); default test EM " + ", ".join(
+        f"{SHORT[s]} {em[s]:.3f}" for s in CHECKPOINTS if em[s] is not None)]
+    bma = d.get("b_minus_a")
+    if bma:
+        parts.append(f"B last - A best {bma['mean']:+.3f} ({bma['min']:+.3f}{SEP}{bma['max']:+.3f})")
+    others = {n: (e["checkpoints"]["B:latest"].get("exact_match") or {}).get("mean")
+              for n, e in summary["variants"].items() if n != "default" and "checkpoints" in e}
+    others = {n: v for n, v in others.items() if v is not None}
+    if others:
+        best = max(others, key=others.get)
+        parts.append(f"best variant on B last EM: {best} {others[best]:.3f} ({others[best] - em['B:latest']:+.3f})")
+    frozen = summary["variants"].get("frozen", {}).get("training", {}).get("correctness")
+    mine = d.get("training", {}).get("correctness")
+    if frozen and mine:
+        parts.append(f"B training correctness {mine['mean']:.3f} vs frozen {frozen['mean']:.3f}")
+    return "; ".join(parts)
+
+
+# ----------------------------------------------------------------------------- plots
+
+
+def plot_curves(runs: Sequence[Run], seed: int, path: Path) -> Path | None:
+    """Phase B training reward and correctness (moving average) of every variant against the
+    frozen control, and the default run's val EM and blind gap at each checkpoint eval."""
+    from eval.plots import PALETTE, PanelSpec, Series, moving_average, plot_panels
+
+    mine = [r for r in runs if r.seed == seed]
+    reward, corr = [], []
+    for i, r in enumerate(mine):
+        steps = b_steps_of(_log(r))
+        if not steps:
+            continue
+        xs = [float(s["step"]) for s in steps]
+        w = max(1, len(steps) // 6)
+        color, dash = ("#000000", True) if r.variant.control else (PALETTE[i % 10], False)
+        width = 3 if r.variant.name == "default" else 2
+        label = f"{r.variant.name} (MA {w})"
+        reward.append(Series(label, xs, moving_average([s["reward"] for s in steps], w), color, width, dash=dash))
+        corr.append(Series(label, xs, moving_average([s["components"].get("correctness", math.nan) for s in steps], w),
+                           color, width, dash=dash))
+    if not reward:
+        return None
+    evals = []
+    for r, color, dash in [(next((x for x in mine if x.variant.name == "default"), None), PALETTE[0], False),
+                           (next((x for x in mine if x.variant.control), None), "#000000", True)]:
+        if r is None:
+            continue
+        log = _log(r)
+        a_end = max([e["step"] for e in log if e.get("phase") == "A" and e.get("event") == "eval"] or [0])
+        pts = [e for e in log if e.get("event") == "eval" and e.get("phase") in ("A", "B")
+               and (e.get("phase") == "B" or not r.variant.control)]
+        xs = [float(e["step"] + (a_end if e["phase"] == "B" else 0)) for e in pts]
+        evals += [Series(f"{r.variant.name} EM", xs, [e["metrics"].get("exact_match", math.nan) for e in pts], color,
+                         markers=True, dash=dash),
+                  Series(f"{r.variant.name} blind gap", xs, [e["metrics"].get("blind_gap", math.nan) for e in pts],
+                         PALETTE[3] if not dash else "#777777", markers=True, dash=dash)]
+    main = next((x for x in mine if x.variant.name == "default"), None)
+    a_end = max([e["step"] for e in _log(main) if e.get("phase") == "A" and e.get("event") == "eval"] or [0]) \
+        if main else 0
+    specs = [PanelSpec(f"seed {seed}: phase B training reward (weighted), moving average; frozen control dashed",
+                       "reward", reward, xlabel="phase B step"),
+             PanelSpec("phase B training correctness (raw 0/1 term, mean over completions), moving average",
+                       "correctness", corr, xlabel="phase B step", y_include=(0.0,)),
+             PanelSpec("held-out val EM and blind gap at each checkpoint eval (phases A, B)", "rate / gap", evals,
+                       xlabel="step (A, then B)", phases=[("A", 0.0), ("B", float(a_end))], y_include=(0.0,))]
+    return plot_panels(specs, path)
+
+
+def _per_checkpoint(entry: dict, key: str, seed: int | None = None) -> list[float]:
+    """One value per checkpoint: the mean over seeds, or one seed's value (NaN where missing)."""
+    out = []
+    for sel in CHECKPOINTS:
+        agg = entry["checkpoints"][sel].get(key)
+        if agg is None:
+            out.append(math.nan)
+        elif seed is None:
+            out.append(agg["mean"])
+        else:
+            out.append(next((p["value"] for p in agg["per_seed"] if p["seed"] == seed), math.nan))
+    return out
+
+
+def plot_checkpoints(summary: dict, path: Path) -> Path | None:
+    """Test EM and blind gap per checkpoint: the default run per seed, every variant's mean."""
+    from eval.plots import PALETTE, PanelSpec, Series, plot_panels
+
+    xs = [float(i) for i in range(len(CHECKPOINTS))]
+    em, gap = [], []
+    for i, (name, e) in enumerate((n, e) for n, e in summary["variants"].items() if "checkpoints" in e):
+        color = PALETTE[i % 10]
+        values = functools.partial(_per_checkpoint, e)
+        em.append(Series(f"{name} (mean)", xs, values("exact_match"), color, 3 if name == "default" else 2, markers=True))
+        gap.append(Series(f"{name} (mean)", xs, values("blind_gap"), color, 3 if name == "default" else 2, markers=True))
+        if name == "default" and len(e["seeds"]) > 1:
+            for seed in e["seeds"]:
+                em.append(Series(f"default seed {seed}", xs, values("exact_match", seed=seed), color, 1, dash=True))
+                gap.append(Series(f"default seed {seed}", xs, values("blind_gap", seed=seed), color, 1, dash=True))
+    if not em:
+        return None
+    ticks = {float(i): SHORT[s] for i, s in enumerate(CHECKPOINTS)}
+    specs = [PanelSpec("test EM (greedy) per checkpoint", "EM", em, xlabel="checkpoint", xtick_labels=ticks,
+                       y_include=(0.0,)),
+             PanelSpec("blind gap (EM - EM with shuffled images) per checkpoint", "gap", gap, xlabel="checkpoint",
+                       xtick_labels=ticks, y_include=(0.0,))]
+    return plot_panels(specs, path)
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2 (argparse would print usage + error and exit)
+        raise BenchError(f"{message} (python -m bench.learning --help lists the options)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    variants = "\n".join(f"  {v.name:<13} {v.what}" for v in VARIANTS.values())
+    p = _Parser(
+        prog="python -m bench.learning",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Run the README's main job (python -m grpo.train --phase B, defaults from grpo/config.py) for "
+                    "several seeds, ablate the GRPO levers on the same warm-up, and print test EM, the blind gap, "
+                    "parseable, tokens and pass@k per phase with 95% intervals, aggregated over seeds.",
+        epilog=f"""variants (each a list of trainer options; --plan prints every command line):
+{variants}
+
+what the numbers are (held-out synthetic test split, run.test_per_stage prompts per stage):
+  EM            greedy exact match, one sample per prompt (the end-of-run report's protocol)
+  EM shuffled   the same prompts, each image swapped for another of the same family
+  blind gap     EM - EM shuffled; its 95% interval is paired over prompts (includes 0: the EM
+                does not measurably depend on the image)
+  parseable     one parseable SOLUTION number; tokens: mean completion tokens
+  pass@k        k samples per prompt at temperature 1, any exact (also with shuffled images)
+  intervals     95%: Wilson for rates, paired normal for gaps, normal for means
+  over seeds    'mean (min..max)'; with one seed, that run's 95% interval [lo, hi]
+
+output: <out>/<variant>/seed<k>/ (run directories), <out>/summary.md, summary.json,
+curves_seed<k>.png, test_checkpoints.png. Finished runs are reused, interrupted ones resumed.""")
+    p.add_argument("--seeds", type=int, default=3, help="number of seeds, run as --run.seed 0 .. N-1 (default 3)")
+    p.add_argument("--variants", default="all",
+                   help="comma-separated variants to run, or 'all' (default); 'default' is always run, since "
+                        "every ablation is compared with it and starts from its warm-up")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke configuration: 2 warm-up steps, 2 steps of A and B, 2 test prompts per stage "
+                        "(seconds per run; for tests, the numbers mean nothing); default --out becomes "
+                        f"{QUICK_OUT}")
+    p.add_argument("--out", default=None, help=f"results directory (default {DEFAULT_OUT}, git-ignored)")
+    p.add_argument("--pass-k", type=int, default=8,
+                   help="samples per prompt for pass@k at temperature 1 (default 8; 0 = skip the sampled eval)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads of this process's evaluation (default 1, like the trainer; 0 = torch's default)")
+    p.add_argument("--plan", action="store_true", help="print every run's command line and state, run nothing")
+    return p
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
+    if args.seeds < 1:
+        raise BenchError(f"--seeds {args.seeds}: must be >= 1 (the number of seeds, run as --run.seed 0 .. N-1)")
+    if args.pass_k < 0:
+        raise BenchError(f"--pass-k {args.pass_k}: must be >= 1 samples per prompt, or 0 to skip pass@k")
+    if args.threads < 0:
+        raise BenchError(f"--threads {args.threads}: must be >= 0 (0 = torch's default)")
+    names = list(VARIANTS) if args.variants.strip() == "all" else [n.strip() for n in args.variants.split(",") if n.strip()]
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown or not names:
+        raise BenchError(f"--variants {args.variants!r}: unknown variant {', '.join(map(repr, unknown)) or '(none given)'}; "
+                         f"use 'all' or some of {', '.join(VARIANTS)}")
+    args.names = ["default"] + [n for n in dict.fromkeys(names) if n != "default"]
+    args.out = Path(args.out) if args.out else (QUICK_OUT if args.quick else DEFAULT_OUT)
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        args = parse_args(argv)
+        runs = plan_runs(args.names, list(range(args.seeds)), args.out, QUICK_ARGS if args.quick else [])
+    except BenchError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return err.code
+    if args.plan:
+        for r in runs:
+            print(f"{r.name}: {state(r)}\n  {shlex.join(r.command())}")
+        return 0
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a "Loading weights" bar per evaluated checkpoint is noise
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    t0 = time.time()
+    evals: dict[str, dict[int, dict]] = {}
+    failures: list[str] = []
+    try:
+        _run_all(runs, args, evals, failures)
+    except KeyboardInterrupt:
+        print("\ninterrupted: rerun the same command to resume (finished runs are reused)", file=sys.stderr)
+        return 130
+    except BenchError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return err.code
+    summary = summarize(runs, evals, args.pass_k, list(range(args.seeds)))
+    summary["failures"] = failures
+    md = render(summary, runs, args.pass_k, failures)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "summary.md").write_text(md)
+    (args.out / "summary.json").write_text(json.dumps(_finite(summary), indent=2))
+    plots = [plot_curves(runs, s, args.out / f"curves_seed{s}.png") for s in range(args.seeds)]
+    plots.append(plot_checkpoints(summary, args.out / "test_checkpoints.png"))
+    print("\n" + "\n".join(main_table(summary, args.pass_k)) + "\n\n" + "\n".join(phase_tables(summary, args.pass_k)))
+    print(f"wrote {args.out / 'summary.md'}, summary.json and {len([p for p in plots if p])} plots "
+          f"in {time.time() - t0:.0f}s")
+    print(one_line(summary, args.pass_k))
+    if failures:
+        print(f"error: {len(failures)} run(s) failed: {failures[0]}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _run_all(runs: Sequence[Run], args: argparse.Namespace, evals: dict, failures: list[str]) -> None:
+    """Train (or reuse) and evaluate every run, the default run of every seed first: every
+    ablation starts from it. A run that fails (exit 1) is recorded and the others go on: a
+    diverging variant is a result too. A refused request (exit 2) stops everything."""
+    for run in runs:
+        try:
+            if finished(run):
+                print(f"[bench] {run.name}: finished earlier, reused ({run.dir})", flush=True)
+            else:
+                ensure_trained(run, runs)
+            evals.setdefault(run.variant.name, {})[run.seed] = evaluate_run(run, args.pass_k, args.out / "eval_cache")
+        except BenchError as err:
+            if err.code != 1:
+                raise
+            print(f"[bench] failed: {err}", flush=True)
+            failures.append(str(err))
+
+
+def _finite(obj: Any) -> Any:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
