@@ -1,0 +1,144 @@
+"""bench/learning.py end to end in its --quick configuration (about 30 s on 2 shared cores):
+one seed, the default run plus two variants -- the correctness-0 ablation (shares the
+default's warm-up) and the frozen-policy control (shares its warm-up and phase A) -- through
+training subprocesses, the reports, pass@8 with shuffled images, the summary and the plots.
+Then: a rerun trains and samples nothing, changed settings refuse the old run directories,
+bad arguments are one line with exit code 2. The numbers of a 2-step run mean nothing: only
+the structure is asserted (the benchmark itself carries the numbers)."""
+
+import contextlib
+import io
+import json
+import re
+
+import pytest
+import torch
+
+from bench import learning
+from grpo.config import PHASE_WEIGHTS, parse_override_args
+from grpo.train import phase_configs
+
+VARIANTS = "correctness0,frozen"
+CELL = r"[+-]?\d+\.\d+ \[[+-]?\d+\.\d+, [+-]?\d+\.\d+\]"  # one seed: the value and its 95% interval
+
+
+def bench(*args: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    threads = torch.get_num_threads()  # main() sets this process's torch threads
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            rc = learning.main(list(args))
+    finally:
+        torch.set_num_threads(threads)
+    return rc, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    out = tmp_path_factory.mktemp("learning")
+    rc, stdout, stderr = bench("--quick", "--seeds", "1", "--variants", VARIANTS, "--out", str(out))
+    assert rc == 0, stderr + stdout
+    return out, stdout
+
+
+def table(md: str, heading: str) -> list[list[str]]:
+    """The rows (cells stripped) of the first Markdown table after a heading, header included."""
+    lines = md.split(heading, 1)[1].splitlines()
+    lines = lines[next(i for i, ln in enumerate(lines) if ln.startswith("|")):]
+    rows = lines[: next((i for i, ln in enumerate(lines) if not ln.startswith("|")), len(lines))]
+    assert rows and set(rows[1].replace("|", "")) == {"-"}, rows[:2]
+    return [[c.strip() for c in r.strip("|").split("|")] for r in rows[:1] + rows[2:]]
+
+
+def test_quick_run_writes_the_tables_json_and_plots(quick):
+    out, stdout = quick
+    md = (out / "summary.md").read_text()
+    cols = ["EM", "EM shuffled", "blind gap", "parseable", "tokens", "pass@8", "pass@8 shuffled", "pass@8 gap"]
+    main = table(md, "## Main run (defaults)")
+    assert main[0] == ["model"] + cols
+    assert [r[0] for r in main[1:]] == [learning.CHECKPOINT_TITLES[c] for c in learning.CHECKPOINTS]
+    assert all(re.fullmatch(CELL, c) for r in main[1:] for c in r[1:]), main
+    for sel in learning.CHECKPOINTS:  # one table per checkpoint; the control is not a row
+        rows = table(md, f"### {learning.CHECKPOINT_TITLES[sel]}")
+        assert rows[0] == ["variant"] + cols
+        assert [r[0] for r in rows[1:]] == (["`default`"] if sel == "warmup:latest" else ["`default`", "`correctness0`"])
+    curves = table(md, "## Training curves")
+    assert [r[0] for r in curves[1:]] == ["`default`", "`correctness0`", "`frozen`"]
+    assert "--B.optim.lr 0" in md and "--A.rewards.weights" in md  # every variant's command line
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["seeds"] == [0] and list(summary["variants"]) == ["default", "correctness0", "frozen"]
+    em = summary["variants"]["default"]["checkpoints"]["B:latest"]["exact_match"]
+    assert em["n"] == 1 and em["per_seed"][0]["seed"] == 0 and em["per_seed"][0]["lo"] <= em["mean"] + 1e-9
+    assert "checkpoints" not in summary["variants"]["frozen"]
+    for png in ("curves_seed0.png", "test_checkpoints.png"):
+        assert (out / png).stat().st_size > 10_000
+    assert stdout.strip().splitlines()[-1].startswith("summary: 1 seed(s); default test EM warm-up ")
+    assert "| Warm-up base (`warmup:latest`) |" in stdout  # the tables are printed too
+
+
+def test_ablations_start_from_the_default_runs_phases(quick):
+    out, _ = quick
+    default, ablation, frozen = (out / v / "seed0" for v in ("default", "correctness0", "frozen"))
+    for run, phases in ((ablation, ("warmup",)), (frozen, ("warmup", "A"))):
+        for phase in phases:  # byte copies: the same checkpoint, the same digests
+            assert (run / phase / "registry.json").read_bytes() == (default / phase / "registry.json").read_bytes()
+    assert (ablation / "A" / "registry.json").read_bytes() != (default / "A" / "registry.json").read_bytes()
+
+    def b_steps(run):
+        return learning.b_steps_of([json.loads(line) for line in (run / "train_log.jsonl").read_text().splitlines()])
+
+    assert all(r["weights"]["correctness"] == 0.0 for r in b_steps(ablation))  # held at 0 through the gates
+    # the control samples phase B's first batch from the same policy, prompts and seed as training
+    assert b_steps(frozen)[0]["reward"] == b_steps(default)[0]["reward"]
+    assert all(r["lr"] == 0.0 for r in b_steps(frozen)) and not (frozen / "report").exists()
+
+
+def test_a_rerun_trains_and_samples_nothing(quick):
+    out, _ = quick
+    logs = {p: p.read_bytes() for p in out.glob("*/seed0/train_log.jsonl")}
+    before = (out / "summary.md").read_text()
+    rc, stdout, stderr = bench("--quick", "--seeds", "1", "--variants", VARIANTS, "--out", str(out))
+    assert rc == 0, stderr
+    assert stdout.count("finished earlier, reused") == 3
+    assert ": training" not in stdout and "pass@8 of" not in stdout  # no trainer, no sampling
+    assert {p: p.read_bytes() for p in logs} == logs
+    assert (out / "summary.md").read_text() == before
+
+
+def test_other_settings_refuse_the_old_run_directories(quick):
+    out, _ = quick
+    rc, _, err = bench("--seeds", "1", "--variants", "default", "--out", str(out), "--plan")  # the full defaults
+    assert rc == 2 and len(err.strip().splitlines()) == 1
+    assert err.startswith(f"error: {out / 'default' / 'seed0'} holds a run made with other settings (") and \
+        "delete it to rerun with these" in err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--variants", "nosuch"], "--variants 'nosuch': unknown variant 'nosuch'; use 'all' or some of default,"),
+    (["--variants", "mu2,,bogus"], "unknown variant 'bogus'"),
+    (["--seeds", "0"], "--seeds 0: must be >= 1"),
+    (["--seeds", "-3"], "--seeds -3: must be >= 1"),
+    (["--seeds", "three"], "argument --seeds: invalid int value: 'three'"),
+    (["--pass-k", "-1"], "--pass-k -1: must be >= 1 samples per prompt, or 0 to skip pass@k"),
+    (["--threads", "-1"], "--threads -1: must be >= 0"),
+    (["--frobnicate"], "unrecognized arguments: --frobnicate"),
+])
+def test_bad_arguments_are_one_line_with_exit_code_2(args, message):
+    rc, out, err = bench(*args)
+    assert rc == 2 and not out
+    assert err.startswith("error: ") and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_variant_options_are_read_from_the_config():
+    cfgs = phase_configs("B", "tiny", parse_override_args([]))
+    floor = learning.VARIANTS["std_floor"].args(cfgs)
+    for phase in ("A", "B"):  # w_correctness / sqrt(G), cut to 3 significant digits
+        value = float(floor[floor.index(f"--{phase}.optim.adv_std_floor") + 1])
+        exact = cfgs[phase].rewards.weights["correctness"] / cfgs[phase].sampling.G ** 0.5
+        assert exact - 0.01 < value <= exact
+    weights = learning.VARIANTS["correctness0"].args(cfgs)
+    for phase in ("A", "B"):  # the whole preset, not just correctness=0 (an override replaces the dict)
+        given = parse_override_args(weights)[f"{phase}.rewards.weights"]
+        assert dict(kv.split("=") for kv in given.split(",")) == {
+            k: repr(0.0 if k == "correctness" else float(v)) for k, v in PHASE_WEIGHTS[phase].items()}
+    assert learning._round_down(1.41421356) == 1.41 and learning._round_down(0.70710678) == 0.707
