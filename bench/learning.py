@@ -290,9 +290,12 @@ def _b_steps(run: Run) -> int:
 
 
 def _latest(run_dir: Path, phase: str) -> int | None:
-    from grpo.checkpoint import read_registry
+    from grpo.checkpoint import CheckpointError, read_registry
 
-    return read_registry(run_dir, phase)["aliases"].get("latest")
+    try:
+        return read_registry(run_dir, phase)["aliases"].get("latest")
+    except CheckpointError as err:  # a damaged registry: this run cannot be trusted or resumed
+        raise BenchError(f"{err}; delete {run_dir} to rerun it", code=1) from None
 
 
 def _report(run: Run) -> dict | None:
@@ -377,6 +380,10 @@ def _train(run: Run, argv: list[str], label: str) -> None:
         f.write(f"\n$ {shlex.join(['python', *argv[1:]])}\n")
         f.flush()
         rc = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, env=env, check=False).returncode
+    meta_path = run.dir / "bench_run.json"  # wall time of this run's trainer calls (a resume adds up)
+    meta = json.loads(meta_path.read_text())
+    meta["train_seconds"] = meta.get("train_seconds", 0.0) + time.time() - t0
+    meta_path.write_text(json.dumps(meta, indent=2))
     if rc != 0:
         lines = [ln for ln in out.read_text().splitlines() if ln.strip()]
         last = next((ln for ln in reversed(lines) if ln.startswith("error:")), lines[-1] if lines else "")
@@ -390,9 +397,11 @@ def ensure_trained(run: Run, runs: Sequence[Run]) -> None:
         return
     run.dir.mkdir(parents=True, exist_ok=True)
     (run.dir / "bench_eval.json").unlink(missing_ok=True)  # whatever it says, it is about an older state
+    meta_path = run.dir / "bench_run.json"
+    seconds = json.loads(meta_path.read_text()).get("train_seconds", 0.0) if meta_path.is_file() else 0.0
     meta = {"variant": run.variant.name, "seed": run.seed, "command": shlex.join(run.command()),
-            "configs": _config_json(run.configs)}
-    (run.dir / "bench_run.json").write_text(json.dumps(meta, indent=2))
+            "configs": _config_json(run.configs), "train_seconds": seconds}
+    meta_path.write_text(json.dumps(meta, indent=2))
     if run.variant.shares:
         main = next(r for r in runs if r.variant.name == "default" and r.seed == run.seed)
         if not finished(main):
@@ -556,13 +565,18 @@ def training_summary(run: Run) -> dict[str, float]:
     steps = b_steps_of(_log(run))
     if not steps:
         return {}
+    try:
+        seconds = json.loads((run.dir / "bench_run.json").read_text()).get("train_seconds")
+    except (OSError, ValueError):
+        seconds = None
     tail = steps[-max(1, math.ceil(len(steps) / 4)):]
     def mean(key: Callable[[dict], float]) -> float:
         return sum(key(r) for r in tail) / len(tail)
 
     return {"reward": mean(lambda r: r["reward"]),
             "correctness": mean(lambda r: r["components"].get("correctness", math.nan)),
-            "completion_len": mean(lambda r: r["completion_len"]), "steps": len(tail)}
+            "completion_len": mean(lambda r: r["completion_len"]), "steps": len(tail),
+            "train_seconds": seconds}
 
 
 # ----------------------------------------------------------------------------- aggregation
@@ -598,7 +612,8 @@ def summarize(runs: Sequence[Run], evals: dict[str, dict[int, dict]], k: int, se
         entry: dict[str, Any] = {"what": v.what, "command": _command_template(runs, name), "seeds": sorted(done),
                                  "training": {key: aggregate({s: _metric(e["training"].get(key), None, None)
                                                               for s, e in done.items() if e.get("training")})
-                                              for key in ("reward", "correctness", "completion_len")}}
+                                              for key in ("reward", "correctness", "completion_len",
+                                                          "train_seconds")}}
         if not v.control:
             entry["checkpoints"] = {sel: {key: aggregate({s: e["checkpoints"][sel].get(key) for s, e in done.items()})
                                           for key, _, _ in columns(k) + [("exact_match_t1", "", ""),
@@ -668,8 +683,8 @@ def training_table(summary: dict) -> list[str]:
         t = e.get("training", {})
         if any(t.get(key) for key in ("reward", "correctness")):
             rows.append([f"`{name}`", _cell(t.get("reward"), "{:.3f}"), _cell(t.get("correctness"), "{:.3f}"),
-                         _cell(t.get("completion_len"), "{:.1f}")])
-    return _table(["variant", "weighted reward", "correctness (raw)", "completion tokens"], rows)
+                         _cell(t.get("completion_len"), "{:.1f}"), _cell(t.get("train_seconds"), "{:.0f}")])
+    return _table(["variant", "weighted reward", "correctness (raw)", "completion tokens", "trainer wall s"], rows)
 
 
 def per_seed_lines(summary: dict, k: int) -> list[str]:
@@ -721,7 +736,9 @@ def render(summary: dict, runs: Sequence[Run], k: int, failures: list[str]) -> s
     out += ["## Training curves: phase B's last quarter of steps, against the frozen-policy control", "",
             ("Means over the last 25% of phase B's training steps (sampled at the training temperature; the weighted "
              "reward uses each run's own controller weights, correctness is the raw 0/1 term; with dynamic sampling, "
-             "over the groups it kept). `frozen` is the same phase on the same prompts with the policy never updated."),
+             "over the groups it kept). `frozen` is the same phase on the same prompts with the policy never updated. "
+             "Trainer wall s: the run's `grpo.train` time, report included (ablations: without the warm-up they copy; "
+             "on a shared machine it varies with the load)."),
             ""] + training_table(summary) + [""]
     out += ["## Per-seed values (95% intervals: Wilson for rates, paired normal for gaps, normal for tokens)", ""]
     out += per_seed_lines(summary, k)
