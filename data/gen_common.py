@@ -89,6 +89,11 @@ class Family:
     sample: Callable[[random.Random], dict[str, Any]]
     annotate: Callable[[dict[str, Any]], Annotation]
     render: Callable[[dict[str, Any], int], Image.Image]
+    # Everything the picture shows that a question of this family can ask about, in the
+    # worked reasoning's own "name: value." grammar ("red circles: 3. blue squares: 2.").
+    # The perception stage of the warm-up trains on it (grpo/sft.py): every number in it
+    # is read off the image, where a worked solution reads one or two.
+    describe: Callable[[dict[str, Any]], str] | None = None
 
 
 # ----------------------------------------------------------------------------- numbers

@@ -87,13 +87,25 @@ def plot_frame(cv: Canvas, x0: float, y0: float, x1: float, y1: float, n: int,
     return (lambda i, v: (x0 + (i + 0.5) * slot, y1 - (y1 - y0) * v / vmax)), slot
 
 
+def describe_bar(p: dict[str, Any]) -> str:
+    return " ".join(f"{c} bar: {v}." for c, v in zip(p["colours"], p["values"]))
+
+
 def render_bar(p: dict[str, Any], size: int) -> Image.Image:
+    """Bars in the lattice's columns (bar i in column i), each value printed in the bar's
+    colour in the bottom row, under its bar.
+
+    Each label shares its 28 px cell (one visual token at 112 px) with nothing else, and
+    carries the bar's colour: "the value of the red bar" is then one lookup (the cell that
+    is red and holds a number), where a label floating above a bar of variable height made
+    it two (find the red bar, then the number above it), which the tiny model did not learn.
+    """
     cv = Canvas(size)
-    at, slot = plot_frame(cv, 0.08, 0.16, 0.96, 0.94, len(p["values"]))
+    at, slot = plot_frame(cv, 0.02, 0.04, 0.02 + 0.96 * len(p["values"]) / 4, 0.72, len(p["values"]))
     for i, (c, v) in enumerate(zip(p["colours"], p["values"])):
         (bx, top), (_, base) = at(i, v), at(i, 0)
         cv.box(bx - 0.32 * slot, top, bx + 0.32 * slot, base, fill=COLOURS[c])
-        cv.number(str(v), bx, top - 0.07, 0.1)
+        cv.number(str(v), bx, 0.86, 0.14, fill=COLOURS[c])
     return cv.image
 
 
@@ -125,6 +137,10 @@ def annotate_line(p: dict[str, Any]) -> Annotation:
     sol = mean_of_two(f"x = {a + 1}", vals[a], f"x = {b + 1}", vals[b])
     return _finish(f"What is the mean of the values at x = {a + 1} and x = {b + 1}?", sol, "line plot",
                    ["statistical reasoning"], float_answer=True)
+
+
+def describe_line(p: dict[str, Any]) -> str:
+    return " ".join(f"x = {i + 1}: {v}." for i, v in enumerate(p["values"]))
 
 
 def render_line(p: dict[str, Any], size: int) -> Image.Image:
@@ -167,9 +183,13 @@ def annotate_table2(p: dict[str, Any]) -> Annotation:
                    float_answer=True, task="math word problem")
 
 
+def describe_table2(p: dict[str, Any]) -> str:
+    return " ".join(f"row {r + 1}: {', '.join(str(v) for v in row)}." for r, row in enumerate(p["values"]))
+
+
 def render_table2(p: dict[str, Any], size: int) -> Image.Image:
     cv = Canvas(size)
-    draw_table(cv, [[str(v) for v in row] for row in p["values"]], 0.04, 0.14, 0.96, 0.86)
+    draw_table(cv, [[str(v) for v in row] for row in p["values"]])
     return cv.image
 
 
@@ -205,6 +225,11 @@ def annotate_cylinder(p: dict[str, Any]) -> Annotation:
     return _finish(question, sol, "scientific figure", skills, task="textbook question answering", unit="mL")
 
 
+def describe_cylinder(p: dict[str, Any]) -> str:
+    left, right = p["levels"]
+    return f"left cylinder: {left}. right cylinder: {right}."
+
+
 def render_cylinder(p: dict[str, Any], size: int) -> Image.Image:
     cv = Canvas(size)
     y0, y1 = 0.1, 0.92  # scale top (CYL_MAX) and bottom (0)
@@ -222,8 +247,8 @@ def render_cylinder(p: dict[str, Any], size: int) -> Image.Image:
 
 
 FAMILIES = (
-    Family("bar_chart", 2, sample_bar, annotate_bar, render_bar),
-    Family("line_plot", 2, sample_line, annotate_line, render_line),
-    Family("table_stats", 2, sample_table2, annotate_table2, render_table2),
-    Family("cylinders", 2, sample_cylinder, annotate_cylinder, render_cylinder),
+    Family("bar_chart", 2, sample_bar, annotate_bar, render_bar, describe_bar),
+    Family("line_plot", 2, sample_line, annotate_line, render_line, describe_line),
+    Family("table_stats", 2, sample_table2, annotate_table2, render_table2, describe_table2),
+    Family("cylinders", 2, sample_cylinder, annotate_cylinder, render_cylinder, describe_cylinder),
 )

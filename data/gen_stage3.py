@@ -104,6 +104,12 @@ def geometry_solution(p: dict[str, Any]) -> tuple[str, Solution]:
         reads + [Intermediate("full rectangle", full), Intermediate("cut corner", cut)], 3, rubrics)
 
 
+def describe_geometry(p: dict[str, Any]) -> str:
+    first = "base" if p["shape"] == "tri" else "width"
+    out = f"{first}: {p['w']}. height: {p['h']}."
+    return out + (f" cut corner: {p['cw']} x {p['ch']}." if p["shape"] == "L" else "")
+
+
 def annotate_geometry(p: dict[str, Any]) -> Annotation:
     question, sol = geometry_solution(p)
     # A triangle's halving and an L-shape's subtraction are a grade above counting squares.
@@ -201,12 +207,18 @@ def annotate_regions(p: dict[str, Any]) -> Annotation:
                   skills=["arithmetic reasoning"], grade="high school", task="figure question answering")
 
 
+def describe_regions(p: dict[str, Any]) -> str:
+    by = {c: [str(d) for d, cc in zip(p["digits"], p["colours"]) if cc == c] for c in ("red", "blue")}
+    return " ".join(f"{c} boxes: {', '.join(v)}." for c, v in by.items() if v)
+
+
 def render_regions(p: dict[str, Any], size: int) -> Image.Image:
     cv = Canvas(size)
     for k, (d, c) in enumerate(zip(p["digits"], p["colours"])):
         x0, y0 = 0.05 + (k % 2) * 0.46, 0.05 + (k // 2) * 0.46
         cv.box(x0, y0, x0 + 0.44, y0 + 0.44, outline=COLOURS[c], width=0.05)
-        cv.number(str(d), x0 + 0.22, y0 + 0.22, 0.22)
+        # the digit in its box's colour: colour and number in one visual token
+        cv.number(str(d), x0 + 0.22, y0 + 0.22, 0.22, fill=COLOURS[c])
     return cv.image
 
 
@@ -267,6 +279,10 @@ def annotate_metro(p: dict[str, Any]) -> Annotation:
                   grade="high school", task="figure question answering")
 
 
+def describe_metro(p: dict[str, Any]) -> str:
+    return " ".join(f"{ln['colour']} line: {n}." for ln, n in zip(p["lines"], metro_legs(p)))
+
+
 def render_metro(p: dict[str, Any], size: int) -> Image.Image:
     cv = Canvas(size)
 
@@ -284,7 +300,7 @@ def render_metro(p: dict[str, Any], size: int) -> Image.Image:
 
 
 FAMILIES = (
-    Family("grid_geometry", 3, sample_geometry, annotate_geometry, render_geometry),
-    Family("region_sums", 3, sample_regions, annotate_regions, render_regions),
-    Family("metro_map", 3, sample_metro, annotate_metro, render_metro),
+    Family("grid_geometry", 3, sample_geometry, annotate_geometry, render_geometry, describe_geometry),
+    Family("region_sums", 3, sample_regions, annotate_regions, render_regions, describe_regions),
+    Family("metro_map", 3, sample_metro, annotate_metro, render_metro, describe_metro),
 )

@@ -19,6 +19,7 @@ Each line is a MathVista row plus the supervision fields of data/schema.py:
     hops           int
     rubrics        [{"text", "dimension", "label", "weight", "evidence"}, ...]
     marks          [{"kind", "x", "y", "colour" | "text"}, ...]  what the renderer drew
+    caption        "red circles: 3. blue squares: 2." (every quantity drawn), or null
 
 so a MathVista JSON row (no supervision fields) loads too, and the MathVista columns are
 parsed by the MathVista loader's own ``example_from_row`` (one parser for both).
@@ -75,6 +76,7 @@ def to_row(ex: Example, image: str | None) -> dict[str, Any]:
         "intermediates": [asdict(i) for i in ex.intermediates],
         "difficulty": ex.difficulty, "hops": ex.hops,
         "rubrics": [asdict(r) for r in ex.rubrics], "marks": ex.marks,
+        "caption": ex.caption,
     }
 
 
@@ -113,6 +115,7 @@ def _supervision(ex: Example, row: dict[str, Any]) -> Example:
     ex.rubrics = [RubricItem(str(r["text"]), str(r["dimension"]), str(r["label"]), float(r["weight"]),
                              dict(r.get("evidence") or {})) for r in row.get("rubrics") or []]
     ex.marks = [dict(m) for m in row.get("marks") or []]
+    ex.caption = None if row.get("caption") is None else str(row["caption"])
     return ex
 
 

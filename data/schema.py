@@ -14,6 +14,7 @@ error at start (grpo/rewards checks), never a silent zero.
     difficulty     easy / middle / hard, hops         -> RewardMap difficulty weight
     rubrics        rubric items with rule evidence    -> V-Rubrics
     marks          shapes and numbers as drawn        -> perception labels of the warm-up
+    caption        every quantity drawn, as text      -> caption targets of the warm-up
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ class Example:
     rubrics: list[RubricItem] = field(default_factory=list)
     # --- what the renderer drew (synthetic only): dense perception labels for the warm-up
     marks: list[dict[str, Any]] = field(default_factory=list)
+    caption: str | None = None  # every perceived quantity, "name: value." (data/gen_common.Family.describe)
 
     @property
     def context_family(self) -> str:

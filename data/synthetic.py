@@ -125,6 +125,7 @@ def generate(split: str, stage: int, n: int, seed: int = 0, image_size: int = 11
             metadata=metadata, image=image, unit=a.unit, reasoning=sol.reasoning,
             key_steps=sol.key_steps, intermediates=sol.intermediates, difficulty=DIFFICULTY[stage],
             hops=sol.hops, rubrics=sol.rubrics, marks=list(image.info.get("marks", [])),
+            caption=family.describe(params) if family.describe else None,
         ))
     return out
 

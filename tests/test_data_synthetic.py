@@ -297,6 +297,7 @@ def test_jsonl_round_trip(tmp_path):
             (b.pid, b.question, b.answer, b.answer_type, b.precision, b.unit)
         assert (a.reasoning, a.key_steps, a.intermediates, a.difficulty, a.hops, a.rubrics) == \
             (b.reasoning, b.key_steps, b.intermediates, b.difficulty, b.hops, b.rubrics)
+        assert (a.marks, a.caption) == (b.marks, b.caption) and a.caption
         assert {k: v for k, v in b.metadata.items() if k in a.metadata} == a.metadata
         assert b.image.convert("RGB").tobytes() == a.image.tobytes()
         assert b.image_path == f"images/{a.pid}.png"
