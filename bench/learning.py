@@ -108,7 +108,7 @@ SEP = ".."  # min..max in the tables: brackets are kept for 95% intervals
 QUICK_ARGS = [
     "--model.device", "cpu", "--run.train_per_stage", "20", "--run.eval_size", "4", "--run.eval_every", "1",
     "--run.test_per_stage", "2", "--sampling.G", "2", "--sampling.max_new_tokens", "8",
-    "--warmup.phase.steps", "2", "--warmup.phase.prompts_per_step", "4",
+    "--warmup.phase.steps", "2", "--warmup.phase.perception_steps", "2", "--warmup.phase.prompts_per_step", "4",
     "--A.phase.steps", "2", "--A.phase.prompts_per_step", "2", "--B.phase.steps", "2", "--B.phase.prompts_per_step", "2",
 ]
 

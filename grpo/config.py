@@ -39,12 +39,24 @@ PHASE_WEIGHTS: dict[str, dict[str, float]] = {
 }
 # Curriculum stage mixtures (stage -> probability) and the checkpoint each phase starts from.
 PHASE_MIXTURE: dict[str, dict[int, float]] = {
-    "warmup": {1: 0.5, 2: 0.3, 3: 0.2},
+    "warmup": {1: 0.6, 2: 0.25, 3: 0.15},
     "A": {1: 1.0},
     "B": {1: 0.7, 2: 0.3},
     "C": {2: 0.6, 3: 0.4},
 }
 PHASE_INIT: dict[str, str] = {"warmup": "base", "A": "warmup:latest", "B": "A:best_structure", "C": "B:best_composite"}
+# The warm-up's own defaults (SFT of the embedded model from random weights): the caption
+# stage first, then worked reasoning, 32 examples a step. lr 5e-4 learned to read faster than
+# 1e-3 or 2e-3 on every perception probe we ran (bench/EXPERIMENTS.md).
+WARMUP_DEFAULTS: dict[str, Any] = {
+    "phase.steps": 300, "phase.prompts_per_step": 32, "optim.lr": 5e-4,
+    "optim.warmup_steps": 20, "optim.schedule": "linear",
+    # (600 + 300) x 32 examples: 8000 per stage keeps that near one pass (2000 would repeat each ~5 times)
+    "run.train_per_stage": 8000,
+}
+# ... and for a model trained from scratch (random tower), the perception supervision of
+# grpo/perception.py: a pretrained model already sees, so it never gets these by default.
+PERCEPTION_DEFAULTS: dict[str, Any] = {"phase.perception_steps": 600, "optim.perception_weight": 1.0}
 
 
 class ConfigError(ValueError):
@@ -111,8 +123,10 @@ class OptimConfig:
     """Linear learning-rate warm-up steps."""
     weight_decay: float = 0.0
     """AdamW weight decay on LoRA parameters."""
-    vision_lr_scale: float = 0.01
-    """Warm-up of a random base: the vision tower's learning rate as a fraction of lr."""
+    vision_lr_scale: float = 1.0
+    """Warm-up of a random base: the vision tower's learning rate as a fraction of lr (0 = frozen)."""
+    perception_weight: float = 0.0
+    """Warm-up of a random base: weight of the per-visual-token perception loss (grpo/perception.py; 0 = off; the tiny model's warm-up: 1)."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value (0 = off)."""
     accumulation: int = 1
@@ -165,6 +179,8 @@ class PhaseConfig:
     """Start point: auto (the phase preset's alias), base, a selector like A:best_structure, or a path."""
     controller: bool = True
     """Run the metric-gated controller after each checkpoint eval."""
+    perception_steps: int = 0
+    """Warm-up of a random base: steps on image captions (image-only prompt) before the worked-reasoning SFT (the tiny model's warm-up: 600)."""
 
 
 @dataclass
@@ -247,6 +263,16 @@ class TrainConfig:
             (o.weight_decay >= 0, f"optim.weight_decay={o.weight_decay}: must be >= 0"),
             (o.vision_lr_scale >= 0, f"optim.vision_lr_scale={o.vision_lr_scale}: must be >= 0 (0 = frozen tower)"),
             (o.grad_clip >= 0, f"optim.grad_clip={o.grad_clip}: must be >= 0 (0 = off)"),
+            (o.perception_weight >= 0, f"optim.perception_weight={o.perception_weight}: must be >= 0 (0 = off)"),
+            (p.perception_steps >= 0, f"phase.perception_steps={p.perception_steps}: must be >= 0 (0 = no caption stage)"),
+            # The perception labels exist only to teach a tower that trains from scratch.
+            (not (p.name == "warmup" and (o.perception_weight > 0 or p.perception_steps > 0)) or trains_from_scratch(m.name),
+             f"model.name={m.name!r} is a pretrained model, which already sees: the perception loss and caption "
+             f"stage apply only to the embedded tiny model; set --warmup.optim.perception_weight 0 and "
+             f"--warmup.phase.perception_steps 0"),
+            (not (p.name == "warmup" and o.perception_weight > 0 and o.vision_lr_scale == 0),
+             f"optim.perception_weight={o.perception_weight} trains the vision tower through its labels, but "
+             f"optim.vision_lr_scale=0 freezes the tower: set a vision_lr_scale > 0 or perception_weight 0"),
             (o.accumulation >= 1, f"optim.accumulation={o.accumulation}: must be >= 1"),
             (o.beta >= 0, f"optim.beta={o.beta}: must be >= 0"),
             (0 <= o.eps_low < 1, f"optim.eps_low={o.eps_low}: must be in [0, 1) (the ratio's lower clip is 1 - eps_low)"),
@@ -350,6 +376,13 @@ def phase_preset(phase: str) -> TrainConfig:
         cfg.rewards.weights = dict(PHASE_WEIGHTS[phase])
         cfg.rewards.tolerance = phase == "C"
     return cfg
+
+
+def trains_from_scratch(name: str) -> bool:
+    """The embedded tiny model, or a directory build_tiny_model wrote: random weights to start."""
+    from pathlib import Path
+
+    return name == "tiny" or (Path(name) / "vlgrpo_build.json").is_file()
 
 
 PRESETS = {

@@ -410,12 +410,19 @@ class PromptBatch:
         return self.mm_token_type_ids.sum(1)
 
 
-def prompt_text(bundle: ModelBundle, question: str) -> str:
-    """The chat-formatted prompt with ONE <|image_pad|> placeholder (expanded later)."""
+def prompt_text(bundle: ModelBundle, question: str | None) -> str:
+    """The chat-formatted prompt with ONE <|image_pad|> placeholder (expanded later).
+
+    ``question=None``: a user turn that is only the image, the prompt of the warm-up's
+    perception stage (the answer describes the picture; grpo/sft.py).
+    """
     messages = []
     if bundle.system_prompt is not None:
         messages.append({"role": "system", "content": bundle.system_prompt})
-    messages.append({"role": "user", "content": [{"type": "image"}, {"type": "text", "text": format_prompt(question)}]})
+    content = [{"type": "image"}]
+    if question is not None:
+        content.append({"type": "text", "text": format_prompt(question)})
+    messages.append({"role": "user", "content": content})
     return bundle.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
@@ -445,13 +452,15 @@ def encode_prompts(
     items,
     *,
     on_bad_image: str = "raise",
+    image_only: bool = False,
 ) -> PromptBatch:
     """Tokenise B (image, question) prompts into one left-padded batch.
 
     ``items``: a sequence of Examples (``.image`` a PIL image, ``.question``) or a tuple
     ``(images, questions)``. ``on_bad_image="skip"`` drops an example whose image fails
     to preprocess and records it in ``.skipped`` (training goes on); "raise" (default)
-    raises one ValueError naming the example.
+    raises one ValueError naming the example. ``image_only``: prompts without the
+    question (the warm-up's perception stage).
     """
     if on_bad_image not in ("raise", "skip"):
         raise ValueError(f"on_bad_image={on_bad_image!r}; use 'raise' or 'skip'")
@@ -462,7 +471,7 @@ def encode_prompts(
     image_pad = "<|image_pad|>"
     rows, pixels, grids, kept, skipped = [], [], [], [], []
     for i, (image, question) in enumerate(pairs):
-        if not isinstance(question, str) or not question.strip():
+        if not image_only and (not isinstance(question, str) or not question.strip()):
             raise ValueError(f"encode_prompts: item {i} has no question text (got {question!r})")
         try:
             patches, grid = _preprocess_image(bundle, image)
@@ -471,7 +480,7 @@ def encode_prompts(
                 raise ValueError(f"encode_prompts: item {i}: {e}; fix the image or pass on_bad_image='skip'") from None
             skipped.append((i, str(e)))
             continue
-        text = prompt_text(bundle, question)
+        text = prompt_text(bundle, None if image_only else question)
         n_vis = int(grid.prod()) // merge2  # one LM token per 2x2 group of patches
         text = text.replace(image_pad, image_pad * n_vis, 1)
         rows.append(tok(text, add_special_tokens=False)["input_ids"])

@@ -9,11 +9,26 @@ What is specific to the embedded tiny model
 A real run starts from Qwen2.5-VL-7B-*Instruct*: a model that can already see and read,
 and follows our output contract only part of the time (the staged paper measured 25%
 parseable answers on MathVista). The embedded model starts from random weights, so here
-the warm-up plays both roles:
+the warm-up plays three roles:
 
-1. it teaches perception and arithmetic (all weights train: a LoRA on a random base
-   could not learn to see), and
-2. it leaves an *imperfect* instruct-like base on purpose. Each question family has a
+1. it teaches perception, in two stages, the way real VLMs are built (an encoder that
+   knows what is in a picture, then an alignment stage on captions, then instructions):
+     a. *perception*: the prompt is the image alone and the target its caption, every
+        quantity the picture shows in the worked reasoning's grammar ("red circles: 3.
+        blue squares: 2."; ``Example.caption``). Every number of it is read off the
+        image; a worked solution reads one or two, and the rest of its tokens are
+        template the LM learns long before it learns to look.
+     b. *worked reasoning*: the question-answer SFT below, which now starts from an LM
+        that reads.
+   Throughout, ``grpo/perception.py`` supervises every merged visual token with what
+   the renderer drew in its cell (shape, number, colour, position), which keeps the
+   vision tower's output informative (without it, it collapses to one vector for all
+   images within ~10 steps). Measured on stage 1 (greedy test EM, true vs shuffled
+   images): without captions 0.26 vs 0.19 after 600 x 32 steps; with 600 caption
+   steps first and 300 QA steps, 0.72 vs 0.19.
+2. it teaches the arithmetic of the worked solutions (all weights train: a LoRA on a
+   random base could not learn to see), and
+3. it leaves an *imperfect* instruct-like base on purpose. Each question family has a
    house style: on "compliant" families most targets follow the contract, on the others
    most targets are free-form ("... The answer is 7."). Greedy decoding then follows the
    contract on roughly the compliant share of questions (20-40%), while sampling still
@@ -21,7 +36,8 @@ the warm-up plays both roles:
    spread GRPO needs to fix the rest in phase A.
 
 For a pretrained model (anything but "tiny") the same loop trains only the LoRA
-parameters and every target follows the contract (``compliance=None``).
+parameters, every target follows the contract (``compliance=None``) and there is no
+perception stage: the model already sees.
 """
 
 from __future__ import annotations
@@ -62,21 +78,25 @@ def warmup_target(ex: Example, rng: random.Random, style: SFTStyle | None) -> st
         return format_response(reasoning, ex.answer)
     # Free-form answers an instruct model typically gives. None is parseable under the
     # contract, and none starts with <REASONING>, so the first token decides the format.
+    # All read the figure first: an "Answer: 7. <reasoning>" target (an earlier variant)
+    # trains the answer to be guessed before anything is read off the image.
     return rng.choice([
         f"{reasoning} The answer is {ex.answer}.",
-        f"Answer: {ex.answer}. {reasoning}",
+        f"{reasoning} That makes {ex.answer}.",
         f"{reasoning} So it is {ex.answer}.",
     ])
 
 
-def build_sft_batch(bundle, examples: Sequence[Example], targets: Sequence[str]) -> dict[str, torch.Tensor]:
+def build_sft_batch(bundle, examples: Sequence[Example], targets: Sequence[str],
+                    image_only: bool = False) -> dict[str, torch.Tensor]:
     """Prompt (left-padded, from grpo.model.encode_prompts) + target + <|im_end|> (right-padded).
 
     Returns model inputs plus ``labels`` [B, L] with -100 everywhere except target tokens.
+    ``image_only``: the prompt is the image without the question (the perception stage).
     """
     from grpo.model import encode_prompts
 
-    prompts = encode_prompts(bundle, examples)
+    prompts = encode_prompts(bundle, examples, image_only=image_only)
     tok = bundle.tokenizer
     tgt = [tok(t, add_special_tokens=False)["input_ids"] + [bundle.eos_token_id] for t in targets]
     B, P = prompts.input_ids.shape
@@ -105,3 +125,29 @@ def sft_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     h = hidden[:, :-1][predict]  # [M, d]
     logits = model.lm_head(h).float()  # [M, V]: never the full [B, L, V]
     return F.cross_entropy(logits, labels[:, 1:][predict])
+
+
+def caption_batch(bundle, examples: Sequence[Example]) -> dict[str, torch.Tensor]:
+    """The perception stage's batch: the image alone as the prompt, its caption as the target."""
+    missing = [ex.pid for ex in examples if not ex.caption]
+    if missing:
+        raise ValueError(f"examples {missing[:3]} have no caption; the perception stage needs the synthetic "
+                         "curriculum (or JSONL data written from it); set --warmup.phase.perception_steps 0")
+    return build_sft_batch(bundle, examples, [ex.caption for ex in examples], image_only=True)
+
+
+def warmup_losses(model, batch: dict[str, torch.Tensor], examples: Sequence[Example],
+                  head=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(LM loss, perception loss) of one warm-up batch; the second is None without a head.
+
+    The perception loss reads the merged visual tokens that the LM forward computes
+    (a forward hook on the tower), so the tower runs once.
+    """
+    from grpo.perception import capture_visual_tokens, token_labels
+
+    if head is None:
+        return sft_loss(model, batch), None
+    with capture_visual_tokens(model) as feats:
+        lm = sft_loss(model, batch)
+    return lm, head.loss(feats[0], token_labels(examples, batch["image_grid_thw"]))
+

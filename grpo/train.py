@@ -72,13 +72,16 @@ import torch
 from grpo.config import (
     PHASE_INIT,
     PHASES,
+    PERCEPTION_DEFAULTS,
     PRESETS,
+    WARMUP_DEFAULTS,
     ConfigError,
     TrainConfig,
     apply_overrides,
     describe_fields,
     parse_override_args,
     phase_preset,
+    trains_from_scratch,
 )
 
 # ----------------------------------------------------------------------------- small helpers
@@ -314,11 +317,14 @@ def print_eval(phase: str, step: int, result) -> None:
 
 
 def run_warmup(cfg: TrainConfig, files: RunFiles, device: str) -> None:
-    """R1-VL policy warm-up. For the tiny model: all weights, imperfect on purpose (grpo/sft.py)."""
+    """R1-VL policy warm-up. For the tiny model: all weights, a perception (caption) stage
+    first, dense perception labels throughout, imperfect contract on purpose (grpo/sft.py)."""
+    from data.mixture import MixtureStream
     from grpo.checkpoint import save_checkpoint
     from grpo.model import load_bundle
+    from grpo.perception import PerceptionHead
     from grpo.policy import base_tensors
-    from grpo.sft import SFTStyle, build_sft_batch, sft_loss, warmup_target
+    from grpo.sft import SFTStyle, build_sft_batch, caption_batch, warmup_losses, warmup_target
 
     train, val = load_training_data(cfg)
     dtype = getattr(torch, cfg.model.dtype)
@@ -331,34 +337,49 @@ def run_warmup(cfg: TrainConfig, files: RunFiles, device: str) -> None:
 
         bundle = build_policy(cfg, device)
         model = bundle.model
+    head = None
+    if tiny and cfg.optim.perception_weight > 0:
+        if not any(ex.marks for s in train for ex in train[s]):  # a family may draw none (geometry)
+            raise ConfigError(f"--run.data {cfg.run.data}: the examples carry no renderer marks, so the perception "
+                              f"loss has no labels; use the synthetic curriculum or set --warmup.optim.perception_weight 0")
+        torch.manual_seed(cfg.run.seed)
+        head = PerceptionHead(model.config.text_config.hidden_size).to(device)
     params = [p for p in model.parameters() if p.requires_grad]
-    # The vision tower learns at a fraction of the rate. Measured on the tiny model: at the
-    # full rate, Adam's normalised steps random-walk the tower while the LM still ignores it
-    # (its gradient is mostly noise early on); the visual features grew to 300x the norm of
-    # the text embeddings and the LM learned to ignore them (same loss with shuffled images).
     visual = {id(p) for n, p in model.named_parameters() if ".visual." in f".{n}"}
     groups = [{"params": [p for p in params if id(p) not in visual], "lr_scale": 1.0},
-              {"params": [p for p in params if id(p) in visual], "lr_scale": cfg.optim.vision_lr_scale}]
+              {"params": [p for p in params if id(p) in visual], "lr_scale": cfg.optim.vision_lr_scale},
+              {"params": list(head.parameters()) if head is not None else [], "lr_scale": 1.0}]
+    params += [p for p in groups[2]["params"]]
     opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
     style = SFTStyle() if tiny else None
     rng = random.Random(cfg.run.seed)
-    from data.mixture import MixtureStream
-
     stream = MixtureStream(train, cfg.phase.mixture, cfg.run.seed)  # the warm-up's own stage mixture
-    B = cfg.phase.prompts_per_step
-    print(f"warm-up: SFT on worked reasoning, {cfg.phase.steps} steps x {B} examples "
-          f"({'all weights, imperfect contract on purpose' if tiny else 'LoRA'})", flush=True)
-    bar = Progress(cfg.phase.steps, "warmup")
+    B, P = cfg.phase.prompts_per_step, cfg.phase.perception_steps if tiny else 0
+    print(f"warm-up: {P} perception steps on image captions, then {cfg.phase.steps} SFT steps on worked "
+          f"reasoning, x {B} examples ({'all weights, perception labels ' + ('on' if head else 'off') + ', imperfect contract on purpose' if tiny else 'LoRA'})",
+          flush=True)
     guard = StepGuard([(n, p) for n, p in model.named_parameters() if p.requires_grad], opt)
     bad_streak = 0
     model.train()
-    for step in range(cfg.phase.steps):
+    # Two stages, one loop: step k < P is a caption step (lr warm-up, then constant), the
+    # rest are worked-reasoning steps on their own schedule (lr_at: warm-up, then linear decay).
+    bar = Progress(P + cfg.phase.steps, "warmup")
+    for k in range(P + cfg.phase.steps):
         t0 = time.time()
-        examples = stream.next_batch(B)
-        batch = {k: v.to(device) for k, v in build_sft_batch(bundle, examples, [warmup_target(e, rng, style) for e in examples]).items()}
+        stage, step = ("perception", k) if k < P else ("sft", k - P)
+        if stage == "perception":
+            examples = stream.next_batch(B)
+            batch = caption_batch(bundle, examples)
+            lr = cfg.optim.lr * min(1.0, (step + 1) / max(1, cfg.optim.warmup_steps))
+        else:
+            examples = stream.next_batch(B)
+            batch = build_sft_batch(bundle, examples, [warmup_target(e, rng, style) for e in examples])
+            lr = lr_at(step, cfg)
+        batch = {key: v.to(device) for key, v in batch.items()}
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, cfg) * g["lr_scale"]
-        loss = sft_loss(model, batch)
+            g["lr"] = lr * g["lr_scale"]
+        lm_loss, perc_loss = warmup_losses(model, batch, examples, head)
+        loss = lm_loss if perc_loss is None else lm_loss + cfg.optim.perception_weight * perc_loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip or float("inf"))
@@ -368,29 +389,35 @@ def run_warmup(cfg: TrainConfig, files: RunFiles, device: str) -> None:
         if bad:  # a NaN loss or an overflowing update: keep the weights of before the step
             guard.restore()
             bad_streak += 1
-            files.write_log(dict(event="nan", phase="warmup", step=step + 1, loss=str(loss.item()), params=bad[:5]))
-            print(f"[warmup {step + 1}] non-finite update ({len(bad)} tensors, e.g. {bad[0]}): step undone "
+            files.write_log(dict(event="nan", phase="warmup", step=k + 1, loss=str(loss.item()), params=bad[:5]))
+            print(f"[warmup {k + 1}] non-finite update ({len(bad)} tensors, e.g. {bad[0]}): step undone "
                   f"({bad_streak} in a row)")
             if bad_streak >= 3:
-                raise diverged("warmup", step + 1, cfg, files)
+                raise diverged("warmup", k + 1, cfg, files)
         else:
             bad_streak = 0
-        files.write_log(dict(phase="warmup", step=step + 1, sft_loss=loss.item(), grad_norm=float(gnorm),
-                             lr=lr_at(step, cfg), time=dict(step=time.time() - t0)))
-        bar.update(step + 1, f"loss {loss.item():.3f}")
-        if (step + 1) % cfg.run.log_every == 0 and not bar.tty:
-            print(f"[warmup {step + 1}/{cfg.phase.steps}] sft loss {loss.item():.3f}", flush=True)
+        record = dict(phase="warmup", step=k + 1, stage=stage, sft_loss=lm_loss.item(), grad_norm=float(gnorm),
+                      lr=lr, time=dict(step=time.time() - t0))
+        if perc_loss is not None:
+            record["perception_loss"] = perc_loss.item()
+        files.write_log(record)
+        info = (f"{'captions' if stage == 'perception' else 'reasoning'}: lm loss {lm_loss.item():.3f}"
+                + (f", perception loss {perc_loss.item():.3f}" if perc_loss is not None else ""))
+        bar.update(k + 1, info)
+        if (k + 1) % cfg.run.log_every == 0 and not bar.tty:
+            print(f"[warmup {k + 1}/{P + cfg.phase.steps}] {info}", flush=True)
     bar.close()
     model.eval()
+    done = P + cfg.phase.steps  # the checkpoint's step counts every optimiser step, captions included
     result = checkpoint_eval(bundle, eval_subset(cfg, val), cfg)
-    print_eval("warmup", cfg.phase.steps, result)
-    files.write_log(dict(event="eval", phase="warmup", step=cfg.phase.steps, metrics=result.flat()))
+    print_eval("warmup", done, result)
+    files.write_log(dict(event="eval", phase="warmup", step=done, metrics=result.flat()))
     from grpo.policy import adapter_tensors
     from lora import lora_state_dict
 
     tensors = base_tensors(model) if tiny else adapter_tensors(lora_state_dict(model))
-    save_checkpoint(files.root, "warmup", cfg.phase.steps, tensors=tensors, optimizer=None,
-                    scheduler_state={"step": cfg.phase.steps}, controller_state={}, data_position=0,
+    save_checkpoint(files.root, "warmup", done, tensors=tensors, optimizer=None,
+                    scheduler_state={"step": done}, controller_state={}, data_position=0,
                     metrics=result.flat(), scores=result.scores, config_json=cfg.to_json(),
                     extra={"kind": "base" if tiny else "adapter", "base": None})
 
@@ -749,10 +776,9 @@ def phase_config(phase: str, preset: str, overrides: dict[str, str], requested: 
     phase B are not the warm-up's steps); every other override applies to all phases.
     """
     cfg = phase_preset(phase)
+    if phase == "warmup":  # SFT defaults of the embedded model; a --preset may override them
+        apply_overrides(cfg, WARMUP_DEFAULTS)
     apply_overrides(cfg, PRESETS[preset])
-    if phase == "warmup":  # SFT defaults: bigger batches, more steps, a higher learning rate
-        apply_overrides(cfg, {"phase.steps": 600, "phase.prompts_per_step": 16, "optim.lr": 3e-3,
-                              "optim.warmup_steps": 30, "optim.schedule": "linear"})
     for key, value in overrides.items():
         head, _, tail = key.partition(".")
         if head in PHASES:  # --A.steps 10: for phase A only
@@ -760,6 +786,9 @@ def phase_config(phase: str, preset: str, overrides: dict[str, str], requested: 
                 apply_overrides(cfg, {tail: value})
         elif phase == requested or not _phase_local(key):
             apply_overrides(cfg, {key: value})
+    if phase == "warmup" and trains_from_scratch(cfg.model.name):  # the perception labels teach a random tower
+        given = {k.removeprefix("warmup.") for k in overrides}
+        apply_overrides(cfg, {k: v for k, v in PERCEPTION_DEFAULTS.items() if k not in given})
     return cfg.validate()
 
 

@@ -87,3 +87,23 @@ def test_json_round_trip_and_help():
     assert from_json(cfg.to_json()) == cfg
     text = describe_fields()
     assert "--sampling.G (default 8)" in text and "Group size" in text
+
+
+def test_perception_supervision_is_the_tiny_models_alone(tmp_path):
+    """The caption stage and the perception head teach a random tower; a pretrained model
+    (any directory without the tiny build's stamp) gets neither by default, and asking for
+    them is one clear error rather than a silently relabelled run."""
+    from grpo.train import phase_config
+
+    tiny = phase_config("warmup", "tiny", {}, "B")
+    assert (tiny.phase.perception_steps, tiny.optim.perception_weight) == (600, 1.0)
+    assert phase_config("A", "tiny", {}, "B").optim.perception_weight == 0.0  # GRPO phases: never
+    kept = phase_config("warmup", "tiny", {"warmup.phase.perception_steps": "7"}, "B")
+    assert (kept.phase.perception_steps, kept.optim.perception_weight) == (7, 1.0)
+    pretrained = str(tmp_path)
+    plain = phase_config("warmup", "tiny", {"model.name": pretrained}, "B")
+    assert (plain.phase.perception_steps, plain.optim.perception_weight) == (0, 0.0)
+    with pytest.raises(ConfigError, match="pretrained model, which already sees"):
+        phase_config("warmup", "tiny", {"model.name": pretrained, "warmup.phase.perception_steps": "5"}, "B")
+    with pytest.raises(ConfigError, match="vision_lr_scale=0 freezes the tower"):
+        phase_config("warmup", "tiny", {"warmup.optim.vision_lr_scale": "0"}, "B")

@@ -55,7 +55,7 @@ CASES = [  # (loss_type, adv_scale, accumulation, beta)
 # per-component advantages with the batch std over ranks and a std floor that binds on one column:
 # (loss_type, adv_scale, accumulation, beta, adv_std_floor)
 COMPONENT_CASES = [("bnpo", "batch", 2, 0.0, 0.9), ("grpo", "group", 1, 0.0, 0.9)]
-TRAIN_ARGS = ["--phase", "A", "--warmup.phase.steps", "2", "--warmup.phase.prompts_per_step", "4",
+TRAIN_ARGS = ["--phase", "A", "--warmup.phase.steps", "2", "--warmup.phase.perception_steps", "2", "--warmup.phase.prompts_per_step", "4",
               "--model.device", "cpu", "--run.train_per_stage", "16",
               "--run.eval_size", "4", "--sampling.G", "2", "--sampling.max_new_tokens", "8",
               "--phase.prompts_per_step", "4", "--phase.steps", "3", "--run.eval_every", "3",
@@ -180,7 +180,7 @@ def test_trainer_runs_data_parallel_end_to_end(two_ranks):
     lines = [json.loads(x) for x in (run / "train_log.jsonl").read_text().splitlines()]
     steps = [r for r in lines if r.get("phase") == "A" and "event" not in r]
     assert [r["step"] for r in steps] == [1, 2, 3]  # rank 0 alone writes: one line per step
-    assert [r["step"] for r in lines if r.get("phase") == "warmup" and "event" not in r] == [1, 2]
+    assert [r["step"] for r in lines if r.get("phase") == "warmup" and "event" not in r] == [1, 2, 3, 4]  # 2 caption + 2 SFT
     assert any(r["adv_abs"] > 0 for r in steps), "no step had reward spread: replicas were never tested moving"
     evals = [r for r in lines if r.get("event") == "eval" and r["phase"] == "A"]
     assert len(evals) == 1 and evals[0]["metrics"]["n"] == 4.0  # 2 + 2 prompts gathered

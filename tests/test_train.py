@@ -21,7 +21,7 @@ from train_helpers import log_lines, run_main
 TINY = [
     "--model.device", "cpu", "--run.train_per_stage", "20", "--run.eval_size", "4",
     "--sampling.G", "2", "--sampling.max_new_tokens", "8", "--phase.prompts_per_step", "2",
-    "--warmup.phase.steps", "2", "--warmup.phase.prompts_per_step", "4",
+    "--warmup.phase.steps", "2", "--warmup.phase.perception_steps", "2", "--warmup.phase.prompts_per_step", "4",
 ]
 
 
@@ -56,18 +56,20 @@ def copy_run(src: Path, tmp_path: Path) -> Path:
 def test_phase_B_on_empty_dir_runs_warmup_then_A_then_B(chained):
     run, out = chained
     assert "running warmup -> A -> B" in out
-    for phase, steps in (("warmup", [2]), ("A", [1, 2]), ("B", [1, 2])):
+    for phase, steps in (("warmup", [4]), ("A", [1, 2]), ("B", [1, 2])):  # warm-up: 2 caption + 2 SFT steps
         reg = read_registry(run, phase)
         assert [c["step"] for c in reg["checkpoints"]] == steps, phase
         assert reg["aliases"]["latest"] == steps[-1]
         # warm-up saves once with scores; GRPO phases register every alias
         assert set(reg["aliases"]) == set(ALIASES), phase
         assert (run / f"config_{phase}.json").is_file()
-    assert [r["step"] for r in step_records(run, "warmup").values()] == [1, 2]
+    warm = list(step_records(run, "warmup").values())
+    assert [(r["step"], r["stage"]) for r in warm] == [(1, "perception"), (2, "perception"), (3, "sft"), (4, "sft")]
+    assert all(r["perception_loss"] > 0 for r in warm)
     # the tiny warm-up trains every weight (a base checkpoint); GRPO phases save adapters on it
     assert load_checkpoint(resolve(run, "warmup:latest")).extra["kind"] == "base"
     b = load_checkpoint(resolve(run, "B:latest"))
-    assert b.extra == {"kind": "adapter", "base": f"warmup/{step_dirname(2)}"}
+    assert b.extra == {"kind": "adapter", "base": f"warmup/{step_dirname(4)}"}
     assert b.tensors and all(k.endswith((".lora_A", ".lora_B")) for k in b.tensors if k != "sampler_generator_state")
 
 
