@@ -456,7 +456,8 @@ def sampled_metrics(run: Run, selector: str, k: int, cache_dir: Path) -> dict[st
     """pass@k (k samples at temperature 1) with true and with shuffled images, and their
     paired gap; cached by the checkpoint's state.json digest and the protocol."""
     from eval.blind import blind_gap, shuffle_images
-    from eval.evaluate import EvalProtocol, evaluate_model
+    from eval.evaluate import EvalProtocol
+    from grpo.evaluate import evaluate_model
     from grpo.checkpoint import resolve
 
     cfg = run.configs["B"]

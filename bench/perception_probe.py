@@ -179,7 +179,8 @@ def run_curriculum(args) -> None:
     from data.mixture import MixtureStream
     from data.synthetic import generate
     from eval.blind import blind_gap, shuffle_images
-    from eval.evaluate import EvalProtocol, evaluate_model
+    from eval.evaluate import EvalProtocol
+    from grpo.evaluate import evaluate_model
     from grpo.model import load_bundle
     from grpo.perception import PerceptionHead
     from grpo.sft import build_sft_batch, caption_batch

@@ -182,7 +182,7 @@ def kv_bytes_per_step(model, N: int, L: int, T: int) -> float:
 
 def grpo_step(bundle, examples, args, rollout_path: str, merged, stages: Stages) -> dict:
     """Sample, reward, log-probs, loss, backward, optimiser step; returns decode facts."""
-    from eval.evaluate import _content_tokens
+    from grpo.sampler import content_tokens
     from grpo.config import RewardConfig
     from grpo.logprobs import completion_logprobs, reference_logprobs
     from grpo.model import encode_prompts
@@ -204,7 +204,7 @@ def grpo_step(bundle, examples, args, rollout_path: str, merged, stages: Stages)
     with stages("rewards"):
         rewards = RewardModel(RewardConfig(), L, tokenizer=bundle.tokenizer)
         rows = [examples[n // G] for n in range(len(out.texts))]
-        rb = rewards(rows, out.texts, num_tokens=_content_tokens(out), completion_ids=out.completion_ids)
+        rb = rewards(rows, out.texts, num_tokens=content_tokens(out), completion_ids=out.completion_ids)
     ids, mask = out.completion_ids, out.completion_mask
     ref = None
     if args.beta > 0:

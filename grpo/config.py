@@ -63,6 +63,35 @@ class ConfigError(ValueError):
     """A bad configuration value or key; the message names it and says what to do."""
 
 
+# Reward components a rewards.weights dict may name: the six verifier terms of the staged
+# paper (grpo/rewards/verifier.py), R1-VL's StepRAR / StepRVR, RewardMap's detail reward and
+# the V-Rubrics rubric score. Defined here, below grpo/rewards, which imports this module.
+KNOWN_COMPONENTS = ("format", "parseable", "finished", "correctness", "tolerance", "brevity",
+                    "step_rar", "step_rvr", "detail", "rubric")
+
+
+def check_weights(weights: Any, tolerance: bool) -> dict[str, float]:
+    """The reward spec as a plain dict, or a ConfigError that names the bad entry."""
+    if not isinstance(weights, dict) or not weights:
+        raise ConfigError(f"rewards.weights={weights!r}: give a non-empty dict component -> weight, "
+                          f"components: {', '.join(KNOWN_COMPONENTS)}")
+    out = {}
+    for name, w in weights.items():
+        if name not in KNOWN_COMPONENTS:
+            raise ConfigError(f"rewards.weights names unknown component {name!r}: "
+                              f"known components are {', '.join(KNOWN_COMPONENTS)}")
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
+            raise ConfigError(f"rewards.weights[{name!r}]={w!r}: give a finite number")
+        if w < 0:
+            raise ConfigError(f"rewards.weights[{name!r}]={w}: weights must be >= 0 (components carry their own "
+                              f"sign; a negative weight would reward the penalty). Use 0 to switch it off")
+        out[name] = float(w)
+    if out.get("tolerance", 0.0) > 0 and not tolerance:
+        raise ConfigError(f"rewards.weights['tolerance']={out['tolerance']} but rewards.tolerance is false, so "
+                          f"the component is always 0: set --rewards.tolerance true or the weight to 0")
+    return out
+
+
 @dataclass
 class ModelConfig:
     name: str = "tiny"
@@ -322,8 +351,6 @@ class TrainConfig:
             if not ok:
                 raise ConfigError(msg)
         if grpo:  # the warm-up is SFT: it has no rewards
-            from grpo.rewards.compose import check_weights  # lazy: grpo.rewards imports this module
-
             weights = check_weights(ru.weights, ru.tolerance)
             if not any(w > 0 for w in weights.values()):
                 raise ConfigError(f"rewards.weights={ru.weights}: every weight is 0, so every reward and advantage is 0 "

@@ -33,7 +33,8 @@ def report_selectors(run_dir: Path, last_phase: str) -> list[str]:
 
 def write_final_report(run_dir: str | Path, last_phase: str, cfg: TrainConfig, device: str = "cpu") -> Path:
     from data.synthetic import generate
-    from eval.evaluate import EvalProtocol, evaluate_model
+    from eval.evaluate import EvalProtocol
+    from grpo.evaluate import evaluate_model
     from eval.plots import plot_run
     from eval.report import write_report
     from grpo.checkpoint import resolve
@@ -42,7 +43,7 @@ def write_final_report(run_dir: str | Path, last_phase: str, cfg: TrainConfig, d
 
     run_dir = Path(run_dir)
     if cfg.run.data != "synthetic":
-        raise ValueError("the final report evaluates the synthetic test split; use `python -m eval` for other data")
+        raise ValueError("the final report evaluates the synthetic test split; use `python -m grpo.evaluate` for other data")
     n = cfg.run.test_per_stage
     examples = [ex for s in (1, 2, 3) for ex in generate("test", s, n, cfg.run.seed, cfg.model.image_size)]
     protocol = EvalProtocol(max_new_tokens=cfg.sampling.max_new_tokens, temperature=0.0, seed=cfg.run.seed,

@@ -78,6 +78,13 @@ class SampleOutput:
         return self.completion_mask.sum(1)
 
 
+def content_tokens(out: SampleOutput) -> list[int]:
+    """Completion tokens per row without the stop token: what the brevity and truncation
+    rules count (tok >= L is truncated). A row that stopped after L - 1 tokens did not hit
+    the budget; one that produced L tokens without stopping did."""
+    return (out.lengths - out.finished.long()).tolist()
+
+
 # ----------------------------------------------------------------------------- model calls
 
 

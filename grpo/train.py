@@ -288,7 +288,8 @@ def eval_subset(cfg: TrainConfig, val: dict[int, list]) -> list:
 
 
 def checkpoint_eval(bundle, examples, cfg: TrainConfig, dp=None):
-    from eval.evaluate import EvalProtocol, evaluate_model
+    from eval.evaluate import EvalProtocol
+    from grpo.evaluate import evaluate_model
 
     protocol = EvalProtocol(max_new_tokens=cfg.sampling.max_new_tokens, temperature=0.0,
                             seed=cfg.run.seed, batch_size=64)
@@ -490,7 +491,7 @@ def spread_columns(rb, cfg: TrainConfig) -> tuple[torch.Tensor, torch.Tensor | N
 
 
 def run_grpo_phase(cfg: TrainConfig, files: RunFiles, device: str, dp=None) -> None:
-    from eval.evaluate import _content_tokens
+    from grpo.sampler import content_tokens
     from grpo.distributed import DataParallel
     from grpo.checkpoint import load_checkpoint, restore_rng, resume_point, save_checkpoint
     from grpo.controller import Controller
@@ -589,7 +590,7 @@ def run_grpo_phase(cfg: TrainConfig, files: RunFiles, device: str, dp=None) -> N
         t0 = time.time()
         examples = [examples[i] for i in prompts.kept]
         ex_rows = [examples[row // G] for row in range(len(out.texts))]
-        rb = rewards(ex_rows, out.texts, num_tokens=_content_tokens(out), completion_ids=out.completion_ids)
+        rb = rewards(ex_rows, out.texts, num_tokens=content_tokens(out), completion_ids=out.completion_ids)
         timing["rewards"] += time.time() - t0
         return Rollout(examples, out, rb)
 

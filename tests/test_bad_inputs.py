@@ -461,11 +461,11 @@ def test_read_only_run_dir_for_real(tmp_path):
     assert_one_line(rc, err, 1, f"cannot write to the run directory {run} (Permission denied")
 
 
-# ----------------------------------------------------------------------------- python -m eval (exit 2 / 1)
+# ----------------------------------------------------------------------------- python -m grpo.evaluate (exit 2 / 1)
 
 
 def run_eval(*args: str) -> tuple[int, str, str]:
-    from eval.evaluate import main
+    from grpo.evaluate import main
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):

@@ -12,7 +12,8 @@ import torch
 from PIL import Image
 
 from data.schema import Example
-from eval.evaluate import EvalProtocol, evaluate_completions, evaluate_model, main
+from eval.evaluate import EvalProtocol, evaluate_completions
+from grpo.evaluate import evaluate_model, main
 from eval.plots import GATE_COLOR, PALETTE, parse_log, plot_run
 from eval.report import render_markdown, write_report
 

@@ -47,7 +47,6 @@ answer/format/rubric weights with answer -> correctness; with the prefix preset,
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -56,14 +55,16 @@ import torch
 
 from data.contract import normalize_number, parse_response
 from data.schema import Example
-from grpo.config import ConfigError, RewardConfig
+from grpo.config import KNOWN_COMPONENTS, ConfigError, RewardConfig, check_weights  # noqa: F401 (re-exported)
 from grpo.rewards.detail import DETAIL_MAX, W_LEVEL, detail_reward
 from grpo.rewards.rubrics import Judge, PrefixInputs, RubricScore, RuleJudge, TokenLocator, build_prefix_inputs, \
     check_rubrics, coerce_verdicts, encodable, score_rubrics
 from grpo.rewards.steps import STEP_ALPHA, has_content, step_rar, step_rvr
 from grpo.rewards.verifier import VERIFIER_COMPONENTS, verify
 
-KNOWN_COMPONENTS = VERIFIER_COMPONENTS + ("step_rar", "step_rvr", "detail", "rubric")
+# The component names are the config's vocabulary (rewards.weights keys): grpo/config.py
+# owns them; the verifier's six come first.
+assert KNOWN_COMPONENTS[: len(VERIFIER_COMPONENTS)] == VERIFIER_COMPONENTS
 COMPONENT_BOUNDS: dict[str, tuple[float, float]] = {
     "format": (-0.5, 2.0), "parseable": (0.0, 1.0), "finished": (-1.0, 1.0), "correctness": (0.0, 1.0),
     "tolerance": (0.0, 1.0), "brevity": (-1.0, 1.0), "step_rar": (0.0, 1.0 + STEP_ALPHA),
@@ -75,28 +76,6 @@ RUBRIC_RELEASE_WEIGHTS = {
     "prefix": {"correctness": 0.50, "format": 0.05, "rubric": 0.45},
 }
 _NEEDS_GOLD = ("correctness", "tolerance", "step_rar", "detail")
-
-
-def check_weights(weights: Any, tolerance: bool) -> dict[str, float]:
-    """The reward spec as a plain dict, or a ConfigError that names the bad entry."""
-    if not isinstance(weights, dict) or not weights:
-        raise ConfigError(f"rewards.weights={weights!r}: give a non-empty dict component -> weight, "
-                          f"components: {', '.join(KNOWN_COMPONENTS)}")
-    out = {}
-    for name, w in weights.items():
-        if name not in KNOWN_COMPONENTS:
-            raise ConfigError(f"rewards.weights names unknown component {name!r}: "
-                              f"known components are {', '.join(KNOWN_COMPONENTS)}")
-        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
-            raise ConfigError(f"rewards.weights[{name!r}]={w!r}: give a finite number")
-        if w < 0:
-            raise ConfigError(f"rewards.weights[{name!r}]={w}: weights must be >= 0 (components carry their own "
-                              f"sign; a negative weight would reward the penalty). Use 0 to switch it off")
-        out[name] = float(w)
-    if out.get("tolerance", 0.0) > 0 and not tolerance:
-        raise ConfigError(f"rewards.weights['tolerance']={out['tolerance']} but rewards.tolerance is false, so "
-                          f"the component is always 0: set --rewards.tolerance true or the weight to 0")
-    return out
 
 
 @dataclass

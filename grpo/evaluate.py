@@ -1,0 +1,247 @@
+"""Evaluating a model: sample completions under an EvalProtocol, score them with eval/.
+
+``python -m grpo.evaluate`` is the evaluation CLI (``--help`` lists every option):
+
+    python -m grpo.evaluate base A:best_structure B:best_composite --run-dir runs/tiny --out reports/
+    python -m grpo.evaluate --data path/to/MathVista --completions mine=completions.jsonl
+
+The second form scores completions produced elsewhere (JSONL lines
+{"pid": ..., "completions": [...], "token_counts": [...]}) under the same metrics.
+
+Why this sits in grpo/ and not in eval/: everything that turns text into numbers (metrics,
+scores, intervals, the blind-gap control, reports) is in eval/ and needs no model; what
+needs one -- prompt encoding, the sampler, checkpoint selectors and the policy builder --
+lives here, above it. The trainer's checkpoint-side eval, the data-parallel eval
+(grpo/distributed.py) and the final report all call ``evaluate_model``, so a gate and a
+report can never disagree about what "parseable" means.
+
+grpo.model / grpo.sampler / grpo.policy / grpo.checkpoint are called through their modules
+(``grpo.sampler.sample``), not through bound names, so a test can swap one for a fake.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import grpo.checkpoint
+import grpo.model
+import grpo.policy
+import grpo.sampler
+from data.schema import Example
+from eval.evaluate import Completions, EvalProtocol, EvalResult, evaluate_completions, evaluate_samples
+from eval.inputs import load_examples, read_completions
+from eval.report import control_summary, write_report
+from grpo.checkpoint import CheckpointError
+from grpo.cli import inside, one_line
+from grpo.model import ModelLoadError
+
+# ----------------------------------------------------------------------------- model -> EvalResult
+
+
+def sample_completions(bundle: Any, examples: Sequence[Example], protocol: EvalProtocol) -> Completions:
+    """One sampling pass over ``examples``: texts and content-token counts per example.
+
+    An example whose image the processor cannot encode gets no completions (eval counts it
+    as skipped). Batches of ``protocol.batch_size`` prompts, each prompt prefilled once for
+    its G = ``protocol.samples_per_prompt`` completions (grpo/sampler.py).
+    """
+    G = protocol.samples_per_prompt
+    completions: list[list[str]] = [[] for _ in examples]
+    token_counts: list[list[int]] = [[] for _ in examples]
+    for start in range(0, len(examples), protocol.batch_size):
+        batch = list(examples[start : start + protocol.batch_size])
+        try:
+            prompts = grpo.model.encode_prompts(bundle, batch, on_bad_image="skip").to(bundle.device)
+        except ValueError:  # every image of the batch failed: all of them stay empty
+            continue
+        # One generator per batch, seeded from the protocol seed and the batch's position:
+        # the same protocol (batch_size included) always draws the same completions.
+        out = grpo.sampler.sample(bundle, prompts, G=G, max_new_tokens=protocol.max_new_tokens,
+                                  temperature=protocol.temperature, top_k=protocol.top_k, top_p=protocol.top_p,
+                                  seed=protocol.seed + start)
+        ntok = grpo.sampler.content_tokens(out)
+        for n, text in enumerate(out.texts):  # row n belongs to kept prompt n // G
+            i = start + prompts.kept[n // G]
+            completions[i].append(text)
+            token_counts[i].append(int(ntok[n]))
+    return completions, token_counts
+
+
+SamplePass = Callable[[Any, Sequence[Example], EvalProtocol], Completions]
+
+
+def evaluate_model(bundle: Any, examples: Sequence[Example], protocol: EvalProtocol,
+                   sample_pass: SamplePass | None = None) -> EvalResult:
+    """Sample ``protocol.samples_per_prompt`` completions per example and score them.
+
+    With ``protocol.image_control`` the same prompts are sampled again with shuffled
+    images (eval/blind.py) and ``result.control`` holds the blind gap overall and per
+    stage. ``sample_pass`` replaces the one-process pass (``sample_completions``): the
+    data-parallel trainer passes one that splits the prompts over ranks and gathers.
+    """
+    protocol.validate()
+    sample_pass = sample_pass or sample_completions
+    return evaluate_samples(examples, lambda exs: sample_pass(bundle, exs, protocol), protocol)
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def _checkpoint_bundle(path: Path, args: argparse.Namespace) -> Any:
+    """Rebuild a checkpoint's policy with the trainer's own builder (base chain, 4-bit, LoRA)."""
+    return grpo.policy.load_policy(path, run_dir=args.run_dir, device=args.device)
+
+
+def _resolve_selector(selector: str, args: argparse.Namespace) -> Path | None:
+    """None for 'base'; else the checkpoint directory from grpo.checkpoint.resolve.
+
+    resolve() raises SelectorError (a ValueError) listing the phases, steps and aliases
+    the run holds when the selector names nothing; main() prints it as it is.
+    """
+    if selector == "base":
+        return None
+    if not args.run_dir:
+        raise ValueError(f"selector {selector!r} needs --run-dir (the training run that holds its checkpoints)")
+    return grpo.checkpoint.resolve(args.run_dir, selector)  # a damaged checkpoint: CheckpointError, exit 1 in main()
+
+
+def _selector_bundle(selector: str, args: argparse.Namespace) -> Any:
+    """'base' -> the base model; a checkpoint selector -> that checkpoint's policy."""
+    try:
+        path = _resolve_selector(selector, args)
+        return grpo.model.load_bundle(args.model, device=args.device) if path is None else _checkpoint_bundle(path, args)
+    except ModelLoadError as err:
+        raise ModelLoadError(f"{selector}: {err}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m grpo.evaluate",
+        description="Evaluate the base model and checkpoints under one fixed protocol; write Markdown + JSON reports.",
+    )
+    p.add_argument("selectors", nargs="*", help="'base' and/or checkpoint selectors such as A:best_structure")
+    p.add_argument("--run-dir", default=None, help="training run directory the selectors refer to")
+    p.add_argument("--model", default="tiny", help="base model: 'tiny', a local directory or a hub id")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
+    p.add_argument("--data", default="synthetic",
+                   help="'synthetic', a JSONL dataset dir (data/jsonl.py), a MathVista parquet/dir, or hub:AI4Math/MathVista")
+    p.add_argument("--split", default="testmini", help="MathVista split (testmini has gold answers; test does not)")
+    p.add_argument("--subset", default="eval_overall_numeric", choices=("eval_overall_numeric", "all"))
+    p.add_argument("--limit", type=int, default=None, help="evaluate at most this many prompts")
+    p.add_argument("--image-size", type=int, default=112, help="synthetic data: image side in pixels")
+    p.add_argument("--completions", action="append", default=[], metavar="NAME=FILE",
+                   help="score pre-generated completions (JSONL) instead of sampling; repeatable")
+    p.add_argument("--samples", type=int, default=1, help="completions per prompt")
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--no-image-control", dest="image_control", action="store_false",
+                   help="skip the second pass with images shuffled across examples (the blind-gap control)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads (default 1, as the trainer: more stalled for minutes on shared cores; 0 = torch's default)")
+    p.add_argument("--out", default="reports", help="directory for report.md, report.json, samples")
+    p.add_argument("--title", default="Evaluation report")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The CLI. Errors the project raises on purpose are one line on stderr: exit 2 for a
+    wrong request (options, data, completions files, selectors, model), exit 1 when a
+    checkpoint is damaged or the report cannot be written. Anything else keeps its traceback:
+    the ValueError catch covers checking the request and building models, not the scoring."""
+    args = build_parser().parse_args(argv)
+
+    def fail(err: BaseException, code: int) -> int:
+        print(f"error: {one_line(err)}", file=sys.stderr)
+        return code
+
+    try:
+        protocol, examples, data_desc, load_skipped, completions = _prepare(args)
+    except (ValueError, FileNotFoundError, ImportError, ModelLoadError) as err:  # ConfigError, SelectorError too
+        return fail(err, 2)
+    except CheckpointError as err:
+        return fail(err, 1)
+    except OSError as err:
+        inputs = [args.data, args.run_dir] + [spec.partition("=")[2] for spec in args.completions]
+        if not any(p and inside(err.filename, Path(p)) for p in inputs):
+            raise
+        return fail(OSError(f"cannot read {err.filename} ({err.strerror})"), 2)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    print(f"evaluating {len(examples)} prompts: {data_desc}")
+    results: dict[str, EvalResult] = {}
+    for name, (texts, counts) in completions.items():
+        results[name] = evaluate_completions(examples, texts, counts, protocol.max_new_tokens)
+        results[name].control_note = "pre-generated completions: no second pass with shuffled images"
+    for selector in args.selectors:
+        try:
+            bundle = _selector_bundle(selector, args)
+        except (ValueError, ModelLoadError) as err:
+            return fail(err, 2)
+        except CheckpointError as err:
+            return fail(err, 1)
+        results[selector] = evaluate_model(bundle, examples, protocol)
+        print(f"  {selector}: " + ", ".join(f"{k} {v:.3f}" for k, v in results[selector].flat().items() if k != "n"))
+        for line in control_summary(selector, results[selector]):
+            print(f"    {line}")
+    for res in results.values():
+        for reason, n in load_skipped.items():  # rows the loader dropped, shown with each model
+            res.skipped[f"load:{reason}"] = n
+    shown = {**asdict(protocol), "base_model": args.model, "prompts": len(examples)}
+    try:
+        md, js = write_report(results, shown, Path(args.out), title=args.title, data=data_desc)
+    except OSError as err:
+        if not inside(err.filename, Path(args.out)):
+            raise
+        return fail(OSError(f"cannot write the report to {args.out} ({err.strerror}: {err.filename})"), 1)
+    print(f"wrote {md} and {js}")
+    return 0
+
+
+def _prepare(args: argparse.Namespace) -> tuple:
+    """Check the whole request before the first (slow) evaluation: protocol, data, selectors, files."""
+    if not args.selectors and not args.completions:
+        args.selectors = ["base"]
+    if args.limit is not None and args.limit < 1:
+        raise ValueError(f"--limit {args.limit}: must be >= 1 (leave it out to evaluate every prompt)")
+    if args.threads < 0:
+        raise ValueError(f"--threads {args.threads}: must be >= 0 (0 = torch's default, 1 = the trainer's)")
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
+        raise ValueError(f"--device {args.device!r}: use cpu, cuda or cuda:N")
+    if args.selectors and "base" in args.selectors:
+        grpo.model.check_model_source(args.model)  # a typo in --model fails before the data is loaded
+    protocol = EvalProtocol(
+        samples_per_prompt=args.samples, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+        top_k=args.top_k, top_p=args.top_p, seed=args.seed, batch_size=args.batch_size,
+        image_control=args.image_control,
+    ).validate()
+    for spec in args.completions:
+        name, _, path = spec.partition("=")
+        if not name or not path:
+            raise ValueError(f"--completions {spec!r}: write NAME=FILE.jsonl")
+    examples, data_desc, load_skipped = load_examples(args)
+    if not examples:
+        lost = ", ".join(f"{k} {v}" for k, v in load_skipped.items())
+        raise ValueError(f"no examples to evaluate in {data_desc}" + (f" ({lost} skipped)" if lost else ""))
+    for selector in args.selectors:  # a typo fails now, not after the first model's evaluation
+        _resolve_selector(selector, args)
+    completions = {}
+    for spec in args.completions:  # every file is read and checked before any is scored
+        name, _, path = spec.partition("=")
+        completions[name] = read_completions(path, examples)
+    return protocol, examples, data_desc, load_skipped, completions
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

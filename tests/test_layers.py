@@ -1,0 +1,120 @@
+"""Layers point one way and nothing imports in a circle.
+
+The order is kernels, lora < data < eval < grpo < bench: a package may import its own
+modules and those of lower layers only (kernels and lora share the bottom and import
+neither each other). Every import statement counts, the lazy ones inside functions too:
+a lazy import hides an upward dependency from a reader, it does not remove it. Read with
+ast, so nothing is executed (and no model or torch is needed).
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+LAYER = {"kernels": 0, "lora": 0, "data": 1, "eval": 2, "grpo": 3, "bench": 4}
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _project_modules() -> dict[str, Path]:
+    return {_module_name(p): p for pkg in LAYER for p in sorted((ROOT / pkg).rglob("*.py"))}
+
+
+def _imported(node: ast.AST) -> list[str]:
+    """Dotted names an import statement may load (``from a.b import c``: a.b and a.b.c)."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+        return [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+    return []
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the project modules it imports anywhere in its body."""
+    modules = _project_modules()
+    graph: dict[str, set[str]] = defaultdict(set)
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            for target in _imported(node):
+                while target and target not in modules:  # `from grpo.model import X`: X is a name
+                    target = target.rpartition(".")[0]
+                if target and target != name:
+                    graph[name].add(target)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            v, children = work[-1]
+            w = next(children, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(sorted(graph.get(w, ())))))
+                elif w in on_stack:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                component = []
+                while True:
+                    w = stack.pop()
+                    on_stack.discard(w)
+                    component.append(w)
+                    if w == v:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_layers_point_one_way():
+    upward = []
+    for src, targets in import_graph().items():
+        for dst in targets:
+            a, b = src.split(".")[0], dst.split(".")[0]
+            if a != b and LAYER[b] >= LAYER[a]:
+                upward.append(f"{src} -> {dst}")
+    assert not upward, "imports against the layer order kernels, lora < data < eval < grpo < bench: " + \
+        ", ".join(sorted(upward))
+
+
+def test_no_import_cycles():
+    assert cycles(import_graph()) == []
+
+
+def test_eval_imports_nothing_from_grpo():
+    graph = import_graph()
+    assert not [(m, t) for m, ts in graph.items() if m.startswith("eval") for t in ts if t.startswith("grpo")]
+
+
+def test_the_walker_sees_lazy_imports_and_cycles():
+    graph = import_graph()
+    assert "grpo.sampler" in graph["grpo.evaluate"]  # a module-top import
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+    lazy = ast.parse("def f():\n    from grpo.model import load_bundle\n")
+    assert [t for n in ast.walk(lazy) for t in _imported(n)] == ["grpo.model", "grpo.model.load_bundle"]
