@@ -52,9 +52,21 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._dispatch import last_dim_contiguous, next_pow2
+from kernels._dispatch import last_dim_contiguous, next_pow2, resolve_backend
 
 SCALES = ("group", "batch", "none")
+# The z-score kernel's SCALE codes (constexpr: each is its own compiled variant).
+SCALE_NONE = tl.constexpr(0)  # centred only (Dr. GRPO)
+SCALE_GROUP = tl.constexpr(1)  # divided by the group's std
+SCALE_BATCH = tl.constexpr(2)  # divided by the whole batch's std, per column
+_SCALE_CODE = {"none": SCALE_NONE, "group": SCALE_GROUP, "batch": SCALE_BATCH}
+
+# How the loss kernel reads A (its ADV_MODE), set by the advantage source.
+ADV_ROW = tl.constexpr(0)  # one value per row: A_i = sum_c coef_ic (rewards, reward components)
+ADV_PREFIX = tl.constexpr(1)  # V-Rubrics: A_it = sum_c coef_ic 1[t <= t_end_ic]
+ADV_TOKEN = tl.constexpr(2)  # given per token by the caller: A_it = token_adv[i, t]
+_ADV_CODE = {"row": ADV_ROW, "prefix": ADV_PREFIX, "token": ADV_TOKEN}
+_INT32_MAX = 2**31 - 1  # t_end of the answer column: it credits every token
 
 
 @dataclass
@@ -67,6 +79,10 @@ class PrefixRubrics:
     rho: torch.Tensor  # [J] or [N, J] rubric weights, rho_j = w_j / sum of positive w
     t_end: torch.Tensor  # [N, J] int: last completion token (0-based) that item j credits
     a: float = 0.5  # share of the answer term; 1 - a goes to the rubrics
+
+    def to(self, device: torch.device | str) -> PrefixRubrics:
+        return PrefixRubrics(self.R_ans.to(device), self.s.to(device), self.scored.to(device),
+                             self.rho.to(device), self.t_end.to(device), self.a)
 
 
 # ---------------------------------------------------------------------------------------
@@ -152,13 +168,13 @@ def _group_zscore_kernel(
     val_ptr, valid_ptr, w_ptr, coef_ptr, const_ptr,  # pointers
     N, B, G,  # dimensions
     stride_vn, stride_okn, stride_wn, stride_wc, stride_cn, stride_kb,  # strides
-    eps, std_floor,
-    SCALE: tl.constexpr, HAS_VALID: tl.constexpr, HAS_W: tl.constexpr, G_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    eps, std_floor,  # scalars
+    SCALE: tl.constexpr, HAS_VALID: tl.constexpr, HAS_W: tl.constexpr,  # meta-parameters
+    G_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """coef[:, c] = w[:, c] * z(values[:, c]); const[b, c] = 1 if group b is constant."""
     c = tl.program_id(0)
-    if SCALE == 2:  # batch std: two passes (mean, then squared deviations) avoid cancellation
+    if SCALE == SCALE_BATCH:  # batch std: two passes (mean, then squared deviations) avoid cancellation
         s = 0.0
         cnt = 0.0
         for start in range(0, N, BLOCK_N):
@@ -194,10 +210,10 @@ def _group_zscore_kernel(
         hi = tl.max(tl.where(ok, v, float("-inf")))
         lo = tl.min(tl.where(ok, v, float("inf")))
         constant = (cnt < 2.0) | (hi == lo)
-        if SCALE == 1:
+        if SCALE == SCALE_GROUP:
             std = tl.sqrt_rn(tl.sum(centered * centered) / tl.maximum(cnt - 1.0, 1.0))
             z = centered / (tl.maximum(std, std_floor) + eps)
-        elif SCALE == 2:
+        elif SCALE == SCALE_BATCH:
             z = centered / (std_all + eps)
         else:
             z = centered
@@ -219,15 +235,204 @@ def group_zscore_triton(
     valid = None if valid is None else last_dim_contiguous(valid).contiguous()
     coef = torch.empty(N, C, dtype=torch.float32, device=values.device)
     const = torch.empty(N // G, C, dtype=torch.float32, device=values.device)
+    # A pointer the kernel never reads (HAS_VALID / HAS_W false) still needs a tensor: values.
     _group_zscore_kernel[(C,)](
-        values, values if valid is None else valid, values if weights is None else weights,
+        values, valid if valid is not None else values, weights if weights is not None else values,
         coef, const,
         N, N // G, G,
         values.stride(0), 0 if valid is None else valid.stride(0),
         0 if weights is None else weights.stride(0), 0 if weights is None else weights.stride(1),
         coef.stride(0), const.stride(0),
         eps, float(std_floor),
-        SCALE={"none": 0, "group": 1, "batch": 2}[scale], HAS_VALID=valid is not None,
+        SCALE=_SCALE_CODE[scale].value, HAS_VALID=valid is not None,
         HAS_W=weights is not None, G_PAD=next_pow2(G), BLOCK_N=min(1024, next_pow2(N, 16)),
     )
     return coef, const
+
+
+# ---------------------------------------------------------------------------------------
+# Public API: the advantage step of GRPO, checked once, for either loss path
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Advantages:
+    """GRPO's A for N = B*G completions, in the form the loss on ``backend`` reads.
+
+    The reference path holds A itself: ``adv`` [N] (row) or [N, T] (prefix, token) and
+    ``zero_spread`` [B] bool. The kernel path keeps A factored, ``coef`` [N, C] = w_c z_c per
+    reward column (+ ``t_end`` [N, C] in prefix mode), and the loss kernel forms A_it in
+    registers: the V-Rubrics [N, T, J] product never exists in memory. ``constant`` [B, C]
+    (1.0 = column c of group b is constant) gives the zero-spread fraction; token mode
+    passes ``adv`` = token_adv through and the loss derives the fraction from it.
+    """
+
+    G: int
+    backend: str  # "torch" | "triton": the loss path these were prepared for
+    mode: str  # "row" | "prefix" | "token" (the loss kernel's ADV_MODE)
+    adv: torch.Tensor | None = None
+    zero_spread: torch.Tensor | None = None
+    coef: torch.Tensor | None = None
+    t_end: torch.Tensor | None = None
+    constant: torch.Tensor | None = None
+
+    @property
+    def num_rows(self) -> int:
+        return (self.adv if self.adv is not None else self.coef).shape[0]
+
+
+def check_tensor(name: str, x: object, shape: tuple, device: torch.device, floating: bool) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if floating and not x.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor (fp32/bf16/fp16), got {x.dtype}")
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name} has shape {tuple(x.shape)}, expected {tuple(shape)}")
+    if x.device != device:
+        raise ValueError(f"{name} is on {x.device} but logp is on {device}; move it to {device}")
+
+
+def check_finite(name: str, x: torch.Tensor, where: torch.Tensor | None = None) -> None:
+    """Error naming the rows with NaN/inf. A host sync (one bool), worth it: a NaN reward
+    would otherwise turn its whole group's advantages, and the loss, into NaN silently."""
+    bad = ~torch.isfinite(x.float())
+    if where is not None:
+        bad &= where
+    if bad.any():
+        rows = bad.reshape(bad.shape[0], -1).any(1).nonzero().flatten().tolist()
+        more = " ..." if len(rows) > 20 else ""
+        raise ValueError(
+            f"{name} has NaN/inf in rows {rows[:20]}{more}; fix the reward function or drop "
+            "those completions (whole groups) before the loss"
+        )
+
+
+def check_groups(N: int, G: object) -> None:
+    """Rows are B*G with each prompt's G completions contiguous: the one layout every group
+    statistic here (and the loss, and dynamic sampling) assumes."""
+    if isinstance(G, bool) or not isinstance(G, int) or G < 1:
+        raise ValueError(f"G (completions per prompt) must be a positive int, got {G!r}")
+    if N % G != 0:
+        raise ValueError(f"N = {N} rows is not divisible by G = {G}: rows must be B*G, "
+                         "the G completions of each prompt contiguous")
+
+
+def check_advantage_inputs(
+    N: int, T: int | None, device: torch.device, mask: torch.Tensor | None, rewards, reward_components,
+    component_weights, prefix, token_adv, scale: str, adv_eps: float, adv_std_floor: float,
+) -> None:
+    """Exactly one advantage source, of the right shapes and device, finite where it counts."""
+    given = [n for n, x in (("rewards", rewards), ("reward_components", reward_components),
+                            ("prefix", prefix), ("token_adv", token_adv)) if x is not None]
+    if len(given) != 1:
+        raise ValueError("give exactly one advantage source: rewards, reward_components, prefix "
+                         f"or token_adv (got {given or 'none'})")
+    if rewards is not None:
+        check_tensor("rewards", rewards, (N,), device, floating=False)
+        check_finite("rewards", rewards)
+    if reward_components is not None:
+        if reward_components.dim() != 2:
+            raise ValueError(f"reward_components must be [N, K], got {tuple(reward_components.shape)}")
+        K = reward_components.shape[1]
+        check_tensor("reward_components", reward_components, (N, K), device, floating=False)
+        if component_weights is None:
+            raise ValueError("reward_components needs component_weights [K]")
+        check_tensor("component_weights", component_weights, (K,), device, floating=False)
+        check_finite("reward_components", reward_components)
+    elif component_weights is not None:
+        raise ValueError("component_weights is only used with reward_components")
+    if prefix is not None:
+        # Duck-typed: a reloaded module (tests) or a look-alike dataclass is fine.
+        missing = [f for f in ("R_ans", "s", "scored", "rho", "t_end", "a") if not hasattr(prefix, f)]
+        if missing:
+            raise TypeError(f"prefix must be a PrefixRubrics, got {type(prefix).__name__} "
+                            f"without {missing}")
+        if T is None:
+            raise ValueError("prefix advantages need T, the completion length their t_end indexes")
+        J = prefix.s.shape[-1]
+        check_tensor("prefix.R_ans", prefix.R_ans, (N,), device, floating=False)
+        check_tensor("prefix.s", prefix.s, (N, J), device, floating=False)
+        check_tensor("prefix.scored", prefix.scored, (N, J), device, floating=False)
+        check_tensor("prefix.t_end", prefix.t_end, (N, J), device, floating=False)
+        if prefix.t_end.is_floating_point():
+            raise TypeError(f"prefix.t_end must be an integer tensor, got {prefix.t_end.dtype}")
+        rho_shape = (J,) if prefix.rho.dim() == 1 else (N, J)
+        check_tensor("prefix.rho", prefix.rho, rho_shape, device, floating=False)
+        if not 0.0 <= prefix.a <= 1.0:
+            raise ValueError(f"prefix.a must be in [0, 1], got {prefix.a}")
+        check_finite("prefix.R_ans", prefix.R_ans)
+        check_finite("prefix.s", prefix.s, where=prefix.scored.bool())
+        check_finite("prefix.rho", prefix.rho)
+    if token_adv is not None:
+        if mask is None or T is None:
+            raise ValueError("token_adv needs the mask [N, T] (its zero-spread test reads active tokens only)")
+        check_tensor("token_adv", token_adv, (N, T), device, floating=True)
+        check_finite("token_adv", token_adv, where=mask != 0)
+    if scale not in SCALES:
+        raise ValueError(f"scale must be one of {SCALES}, got {scale!r}")
+    if not adv_eps >= 0:
+        raise ValueError(f"adv_eps must be >= 0, got {adv_eps}")
+    if not adv_std_floor >= 0:  # also refuses NaN
+        raise ValueError(f"adv_std_floor must be >= 0 (0 = off), got {adv_std_floor}")
+    if adv_std_floor > 0 and scale == "none":
+        raise ValueError(f"adv_std_floor = {adv_std_floor} needs a std to floor: scale='none' divides by none")
+
+
+def group_advantages(
+    rewards: torch.Tensor | None = None, G: int | None = None, *,
+    reward_components: torch.Tensor | None = None, component_weights: torch.Tensor | None = None,
+    prefix: PrefixRubrics | None = None, token_adv: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None, T: int | None = None, scale: str = "group", adv_eps: float = 1e-4,
+    adv_std_floor: float = 0.0, backend: str = "auto", checked: bool = False,
+) -> Advantages:
+    """GRPO's advantage step: z-scores within each prompt's G completions (module docstring).
+
+    Exactly one source: ``rewards`` [N]; ``reward_components`` [N, K] with
+    ``component_weights`` [K]; ``prefix`` (V-Rubrics, needs ``T``); ``token_adv`` [N, T]
+    (used as is, needs ``mask``). ``backend`` picks the loss path the result is for:
+    "auto" (CUDA -> the Triton kernel, else the reference), "torch" or "triton"; pass the
+    loss the same one. Host syncs: the NaN checks of the inputs (``checked=True`` skips
+    them when the caller has already run ``check_advantage_inputs``).
+    """
+    source = next(x for x in (rewards, reward_components, prefix, token_adv, torch.empty(0)) if x is not None)
+    device = (source.R_ans if source is prefix else source).device
+    N = (source.R_ans if source is prefix else source).shape[0]
+    check_groups(N, G)
+    if not checked:
+        check_advantage_inputs(N, T, device, mask, rewards, reward_components, component_weights, prefix,
+                               token_adv, scale, adv_eps, adv_std_floor)
+    floor = float(adv_std_floor)
+    backend = resolve_backend(backend, device)
+    if backend == "torch":
+        if token_adv is not None:
+            active_abs = torch.where(mask != 0, token_adv.float().abs(), 0.0)
+            zero = active_abs.amax(1).view(N // G, G).amax(1) == 0
+            return Advantages(G, backend, "token", adv=token_adv, zero_spread=zero)
+        if prefix is not None:
+            adv, zero = prefix_advantages_reference(prefix, T, G, scale=scale, eps=adv_eps, std_floor=floor)
+            return Advantages(G, backend, "prefix", adv=adv, zero_spread=zero)
+        values = rewards if rewards is not None else reward_components
+        adv, zero = grpo_advantages_reference(values, G, scale=scale, eps=adv_eps, weights=component_weights,
+                                              std_floor=floor)
+        return Advantages(G, backend, "row", adv=adv, zero_spread=zero)
+
+    eps = float(adv_eps)
+    if token_adv is not None:  # the loss kernel derives zero spread from the row max |A|
+        return Advantages(G, backend, "token", adv=token_adv)
+    if prefix is None:
+        if rewards is not None:
+            coef, const = group_zscore_triton(rewards[:, None], None, None, G, scale, eps, floor)
+        else:  # weights [K] -> [N, K] with stride 0 over rows: no copy
+            w = component_weights.float()[None, :].expand(reward_components.shape)
+            coef, const = group_zscore_triton(reward_components, None, w, G, scale, eps, floor)
+        return Advantages(G, backend, "row", coef=coef, constant=const)
+    # V-Rubrics: column 0 is the answer reward (credits every token), columns 1.. the rubrics.
+    J = prefix.s.shape[1]
+    values = torch.cat([prefix.R_ans.float()[:, None], prefix.s.float()], 1)  # [N, 1+J]
+    valid = torch.cat([torch.ones(N, 1, dtype=torch.bool, device=device), prefix.scored.bool()], 1)
+    w = torch.cat([torch.full((N, 1), prefix.a, device=device),
+                   (1.0 - prefix.a) * prefix.rho.float().expand(N, J)], 1)
+    t_end = torch.cat([torch.full((N, 1), _INT32_MAX, dtype=torch.int32, device=device),
+                       prefix.t_end.clamp(-1, T).to(torch.int32)], 1)
+    coef, const = group_zscore_triton(values, valid, w, G, scale, eps, floor)
+    return Advantages(G, backend, "prefix", coef=coef, t_end=t_end, constant=const)

@@ -1,9 +1,31 @@
-"""Fused GRPO loss: advantages, clipped ratio, k3 KL, aggregation and d loss / d logp in one pass.
+"""Fused GRPO loss: clipped ratio, k3 KL, aggregation and d loss / d logp in one pass.
 
-What is implemented (TRL's GRPO loss, DESIGN.md section 4; TRL's own defaults differ in
-places: its default aggregation is now "dapo", ours "grpo"):
+Why a kernel. Once the rollouts exist, GRPO's loss is a handful of element-wise ops over
+[N, T] token tensors (N = B*G completions, T tokens), plus a few reductions. Written in
+eager PyTorch each op is a full pass over memory, autograd keeps most intermediates for
+backward, and backward walks them all again. Here is the naive version (fp32, token
+importance, beta > 0), with what each line moves per token (B = bytes):
 
-    A          = (r - mean_g) / (std_g + adv_eps)      group-normalised advantage, per prompt
+    lp    = torch.where(m, logp, 0.0)                 # read 4 + 1 (mask), write 4
+    old   = torch.where(m, old_logp, 0.0)             # read 4 + 1, write 4
+    ratio = torch.exp(lp - old)                       # read 12, write 8 (difference, then exp)
+    pg1   = ratio * A                                 # read 8, write 4 (A expanded to [N, T])
+    pg2   = ratio.clamp(1 - eps_lo, 1 + eps_hi) * A   # read 12, write 8
+    pg    = -torch.minimum(pg1, pg2)                  # read 12, write 8
+    d     = torch.where(m, ref_logp, 0.0) - lp        # read 13, write 8
+    kl    = torch.exp(d) - d - 1                      # read 16, write 12
+    loss  = ((pg + beta * kl) * m).sum(-1) / n        # read 21, write 12
+
+about 170 B per token forward, and backward walks the saved intermediates again, in ~90
+kernel launches with the diagnostics (torch.profiler). The fused kernel reads logp, old
+and ref once (4 B each in fp32) and the mask (1 B), and writes d loss / d logp (4 B):
+~17 B per token; backward rescales that gradient once (read 4 B, write 2-4 B). At 7B rollout sizes the loss is
+bound by memory traffic, so the byte count is the speed (bench/grpo_loss.py measures it).
+
+What is implemented (TRL's GRPO loss conventions; TRL's own defaults differ in places:
+its default aggregation is now "dapo", ours "grpo"):
+
+    A          = group advantages (kernels/grpo_advantages.py: z-scores within each group)
     ratio_t    = exp(logp_t - old_t)                   importance="token"
     ratio_t    = exp(mean_t'(logp_t' - old_t'))        importance="sequence" (GSPO), every token
     pg_t       = -min(ratio_t * A_t, clip(ratio_t, 1 - eps_low, 1 + eps_high) * A_t)
@@ -31,16 +53,12 @@ Aggregation ("loss_type"), with n_i active tokens in row i and M = sum_i n_i:
     dapo     sum_it loss_it / num_active_tokens tokens of the whole accumulated batch
                                                 (default M, i.e. this micro-batch)
 
-Advantage sources (exactly one; kernels/grpo_advantages.py has the z-score details):
-    rewards [N]                      A = z(r), z = group z-score (unbiased std + adv_eps)
-    reward_components [N,K] + w [K]  A = sum_k w_k z(r_k), each component z-scored alone
-    prefix (V-Rubrics)               A_t = a z(R_ans) + (1-a) sum_j rho_j z(s_j) 1[t <= t_end_j]
-    token_adv [N,T]                  given by the caller, used as is (first-class: rows are
-                                     never chunked, so they cannot be mixed up)
-zero_spread_frac counts the groups in which every reward input is constant (G = 1
-included), i.e. whose advantages are all 0; with token_adv, those whose active token
-advantages are all 0. adv_std_floor > 0 divides by max(std, floor) instead of std (the
-tie-breaker rule of kernels/grpo_advantages.py).
+Advantages: pass ``advantages`` from ``group_advantages`` (the trainer does, once per
+rollout batch), or one raw source and let the loss call it: rewards [N], reward_components
+[N, K] + component_weights [K], prefix (V-Rubrics), token_adv [N, T] (given by the caller,
+used as is; first-class: rows are never chunked, so they cannot be mixed up).
+zero_spread_frac counts the groups whose advantages are all 0 (every reward input constant,
+G = 1 included; with token_adv, all active token advantages 0).
 
 Several updates per batch (mu > 1, PPO epochs): pass old_logp = the log-probs of the
 policy that sampled the batch, detached; from the second update on the ratio differs from
@@ -53,21 +71,18 @@ Gradient: only logp gets one. old_logp, ref_logp and all advantage inputs are co
 gives half to each branch and both carry -A inside the clip range); a token whose clipped
 branch wins *and* whose ratio is outside the range gets 0.
 
-Kernels (three launches forward, one backward; no atomics, deterministic):
-    1. _group_zscore_kernel  grid (C,): one program per reward column; loops over the B
-       groups of that column ([N] floats, microseconds). Writes coef = w * z and the
-       constant-group flags.
-    2. _grpo_loss_fwd_kernel grid (N,): one program per completion, BLOCK_T tokens at a
+Kernels (forward: the z-score launch of group_advantages, then two here; backward one; no
+atomics, deterministic):
+    _grpo_loss_fwd_kernel grid (N,): one program per completion, BLOCK_T tokens at a
        time. Pass 1 counts active tokens (and the sequence log-ratio); pass 2 computes
        loss, stats and the per-token gradient; sequence importance adds pass 3, because
-       every token's gradient then depends on a sum over the whole row.
-    3. _grpo_finalize_kernel grid (1,): sums the [N, 8] row partials into loss and stats.
-    4. _scale_grad_kernel (backward): grad * g * normaliser, cast to logp's dtype. The
+       every token's gradient then depends on a sum over the whole row. Each row leaves
+       N_SLOTS partial sums (SLOT_*) for the finalisation.
+    _grpo_finalize_kernel grid (1,): sums the [N, N_SLOTS] row partials into the loss and
+       the N_STATS diagnostics (STAT_*).
+    _scale_grad_kernel (backward): grad * g * normaliser, cast to logp's dtype. The
        normaliser of bnpo/dapo is known only after every row is done, and g only in
        backward, so the forward stores the gradient without them.
-Memory traffic per token: read logp, old, ref (4 B each in fp32), mask (1 B), write the
-fp32 gradient (4 B) and rescale it in backward (4 + 4 B). The eager reference runs ~90
-ops for forward + backward (torch.profiler, stats included), many a full pass over [N, T].
 
 Gradient accumulation: grpo/bnpo/dr_grpo are per-micro-batch means (average the
 micro-batch losses, i.e. divide by the number of steps); dapo with num_active_tokens =
@@ -88,13 +103,47 @@ import triton.language as tl
 
 from kernels._dispatch import check_launchable, last_dim_contiguous, next_pow2, resolve_backend
 # The advantage half lives in grpo_advantages; its public names are re-exported from here.
-from kernels.grpo_advantages import (SCALES, PrefixRubrics, group_zscore_reference,  # noqa: F401
+from kernels.grpo_advantages import (ADV_PREFIX, ADV_ROW, ADV_TOKEN, SCALES, Advantages,  # noqa: F401
+                                     PrefixRubrics, _ADV_CODE, check_advantage_inputs, check_groups,
+                                     check_tensor, group_advantages, group_zscore_reference,
                                      group_zscore_triton, grpo_advantages_reference,
                                      prefix_advantages_reference)
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")  # the one list: grpo/config.py and grpo/distributed.py read it
 IMPORTANCE = ("token", "sequence")
-_INT32_MAX = 2**31 - 1
+
+# The finalisation kernel's LOSS_TYPE codes, one per name of LOSS_TYPES.
+LOSS_GRPO = tl.constexpr(0)
+LOSS_BNPO = tl.constexpr(1)
+LOSS_DR_GRPO = tl.constexpr(2)
+LOSS_DAPO = tl.constexpr(3)
+_LOSS_CODE = {"grpo": LOSS_GRPO, "bnpo": LOSS_BNPO, "dr_grpo": LOSS_DR_GRPO, "dapo": LOSS_DAPO}
+# dapo's divisor (NORM_MODE): this micro-batch's active tokens, a number, or a 1-element tensor.
+NORM_BATCH_TOKENS = tl.constexpr(0)
+NORM_VALUE = tl.constexpr(1)  # also dr_grpo's N * max_len
+NORM_TENSOR = tl.constexpr(2)
+
+# Row partials: the forward kernel leaves N_SLOTS fp32 sums per row at part[i, SLOT_*].
+SLOT_LOSS = tl.constexpr(0)  # sum_t (pg_t + beta kl_t), times 1 / n_i for grpo
+SLOT_TOKENS = tl.constexpr(1)  # n_i, the active tokens
+SLOT_KL = tl.constexpr(2)  # sum_t kl_t
+SLOT_CLIP_LOW = tl.constexpr(3)  # tokens clipped below (ratio < 1 - eps_low, A < 0)
+SLOT_CLIP_HIGH = tl.constexpr(4)  # tokens clipped above (ratio > 1 + eps_high, A > 0)
+SLOT_ADV_ABS = tl.constexpr(5)  # sum_t |A_t|
+SLOT_ADV_MAX = tl.constexpr(6)  # max_t |A_t| (token_adv: an all-zero group has zero spread)
+SLOT_KL_OLD = tl.constexpr(7)  # sum_t (r_t - 1) - log r_t against old_logp
+N_SLOTS = tl.constexpr(8)
+# The finalisation's outputs: stats[STAT_*] (GRPOStats' order) and extra[EXTRA_*].
+STAT_KL = tl.constexpr(0)
+STAT_CLIP_LOW = tl.constexpr(1)
+STAT_CLIP_HIGH = tl.constexpr(2)
+STAT_ZERO_SPREAD = tl.constexpr(3)
+STAT_ADV_ABS = tl.constexpr(4)
+STAT_KL_OLD = tl.constexpr(5)
+N_STATS = tl.constexpr(6)
+EXTRA_SCALE = tl.constexpr(0)  # the aggregation's normaliser, which backward multiplies in
+EXTRA_TOKENS = tl.constexpr(1)  # M, this micro-batch's active tokens
+N_EXTRA = tl.constexpr(2)
 
 
 @dataclass
@@ -185,16 +234,23 @@ def grpo_loss_reference(
 
 @triton.jit
 def _grpo_loss_fwd_kernel(
+    # pointers: [N, T] inputs, the advantage source, outputs grad [N, T] and part [N, N_SLOTS]
     logp_ptr, old_ptr, ref_ptr, mask_ptr, adv_ptr, coef_ptr, tend_ptr, grad_ptr, part_ptr,
+    # dimensions: T tokens per row, C reward columns of coef / tend
     T, C,
+    # strides: rows only, every last dimension is contiguous (the launcher makes it so)
     stride_lp, stride_old, stride_ref, stride_m, stride_adv, stride_coef, stride_tend,
+    # scalars
     beta, eps_low, eps_high,
-    ADV_MODE: tl.constexpr,  # 0 row advantage, 1 prefix cut-offs, 2 token advantages
+    # meta-parameters: each combination is its own compiled kernel
+    ADV_MODE: tl.constexpr,  # ADV_ROW | ADV_PREFIX | ADV_TOKEN: which advantage pointers are read
     HAS_OLD: tl.constexpr, HAS_REF: tl.constexpr, KL_IN_LOSS: tl.constexpr,
-    SEQ: tl.constexpr, ROW_MEAN: tl.constexpr, BLOCK_T: tl.constexpr, C_PAD: tl.constexpr,
+    SEQ: tl.constexpr,  # sequence-level importance ratio (GSPO)
+    ROW_MEAN: tl.constexpr,  # grpo aggregation: each row's tokens weigh 1 / n_i
+    BLOCK_T: tl.constexpr, C_PAD: tl.constexpr,
     BIAS_KL: tl.constexpr,  # kl_t = ratio_t * k3_t (TRL's use_bias_correction_kl)
 ):
-    """One program per completion row i. Writes grad[i, :] and 8 row partials."""
+    """One program per completion row i. Writes grad[i, :] and the row's N_SLOTS partials."""
     i = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_T)
     lp_row = logp_ptr + i * stride_lp
@@ -222,9 +278,9 @@ def _grpo_loss_fwd_kernel(
 
     # The row's advantage: a scalar, or per-column coefficients with token cut-offs.
     cols = tl.arange(0, C_PAD)
-    if ADV_MODE == 0:
+    if ADV_MODE == ADV_ROW:
         adv_row = tl.sum(tl.load(coef_ptr + i * stride_coef + cols, mask=cols < C, other=0.0))
-    if ADV_MODE == 1:
+    if ADV_MODE == ADV_PREFIX:
         coef = tl.load(coef_ptr + i * stride_coef + cols, mask=cols < C, other=0.0)
         t_end = tl.load(tend_ptr + i * stride_tend + cols, mask=cols < C, other=-1)
 
@@ -249,9 +305,9 @@ def _grpo_loss_fwd_kernel(
             old = tl.where(m, tl.load(old_row + t, mask=inb, other=0.0).to(tl.float32), 0.0)
         else:
             old = lp  # one iteration per batch: old = detached current, ratio = 1
-        if ADV_MODE == 0:
+        if ADV_MODE == ADV_ROW:
             A = tl.zeros([BLOCK_T], dtype=tl.float32) + adv_row
-        elif ADV_MODE == 1:  # [BLOCK_T, C_PAD] in registers; never [N, T, J] in memory
+        elif ADV_MODE == ADV_PREFIX:  # [BLOCK_T, C_PAD] in registers; never [N, T, J] in memory
             covers = t[:, None] <= t_end[None, :]
             A = tl.sum(tl.where(covers, coef[None, :], 0.0), axis=1)
         else:
@@ -319,26 +375,34 @@ def _grpo_loss_fwd_kernel(
             grad = tl.load(grad_row + t, mask=t < T, other=0.0)
             tl.store(grad_row + t, grad + tl.where(m, k, 0.0), mask=t < T)
 
-    part = part_ptr + i * 8
-    tl.store(part + 0, acc_loss * row_w)
-    tl.store(part + 1, acc_n)
-    tl.store(part + 2, acc_kl)
-    tl.store(part + 3, acc_lo)
-    tl.store(part + 4, acc_hi)
-    tl.store(part + 5, acc_abs)
-    tl.store(part + 6, acc_max)
-    tl.store(part + 7, acc_kl_old)
+    part = part_ptr + i * N_SLOTS
+    tl.store(part + SLOT_LOSS, acc_loss * row_w)
+    tl.store(part + SLOT_TOKENS, acc_n)
+    tl.store(part + SLOT_KL, acc_kl)
+    tl.store(part + SLOT_CLIP_LOW, acc_lo)
+    tl.store(part + SLOT_CLIP_HIGH, acc_hi)
+    tl.store(part + SLOT_ADV_ABS, acc_abs)
+    tl.store(part + SLOT_ADV_MAX, acc_max)
+    tl.store(part + SLOT_KL_OLD, acc_kl_old)
 
 
 @triton.jit
 def _grpo_finalize_kernel(
+    # pointers: row partials, per-group constant flags, the dapo normaliser tensor; outputs
     part_ptr, const_ptr, norm_ptr, loss_ptr, stats_ptr, extra_ptr,
-    N, B, G, C, stride_kb, norm_value,
-    LOSS_TYPE: tl.constexpr,  # 0 grpo, 1 bnpo, 2 dr_grpo, 3 dapo
-    NORM_MODE: tl.constexpr,  # dapo normaliser: 0 this batch's M, 1 norm_value, 2 *norm_ptr
-    TOKEN_ADV: tl.constexpr, BLOCK_N: tl.constexpr, G_PAD: tl.constexpr, C_PAD: tl.constexpr,
+    # dimensions
+    N, B, G, C,
+    # strides
+    stride_kb,
+    # scalars
+    norm_value,
+    # meta-parameters
+    LOSS_TYPE: tl.constexpr,  # LOSS_GRPO | LOSS_BNPO | LOSS_DR_GRPO | LOSS_DAPO
+    NORM_MODE: tl.constexpr,  # dapo's divisor: NORM_BATCH_TOKENS | NORM_VALUE | NORM_TENSOR
+    TOKEN_ADV: tl.constexpr,  # no reward columns: zero spread from the rows' max |A|
+    BLOCK_N: tl.constexpr, G_PAD: tl.constexpr, C_PAD: tl.constexpr,
 ):
-    """Row partials [N, 8] -> loss, stats [kl, clip_lo, clip_hi, zero_frac, |A|, kl_old], [scale, M]."""
+    """Row partials [N, N_SLOTS] -> loss, stats [N_STATS] (STAT_*), extra [scale, M]."""
     loss = 0.0
     M = 0.0
     kl = 0.0
@@ -349,24 +413,24 @@ def _grpo_finalize_kernel(
     for start in range(0, N, BLOCK_N):
         rows = start + tl.arange(0, BLOCK_N)
         ok = rows < N
-        loss += tl.sum(tl.load(part_ptr + rows * 8 + 0, mask=ok, other=0.0))
-        M += tl.sum(tl.load(part_ptr + rows * 8 + 1, mask=ok, other=0.0))
-        kl += tl.sum(tl.load(part_ptr + rows * 8 + 2, mask=ok, other=0.0))
-        lo += tl.sum(tl.load(part_ptr + rows * 8 + 3, mask=ok, other=0.0))
-        hi += tl.sum(tl.load(part_ptr + rows * 8 + 4, mask=ok, other=0.0))
-        ab += tl.sum(tl.load(part_ptr + rows * 8 + 5, mask=ok, other=0.0))
-        klo += tl.sum(tl.load(part_ptr + rows * 8 + 7, mask=ok, other=0.0))
+        loss += tl.sum(tl.load(part_ptr + rows * N_SLOTS + SLOT_LOSS, mask=ok, other=0.0))
+        M += tl.sum(tl.load(part_ptr + rows * N_SLOTS + SLOT_TOKENS, mask=ok, other=0.0))
+        kl += tl.sum(tl.load(part_ptr + rows * N_SLOTS + SLOT_KL, mask=ok, other=0.0))
+        lo += tl.sum(tl.load(part_ptr + rows * N_SLOTS + SLOT_CLIP_LOW, mask=ok, other=0.0))
+        hi += tl.sum(tl.load(part_ptr + rows * N_SLOTS + SLOT_CLIP_HIGH, mask=ok, other=0.0))
+        ab += tl.sum(tl.load(part_ptr + rows * N_SLOTS + SLOT_ADV_ABS, mask=ok, other=0.0))
+        klo += tl.sum(tl.load(part_ptr + rows * N_SLOTS + SLOT_KL_OLD, mask=ok, other=0.0))
     M_safe = tl.maximum(M, 1.0)
-    if LOSS_TYPE == 0:
+    if LOSS_TYPE == LOSS_GRPO:  # the row partials already hold sum_t / n_i
         scale = 1.0 / N
-    elif LOSS_TYPE == 1:
+    elif LOSS_TYPE == LOSS_BNPO:
         scale = 1.0 / M_safe
-    elif LOSS_TYPE == 2:
+    elif LOSS_TYPE == LOSS_DR_GRPO:
         scale = 1.0 / norm_value
     else:
-        if NORM_MODE == 0:
+        if NORM_MODE == NORM_BATCH_TOKENS:
             scale = 1.0 / M_safe
-        elif NORM_MODE == 1:
+        elif NORM_MODE == NORM_VALUE:
             scale = 1.0 / norm_value
         else:
             scale = 1.0 / tl.load(norm_ptr).to(tl.float32)
@@ -376,28 +440,32 @@ def _grpo_finalize_kernel(
     cols = tl.arange(0, C_PAD)
     for b in range(0, B):
         if TOKEN_ADV:  # no rewards: a group is "zero-spread" when all its advantages are 0
-            amax = tl.max(tl.load(part_ptr + (b * G + g) * 8 + 6, mask=g < G, other=0.0))
+            amax = tl.max(tl.load(part_ptr + (b * G + g) * N_SLOTS + SLOT_ADV_MAX, mask=g < G, other=0.0))
             zero += (amax == 0.0).to(tl.float32)
         else:  # every reward column constant within the group
             flags = tl.load(const_ptr + b * stride_kb + cols, mask=cols < C, other=1.0)
             zero += tl.min(flags)
 
     tl.store(loss_ptr, loss * scale)
-    tl.store(stats_ptr + 0, kl / M_safe)
-    tl.store(stats_ptr + 1, lo / M_safe)
-    tl.store(stats_ptr + 2, hi / M_safe)
-    tl.store(stats_ptr + 3, zero / B)
-    tl.store(stats_ptr + 4, ab / M_safe)
-    tl.store(stats_ptr + 5, klo / M_safe)
-    tl.store(extra_ptr + 0, scale)
-    tl.store(extra_ptr + 1, M)
+    tl.store(stats_ptr + STAT_KL, kl / M_safe)
+    tl.store(stats_ptr + STAT_CLIP_LOW, lo / M_safe)
+    tl.store(stats_ptr + STAT_CLIP_HIGH, hi / M_safe)
+    tl.store(stats_ptr + STAT_ZERO_SPREAD, zero / B)
+    tl.store(stats_ptr + STAT_ADV_ABS, ab / M_safe)
+    tl.store(stats_ptr + STAT_KL_OLD, klo / M_safe)
+    tl.store(extra_ptr + EXTRA_SCALE, scale)
+    tl.store(extra_ptr + EXTRA_TOKENS, M)
 
 
 @triton.jit
-def _scale_grad_kernel(grad_ptr, out_ptr, g_ptr, norm_ptr, numel, BLOCK: tl.constexpr):
+def _scale_grad_kernel(
+    grad_ptr, out_ptr, g_ptr, extra_ptr,  # pointers: fp32 grad, output in logp's dtype, d out / d loss, extra
+    numel,  # dimensions
+    BLOCK: tl.constexpr,  # meta-parameters
+):
     """The whole backward: out = grad * (g * normaliser), in logp's dtype (one launch)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    k = tl.load(g_ptr).to(tl.float32) * tl.load(norm_ptr)
+    k = tl.load(g_ptr).to(tl.float32) * tl.load(extra_ptr + EXTRA_SCALE)
     grad = tl.load(grad_ptr + offs, mask=offs < numel, other=0.0)
     tl.store(out_ptr + offs, (grad * k).to(out_ptr.dtype.element_ty), mask=offs < numel)
 
@@ -408,57 +476,62 @@ def _scale_grad_kernel(grad_ptr, out_ptr, g_ptr, norm_ptr, numel, BLOCK: tl.cons
 
 
 def _grpo_loss_fwd_triton(
-    logp: torch.Tensor, mask: torch.Tensor, old_logp: torch.Tensor | None,
-    ref_logp: torch.Tensor | None, adv_mode: int, coef: torch.Tensor | None,
-    tend: torch.Tensor | None, token_adv: torch.Tensor | None, const: torch.Tensor | None,
-    G: int, beta: float, eps_low: float, eps_high: float, loss_type: str, importance: str,
-    max_len: int | None, num_active_tokens: float | torch.Tensor | None, kl_bias_correction: bool,
+    logp: torch.Tensor, mask: torch.Tensor, adv: Advantages, old_logp: torch.Tensor | None,
+    ref_logp: torch.Tensor | None, beta: float, eps_low: float, eps_high: float, loss_type: str,
+    importance: str, max_len: int | None, num_active_tokens: float | torch.Tensor | None,
+    kl_bias_correction: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> (loss 0-d, stats [6], extra [2] = [normaliser, M], grad [N, T] fp32 without it)."""
+    """-> (loss 0-d, stats [N_STATS], extra [N_EXTRA], grad [N, T] fp32 without the normaliser)."""
     N, T = logp.shape
+    G = adv.G
     dev = logp.device
     logp, mask = last_dim_contiguous(logp), last_dim_contiguous(mask)
-    old = logp if old_logp is None else last_dim_contiguous(old_logp)
-    ref = logp if ref_logp is None else last_dim_contiguous(ref_logp)
-    adv = logp if token_adv is None else last_dim_contiguous(token_adv)
-    coef = logp if coef is None else coef
-    tend = mask if tend is None else tend
-    C = 1 if coef is logp else coef.shape[1]
+    # A pointer the kernel never reads (its HAS_* flag or ADV_MODE says so) still needs a
+    # tensor: logp stands in. Which pointers are live is decided by the flags, never by
+    # comparing tensors.
+    token_mode, prefix_mode = adv.mode == "token", adv.mode == "prefix"
+    old = last_dim_contiguous(old_logp) if old_logp is not None else logp
+    ref = last_dim_contiguous(ref_logp) if ref_logp is not None else logp
+    token_adv = last_dim_contiguous(adv.adv) if token_mode else logp
+    coef = adv.coef if not token_mode else logp
+    t_end = adv.t_end if prefix_mode else mask
+    C = adv.coef.shape[1] if not token_mode else 1
     grad = torch.empty(N, T, dtype=torch.float32, device=dev)
-    part = torch.empty(N, 8, dtype=torch.float32, device=dev)
+    part = torch.empty(N, N_SLOTS.value, dtype=torch.float32, device=dev)
     # A whole 4096-token row in one tile (16 warps, 8 tokens per thread): with only N
     # programs, more bytes in flight per program is what keeps HBM busy. The prefix mode
     # holds a [BLOCK_T, C_PAD] tile, so it gets smaller tiles.
-    BLOCK_T = min(4096 if adv_mode != 1 else 1024, next_pow2(T, 16))
+    BLOCK_T = min(4096 if not prefix_mode else 1024, next_pow2(T, 16))
     _grpo_loss_fwd_kernel[(N,)](
-        logp, old, ref, mask, adv, coef, tend, grad, part,
+        logp, old, ref, mask, token_adv, coef, t_end, grad, part,
         T, C,
-        logp.stride(0), old.stride(0), ref.stride(0), mask.stride(0), adv.stride(0),
-        coef.stride(0), tend.stride(0),
+        logp.stride(0), old.stride(0), ref.stride(0), mask.stride(0), token_adv.stride(0),
+        coef.stride(0), t_end.stride(0),
         beta, eps_low, eps_high,
-        ADV_MODE=adv_mode, HAS_OLD=old_logp is not None, HAS_REF=ref_logp is not None,
+        ADV_MODE=_ADV_CODE[adv.mode].value, HAS_OLD=old_logp is not None, HAS_REF=ref_logp is not None,
         KL_IN_LOSS=beta != 0.0, SEQ=importance == "sequence", ROW_MEAN=loss_type == "grpo",
         BLOCK_T=BLOCK_T, C_PAD=next_pow2(C), BIAS_KL=bool(kl_bias_correction) and ref_logp is not None,
         num_warps=max(4, min(16, BLOCK_T // 256)),
     )
     norm_is_tensor = isinstance(num_active_tokens, torch.Tensor)
     if loss_type == "dr_grpo":
-        norm_mode, norm_value = 1, float(N * (T if max_len is None else max_len))
+        norm_mode, norm_value = NORM_VALUE, float(N * (T if max_len is None else max_len))
     elif num_active_tokens is None:
-        norm_mode, norm_value = 0, 1.0
+        norm_mode, norm_value = NORM_BATCH_TOKENS, 1.0
     else:
-        norm_mode = 2 if norm_is_tensor else 1
+        norm_mode = NORM_TENSOR if norm_is_tensor else NORM_VALUE
         norm_value = 1.0 if norm_is_tensor else float(num_active_tokens)
     loss = torch.empty((), dtype=torch.float32, device=dev)
-    stats = torch.empty(6, dtype=torch.float32, device=dev)
-    extra = torch.empty(2, dtype=torch.float32, device=dev)
-    if const is None:
-        const = part  # unused when TOKEN_ADV
+    stats = torch.empty(N_STATS.value, dtype=torch.float32, device=dev)
+    extra = torch.empty(N_EXTRA.value, dtype=torch.float32, device=dev)
+    const = adv.constant if not token_mode else part  # token mode reads the rows' max |A| instead
     _grpo_finalize_kernel[(1,)](
         part, const, num_active_tokens if norm_is_tensor else part, loss, stats, extra,
-        N, N // G, G, const.shape[1], const.stride(0), norm_value,
-        LOSS_TYPE=LOSS_TYPES.index(loss_type), NORM_MODE=norm_mode,
-        TOKEN_ADV=token_adv is not None, BLOCK_N=min(1024, next_pow2(N, 16)), G_PAD=next_pow2(G),
+        N, N // G, G, const.shape[1],
+        const.stride(0),
+        norm_value,
+        LOSS_TYPE=_LOSS_CODE[loss_type].value, NORM_MODE=norm_mode.value,
+        TOKEN_ADV=token_mode, BLOCK_N=min(1024, next_pow2(N, 16)), G_PAD=next_pow2(G),
         C_PAD=next_pow2(const.shape[1]),
     )
     return loss, stats, extra, grad
@@ -478,7 +551,7 @@ class _FusedGRPOLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_loss: torch.Tensor, g_stats: torch.Tensor):
         grad, extra = ctx.saved_tensors
-        # extra[0] is the aggregation normaliser (1/N, 1/M, 1/(N L) or 1/num_active_tokens).
+        # extra[EXTRA_SCALE] is the aggregation normaliser (1/N, 1/M, 1/(N L) or 1/num_active_tokens).
         out = torch.empty(grad.shape, dtype=ctx.logp_dtype, device=grad.device)
         BLOCK = 2048
         _scale_grad_kernel[(triton.cdiv(grad.numel(), BLOCK),)](
@@ -491,97 +564,23 @@ class _FusedGRPOLoss(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------
 
 
-def _check_tensor(name: str, x: object, shape: tuple, device: torch.device, floating: bool) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if floating and not x.is_floating_point():
-        raise TypeError(f"{name} must be a floating-point tensor (fp32/bf16/fp16), got {x.dtype}")
-    if tuple(x.shape) != tuple(shape):
-        raise ValueError(f"{name} has shape {tuple(x.shape)}, expected {tuple(shape)}")
-    if x.device != device:
-        raise ValueError(f"{name} is on {x.device} but logp is on {device}; move it to {device}")
-
-
-def _check_finite(name: str, x: torch.Tensor, where: torch.Tensor | None = None) -> None:
-    """Error naming the rows with NaN/inf. A host sync (one bool), worth it: a NaN reward
-    would otherwise turn its whole group's advantages, and the loss, into NaN silently."""
-    bad = ~torch.isfinite(x.float())
-    if where is not None:
-        bad &= where
-    if bad.any():
-        rows = bad.reshape(bad.shape[0], -1).any(1).nonzero().flatten().tolist()
-        more = " ..." if len(rows) > 20 else ""
-        raise ValueError(
-            f"{name} has NaN/inf in rows {rows[:20]}{more}; fix the reward function or drop "
-            "those completions (whole groups) before the loss"
-        )
-
-
 def _validate(
-    logp, mask, rewards, G, old_logp, ref_logp, beta, eps_low, eps_high, loss_type, scale,
-    adv_eps, token_adv, reward_components, component_weights, prefix, importance, max_len,
-    num_active_tokens, adv_std_floor=0.0, kl_bias_correction=False,
+    logp, mask, G, old_logp, ref_logp, beta, eps_low, eps_high, loss_type, adv_eps, importance,
+    max_len, num_active_tokens, kl_bias_correction,
 ) -> None:
+    """The loss's own arguments (the advantage inputs are group_advantages' to check)."""
     if not isinstance(logp, torch.Tensor) or logp.dim() != 2:
         raise ValueError(f"logp must be a [N, T] tensor, got {getattr(logp, 'shape', type(logp))}")
     N, T = logp.shape
     dev = logp.device
-    _check_tensor("logp", logp, (N, T), dev, floating=True)
-    _check_tensor("mask", mask, (N, T), dev, floating=False)
+    check_tensor("logp", logp, (N, T), dev, floating=True)
+    check_tensor("mask", mask, (N, T), dev, floating=False)
     for name, x in (("old_logp", old_logp), ("ref_logp", ref_logp)):
         if x is not None:
-            _check_tensor(name, x, (N, T), dev, floating=True)
-    if not isinstance(G, int) or G < 1:
-        raise ValueError(f"G (completions per prompt) must be a positive int, got {G!r}")
-    if N % G != 0:
-        raise ValueError(f"N = {N} rows is not divisible by G = {G}: rows must be B*G, "
-                         "the G completions of each prompt contiguous")
-    given = [n for n, x in (("rewards", rewards), ("reward_components", reward_components),
-                            ("prefix", prefix), ("token_adv", token_adv)) if x is not None]
-    if len(given) != 1:
-        raise ValueError("give exactly one advantage source: rewards, reward_components, prefix "
-                         f"or token_adv (got {given or 'none'})")
-    if rewards is not None:
-        _check_tensor("rewards", rewards, (N,), dev, floating=False)
-        _check_finite("rewards", rewards)
-    if reward_components is not None:
-        if reward_components.dim() != 2:
-            raise ValueError(f"reward_components must be [N, K], got {tuple(reward_components.shape)}")
-        K = reward_components.shape[1]
-        _check_tensor("reward_components", reward_components, (N, K), dev, floating=False)
-        if component_weights is None:
-            raise ValueError("reward_components needs component_weights [K]")
-        _check_tensor("component_weights", component_weights, (K,), dev, floating=False)
-        _check_finite("reward_components", reward_components)
-    elif component_weights is not None:
-        raise ValueError("component_weights is only used with reward_components")
-    if prefix is not None:
-        # Duck-typed: a reloaded module (tests) or a look-alike dataclass is fine.
-        missing = [f for f in ("R_ans", "s", "scored", "rho", "t_end", "a") if not hasattr(prefix, f)]
-        if missing:
-            raise TypeError(f"prefix must be a PrefixRubrics, got {type(prefix).__name__} "
-                            f"without {missing}")
-        J = prefix.s.shape[-1]
-        _check_tensor("prefix.R_ans", prefix.R_ans, (N,), dev, floating=False)
-        _check_tensor("prefix.s", prefix.s, (N, J), dev, floating=False)
-        _check_tensor("prefix.scored", prefix.scored, (N, J), dev, floating=False)
-        _check_tensor("prefix.t_end", prefix.t_end, (N, J), dev, floating=False)
-        if prefix.t_end.is_floating_point():
-            raise TypeError(f"prefix.t_end must be an integer tensor, got {prefix.t_end.dtype}")
-        rho_shape = (J,) if prefix.rho.dim() == 1 else (N, J)
-        _check_tensor("prefix.rho", prefix.rho, rho_shape, dev, floating=False)
-        if not 0.0 <= prefix.a <= 1.0:
-            raise ValueError(f"prefix.a must be in [0, 1], got {prefix.a}")
-        _check_finite("prefix.R_ans", prefix.R_ans)
-        _check_finite("prefix.s", prefix.s, where=prefix.scored.bool())
-        _check_finite("prefix.rho", prefix.rho)
-    if token_adv is not None:
-        _check_tensor("token_adv", token_adv, (N, T), dev, floating=True)
-        _check_finite("token_adv", token_adv, where=mask != 0)
+            check_tensor(name, x, (N, T), dev, floating=True)
+    check_groups(N, G)
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
-    if scale not in SCALES:
-        raise ValueError(f"scale must be one of {SCALES}, got {scale!r}")
     if importance not in IMPORTANCE:
         raise ValueError(f"importance must be one of {IMPORTANCE}, got {importance!r}")
     if beta < 0 or eps_low < 0 or eps_high < 0 or adv_eps < 0:
@@ -589,10 +588,6 @@ def _validate(
                          f"{beta}, {eps_low}, {eps_high}, {adv_eps}")
     if beta > 0 and ref_logp is None:
         raise ValueError(f"beta = {beta} > 0 needs ref_logp (the reference policy's log-probs)")
-    if not adv_std_floor >= 0:  # also refuses NaN
-        raise ValueError(f"adv_std_floor must be >= 0 (0 = off), got {adv_std_floor}")
-    if adv_std_floor > 0 and scale == "none":
-        raise ValueError(f"adv_std_floor = {adv_std_floor} needs a std to floor: scale='none' divides by none")
     if kl_bias_correction and ref_logp is None:
         raise ValueError("kl_bias_correction=True weights the KL term, which needs ref_logp")
     if max_len is not None and (not isinstance(max_len, int) or max_len < 1):
@@ -606,35 +601,23 @@ def _validate(
         raise ValueError(f"num_active_tokens must be > 0, got {num_active_tokens}")
 
 
-def _prepare_advantages_triton(
-    rewards, reward_components, component_weights, prefix, token_adv, T, G, scale, adv_eps,
-    std_floor=0.0,
-) -> dict:
-    """Launch the z-score kernel; return the advantage part of the loss kernel's inputs."""
-    if token_adv is not None:
-        return dict(adv_mode=2, coef=None, tend=None, token_adv=token_adv, const=None)
-    if prefix is None:
-        if rewards is not None:
-            coef, const = group_zscore_triton(rewards[:, None], None, None, G, scale, adv_eps, std_floor)
-        else:  # weights [K] -> [N, K] with stride 0 over rows: no copy
-            w = component_weights.float()[None, :].expand(reward_components.shape)
-            coef, const = group_zscore_triton(reward_components, None, w, G, scale, adv_eps, std_floor)
-        return dict(adv_mode=0, coef=coef, tend=None, token_adv=None, const=const)
-    # V-Rubrics: column 0 is the answer reward (credits every token), columns 1.. the rubrics.
-    N, J = prefix.s.shape
-    dev = prefix.s.device
-    values = torch.cat([prefix.R_ans.float()[:, None], prefix.s.float()], 1)  # [N, 1+J]
-    valid = torch.cat([torch.ones(N, 1, dtype=torch.bool, device=dev), prefix.scored.bool()], 1)
-    w = torch.cat([torch.full((N, 1), prefix.a, device=dev),
-                   (1.0 - prefix.a) * prefix.rho.float().expand(N, J)], 1)
-    tend = torch.cat([torch.full((N, 1), _INT32_MAX, dtype=torch.int32, device=dev),
-                      prefix.t_end.clamp(-1, T).to(torch.int32)], 1)
-    coef, const = group_zscore_triton(values, valid, w, G, scale, adv_eps, std_floor)
-    return dict(adv_mode=1, coef=coef, tend=tend, token_adv=None, const=const)
+def _check_prepared(adv: object, N: int, G: int, backend: str) -> None:
+    # Duck-typed like prefix: a test's reloaded (interpreted) module has its own class.
+    missing = [f for f in ("G", "backend", "mode", "adv", "zero_spread", "coef", "t_end", "constant")
+               if not hasattr(adv, f)]
+    if missing:
+        raise TypeError(f"advantages must come from group_advantages, got {type(adv).__name__}")
+    if adv.G != G or adv.num_rows != N:
+        raise ValueError(f"advantages are for {adv.num_rows} rows in groups of {adv.G}, the loss has "
+                         f"{N} rows in groups of {G}")
+    if adv.backend != backend:
+        raise ValueError(f"advantages were prepared for backend {adv.backend!r} but the loss runs on "
+                         f"{backend!r}; pass group_advantages the loss's backend")
 
 
 def grpo_loss(
     logp: torch.Tensor, mask: torch.Tensor, rewards: torch.Tensor | None = None, *, G: int,
+    advantages: Advantages | None = None,
     old_logp: torch.Tensor | None = None, ref_logp: torch.Tensor | None = None,
     beta: float = 0.0, eps_low: float = 0.2, eps_high: float = 0.2, loss_type: str = "grpo",
     scale: str = "group", adv_eps: float = 1e-4, token_adv: torch.Tensor | None = None,
@@ -647,44 +630,46 @@ def grpo_loss(
     """GRPO loss (0-d fp32, differentiable w.r.t. logp) and detached diagnostics.
 
     logp, old_logp, ref_logp, mask: [N, T], N = B*G rows, G completions per prompt contiguous.
-    Advantages from exactly one of rewards [N], reward_components [N, K] (+ component_weights
-    [K]), prefix (PrefixRubrics), token_adv [N, T]. old_logp=None means one policy update per
-    batch (old = detached logp, ratio = 1). beta=0 needs no ref_logp. scale: "group" |
-    "batch" | "none"; importance: "token" | "sequence"; loss_type: "grpo" | "bnpo" |
-    "dr_grpo" (divides by N * max_len, default T) | "dapo" (divides by num_active_tokens,
-    default this micro-batch's count) - formulas in the module docstring. mask: nonzero =
-    active. adv_std_floor: divide by max(std, floor) (0 = off; kernels/grpo_advantages.py).
-    kl_bias_correction: kl_t = ratio_t * k3_t (TRL's use_bias_correction_kl). backend: "auto" (CUDA -> Triton, else the reference), "torch", or "triton" (on
-    a CPU only under TRITON_INTERPRET=1). Host syncs: the NaN checks of the reward inputs.
+    Advantages: ``advantages`` from group_advantages (computed once per rollout batch), or
+    exactly one of rewards [N], reward_components [N, K] (+ component_weights [K]), prefix
+    (PrefixRubrics), token_adv [N, T], with scale / adv_eps / adv_std_floor, which this call
+    hands to group_advantages. old_logp=None means one policy update per batch (old =
+    detached logp, ratio = 1). beta=0 needs no ref_logp. importance: "token" | "sequence";
+    loss_type: "grpo" | "bnpo" | "dr_grpo" (divides by N * max_len, default T) | "dapo"
+    (divides by num_active_tokens, default this micro-batch's count) - formulas in the module
+    docstring. mask: nonzero = active. kl_bias_correction: kl_t = ratio_t * k3_t (TRL's
+    use_bias_correction_kl). backend: "auto" (CUDA -> Triton, else the reference), "torch",
+    or "triton" (on a CPU only under TRITON_INTERPRET=1). Host syncs: the NaN checks of the
+    reward inputs (none when ``advantages`` is given).
     """
-    _validate(logp, mask, rewards, G, old_logp, ref_logp, beta, eps_low, eps_high, loss_type,
-              scale, adv_eps, token_adv, reward_components, component_weights, prefix,
-              importance, max_len, num_active_tokens, adv_std_floor, kl_bias_correction)
+    _validate(logp, mask, G, old_logp, ref_logp, beta, eps_low, eps_high, loss_type, adv_eps,
+              importance, max_len, num_active_tokens, kl_bias_correction)
     N, T = logp.shape
+    backend = resolve_backend(backend, logp.device)
+    if advantages is None:
+        check_advantage_inputs(N, T, logp.device, mask, rewards, reward_components, component_weights, prefix,
+                               token_adv, scale, adv_eps, adv_std_floor)
+        advantages = group_advantages(rewards, G, reward_components=reward_components,
+                                      component_weights=component_weights, prefix=prefix, token_adv=token_adv,
+                                      mask=mask, T=T, scale=scale, adv_eps=adv_eps, adv_std_floor=adv_std_floor,
+                                      backend=backend, checked=True)
+    else:
+        given = [n for n, x in (("rewards", rewards), ("reward_components", reward_components),
+                                ("prefix", prefix), ("token_adv", token_adv)) if x is not None]
+        if given:
+            raise ValueError(f"give exactly one advantage source: advantages, or {given[0]} (got both)")
+        _check_prepared(advantages, N, G, backend)
     loss_args = dict(old_logp=old_logp, ref_logp=ref_logp, beta=float(beta),
                      eps_low=float(eps_low), eps_high=float(eps_high), loss_type=loss_type,
                      importance=importance, max_len=max_len, num_active_tokens=num_active_tokens,
                      kl_bias_correction=bool(kl_bias_correction))
-    floor = float(adv_std_floor)
 
-    if resolve_backend(backend, logp.device) == "torch":
-        if token_adv is not None:
-            adv = token_adv
-            active_abs = torch.where(mask != 0, token_adv.float().abs(), 0.0)
-            zero = active_abs.amax(1).view(N // G, G).amax(1) == 0
-        elif prefix is not None:
-            adv, zero = prefix_advantages_reference(prefix, T, G, scale=scale, eps=adv_eps, std_floor=floor)
-        else:
-            values = rewards if rewards is not None else reward_components
-            adv, zero = grpo_advantages_reference(values, G, scale=scale, eps=adv_eps,
-                                                  weights=component_weights, std_floor=floor)
-        loss, st = grpo_loss_reference(logp, mask, adv, **loss_args)
-        return loss, GRPOStats(zero_spread_frac=zero.float().mean(), **st)
+    if backend == "torch":
+        loss, st = grpo_loss_reference(logp, mask, advantages.adv, **loss_args)
+        return loss, GRPOStats(zero_spread_frac=advantages.zero_spread.float().mean(), **st)
 
     check_launchable(_grpo_loss_fwd_kernel, logp.device, __name__)
-    launch = _prepare_advantages_triton(rewards, reward_components, component_weights, prefix,
-                                        token_adv, T, G, scale, float(adv_eps), floor)
-    launch.update(mask=mask, G=G, **loss_args)
-    loss, s = _FusedGRPOLoss.apply(logp, launch)
-    return loss, GRPOStats(kl_mean=s[0], clip_low_frac=s[1], clip_high_frac=s[2],
-                           zero_spread_frac=s[3], adv_abs_mean=s[4], kl_old_mean=s[5])
+    loss, s = _FusedGRPOLoss.apply(logp, dict(mask=mask, adv=advantages, **loss_args))
+    return loss, GRPOStats(kl_mean=s[STAT_KL.value], clip_low_frac=s[STAT_CLIP_LOW.value],
+                           clip_high_frac=s[STAT_CLIP_HIGH.value], zero_spread_frac=s[STAT_ZERO_SPREAD.value],
+                           adv_abs_mean=s[STAT_ADV_ABS.value], kl_old_mean=s[STAT_KL_OLD.value])
