@@ -2,7 +2,7 @@
 
     TrainConfig
       model     ModelConfig      which VLM, dtype, 4-bit, image size
-      lora      LoRAConfig       rank, alpha, targets
+      lora      LoRAOptions      rank, alpha, targets (-> lora.LoRAConfig)
       sampling  SamplingConfig   G, max_new_tokens, temperature, top-k/p
       optim     OptimConfig      lr + schedule, clip, accumulation, the GRPO loss knobs
       rewards   RewardConfig     which reward components, their weights, tolerance
@@ -29,9 +29,15 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
+from kernels.grpo_advantages import SCALES
+from kernels.grpo_loss import IMPORTANCE, LOSS_TYPES
+from lora.inject import LoRAConfig
+
 PHASES = ("warmup", "A", "B", "C")
 
-# Verifier weights per phase, DESIGN.md section 4 (staged paper's initial weights).
+# Verifier weights per phase: the staged paper's initial weights (docs/design.md, section 3).
 PHASE_WEIGHTS: dict[str, dict[str, float]] = {
     "A": dict(format=1.0, parseable=1.0, finished=1.5, correctness=2.0, brevity=0.25, tolerance=0.0),
     "B": dict(format=0.75, parseable=0.75, finished=1.0, correctness=4.0, brevity=0.20, tolerance=0.0),
@@ -57,6 +63,10 @@ WARMUP_DEFAULTS: dict[str, Any] = {
 # ... and for a model trained from scratch (random tower), the perception supervision of
 # grpo/perception.py: a pretrained model already sees, so it never gets these by default.
 PERCEPTION_DEFAULTS: dict[str, Any] = {"phase.perception_steps": 600, "optim.perception_weight": 1.0}
+
+
+def _one_of(choices: tuple[str, ...]) -> str:
+    return ", ".join(choices[:-1]) + " or " + choices[-1]
 
 
 class ConfigError(ValueError):
@@ -109,7 +119,11 @@ class ModelConfig:
 
 
 @dataclass
-class LoRAConfig:
+class LoRAOptions:
+    """The command-line and JSON face of lora.LoRAConfig, the one definition of where and how
+    big the adapters are: the same knobs under the config's key names (rank, targets, dtype
+    as a string), turned into it by ``to_lora()``."""
+
     rank: int = 8
     """LoRA rank r."""
     alpha: float = 8.0
@@ -120,6 +134,10 @@ class LoRAConfig:
     """Module-name suffixes to adapt in the language model (the vision tower is excluded)."""
     dtype: str = "float32"
     """Storage dtype of the LoRA weights: float32 or bfloat16."""
+
+    def to_lora(self) -> LoRAConfig:
+        return LoRAConfig(r=self.rank, alpha=self.alpha, dropout=self.dropout,
+                          target_modules=tuple(self.targets), lora_dtype=getattr(torch, self.dtype))
 
 
 @dataclass
@@ -240,7 +258,7 @@ class RunConfig:
 @dataclass
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
-    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    lora: LoRAOptions = field(default_factory=LoRAOptions)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     rewards: RewardConfig = field(default_factory=RewardConfig)
@@ -307,9 +325,9 @@ class TrainConfig:
             (0 <= o.eps_low < 1, f"optim.eps_low={o.eps_low}: must be in [0, 1) (the ratio's lower clip is 1 - eps_low)"),
             (o.eps_high >= 0, f"optim.eps_high={o.eps_high}: must be >= 0"),
             (o.schedule in ("constant", "linear", "cosine"), f"optim.schedule={o.schedule!r}: use constant, linear or cosine"),
-            (o.loss_type in ("grpo", "bnpo", "dr_grpo", "dapo"), f"optim.loss_type={o.loss_type!r}: use grpo, bnpo, dr_grpo or dapo"),
-            (o.adv_scale in ("group", "batch", "none"), f"optim.adv_scale={o.adv_scale!r}: use group, batch or none"),
-            (o.importance in ("token", "sequence"), f"optim.importance={o.importance!r}: use token or sequence"),
+            (o.loss_type in LOSS_TYPES, f"optim.loss_type={o.loss_type!r}: use {_one_of(LOSS_TYPES)}"),
+            (o.adv_scale in SCALES, f"optim.adv_scale={o.adv_scale!r}: use {_one_of(SCALES)}"),
+            (o.importance in IMPORTANCE, f"optim.importance={o.importance!r}: use {_one_of(IMPORTANCE)}"),
             (o.updates_per_batch >= 1, f"optim.updates_per_batch={o.updates_per_batch}: must be >= 1 (1 = one update per rollout batch)"),
             (o.adv_mode in ("total", "components"), f"optim.adv_mode={o.adv_mode!r}: use total or components"),
             (o.adv_std_floor >= 0, f"optim.adv_std_floor={o.adv_std_floor}: must be a finite number >= 0 (0 = off)"),

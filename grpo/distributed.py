@@ -79,8 +79,8 @@ import torch
 import torch.distributed as dist
 
 from grpo.config import ConfigError
+from kernels.grpo_loss import LOSS_TYPES
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 
 
 class DistributedError(ConfigError):

@@ -60,7 +60,7 @@ import torch
 
 from grpo.prompt_context import PromptContext, group_rows
 from grpo.sampler import SampleOutput
-from kernels.grpo_advantages import group_zscore_reference
+from kernels.grpo_advantages import check_groups, group_zscore_reference
 
 
 @dataclass
@@ -116,8 +116,7 @@ def groups_with_spread(values: torch.Tensor, G: int, valid: torch.Tensor | None 
     rounding of a mean never passes for spread).
     """
     cols = values[:, None] if values.dim() == 1 else values
-    if cols.shape[0] % G:
-        raise ValueError(f"{cols.shape[0]} rows are not whole groups of G = {G}")
+    check_groups(cols.shape[0], G)
     if cols.shape[1] == 0:
         return []
     _, constant = group_zscore_reference(cols.float(), G, valid=valid)

@@ -26,13 +26,6 @@ from grpo.config import TrainConfig
 BASE_PREFIX = "base."
 
 
-def lora_config(cfg: TrainConfig):
-    from lora import LoRAConfig
-
-    return LoRAConfig(r=cfg.lora.rank, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
-                      target_modules=tuple(cfg.lora.targets), lora_dtype=getattr(torch, cfg.lora.dtype))
-
-
 def base_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Full weights of a (not yet adapted) model, keyed for a base checkpoint."""
     return {BASE_PREFIX + k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
@@ -74,7 +67,7 @@ def check_policy_config(cfg: TrainConfig) -> None:
 
     skeleton = model_skeleton(cfg.model.name, seed=cfg.run.seed)  # ModelLoadError: a bad model.name
     try:
-        find_target_names(skeleton, lora_config(cfg))
+        find_target_names(skeleton, cfg.lora.to_lora())
     except ValueError as err:
         raise ConfigError(f"--lora.targets {','.join(cfg.lora.targets)}: {err}") from None
 
@@ -96,7 +89,7 @@ def build_policy(cfg: TrainConfig, device: str, base_ckpt: Path | None = None, v
         report = quantize_model_4bit(bundle.model, compute_dtype=dtype, device=device, verbose=verbose)
         if verbose:
             print(f"4-bit base: {report}")
-    inject_lora(bundle.model, lora_config(cfg), verbose=verbose)
+    inject_lora(bundle.model, cfg.lora.to_lora(), verbose=verbose)
     bundle.model.to(device)
     if cfg.model.gradient_checkpointing:
         from lora import enable_gradient_checkpointing

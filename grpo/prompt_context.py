@@ -14,7 +14,7 @@ works with Qwen2.5-VL images here) runs the vision tower G times per prompt for 
 and again 2G times for the two log-prob passes: 3G vision passes instead of 1.
 
 Assumption, checked nowhere else: the vision tower is frozen (LoRA adapts the language
-model only, grpo/config LoRAConfig.targets), so its features are computed under
+model only, lora.targets), so its features are computed under
 ``torch.no_grad`` and are the same for policy and reference.
 
 M-RoPE recap (Qwen2.5-VL, transformers 5): every token has 3 position ids (t, h, w).

@@ -52,7 +52,7 @@ import difflib
 import math
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -60,6 +60,7 @@ import torch
 from data.contract import SOLUTION_CLOSE, SOLUTION_OPEN, ParsedResponse, normalize_number, parse_response
 from data.schema import RUBRIC_DIMENSIONS, RUBRIC_LABELS, Example, RubricItem
 from grpo.rewards.steps import SoftText, canonical_tokens, has_content
+from kernels.grpo_advantages import PrefixRubrics
 
 FUZZY_THRESHOLD = 60.0  # V-Rubrics release: fuzzy match accepted at partial ratio >= 60
 FUZZY_MAX_CHARS = 20_000
@@ -402,25 +403,10 @@ def score_rubrics(items: list[RubricItem], verdicts: list[Verdict], completion: 
 # ----------------------------------------------------------------------------- prefix inputs
 
 
-@dataclass
-class PrefixInputs:
-    """What kernels/grpo_loss.py's prefix mode takes, for N completions and J = max items.
-
-    Rows with fewer items are padded with scored=False, s=0, rho=0, t_end=0.
-    """
-
-    R_ans: torch.Tensor  # [N] float32 answer reward (non-rubric components, weighted, after the veto)
-    s: torch.Tensor  # [N, J] float32
-    scored: torch.Tensor  # [N, J] bool
-    rho: torch.Tensor  # [N, J] float32
-    t_end: torch.Tensor  # [N, J] int64, 0-based completion token index
-    a: float = 0.5  # share of the answer term
-
-    def to_kernel(self) -> Any:
-        """The same fields as kernels.grpo_loss.PrefixRubrics (imported here, on use)."""
-        from kernels.grpo_loss import PrefixRubrics
-
-        return PrefixRubrics(**{f.name: getattr(self, f.name) for f in fields(self)})
+# The loss's V-Rubrics inputs have one definition, kernels.grpo_advantages.PrefixRubrics; the
+# reward side builds them under the name it has always used. Rows with fewer items than the
+# batch's max J are padded with scored=False, s=0, rho=0, t_end=0.
+PrefixInputs = PrefixRubrics
 
 
 def build_prefix_inputs(R_ans: list[float], scores: list[RubricScore | None], a: float) -> PrefixInputs:
