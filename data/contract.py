@@ -9,7 +9,7 @@ This module is the *only* implementation of the contract. The prompt builders (d
 the reward verifier (grpo/rewards) and the evaluation metrics (eval/) all call it, so
 the thing the policy is rewarded for is exactly the thing it is measured on.
 
-Extraction follows the staged-GRPO anchor (DESIGN.md section 4):
+Extraction follows the staged-GRPO anchor (docs/design.md, section 1):
 
 - blocks are found with ``<TAG>(.*?)</TAG>`` (non-greedy, dot matches newline);
 - the answer exists only if there is exactly one SOLUTION block;

@@ -1,7 +1,7 @@
 """Seeded phase mixtures: an endless, resumable stream of examples drawn from stage sources.
 
 The staged-GRPO paper trains in three phases, each a probability mix of curriculum stages
-(DESIGN.md section 4):
+(docs/design.md, section 3):
 
     A = stage 1 only      B = stage 1 .7 + stage 2 .3      C = stage 2 .6 + stage 3 .4
 

@@ -1,4 +1,4 @@
-"""Curriculum stage filters (the staged-GRPO paper's three stages, DESIGN.md section 4).
+"""Curriculum stage filters (the staged-GRPO paper's three stages, docs/design.md, section 3).
 
 A stage is a predicate on an Example's MathVista metadata, so the same filter selects from
 the synthetic curriculum and from MathVista rows alike:

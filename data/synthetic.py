@@ -4,7 +4,7 @@
     curriculum(split, n_per_stage, seed, image_size) -> {1: [...], 2: [...], 3: [...]}
     tokenizer_corpus(n, seed)                     -> texts for training a BPE tokenizer
 
-Three families of tasks, one per curriculum stage (DESIGN.md section 4; the stage filters
+Three families of tasks, one per curriculum stage (docs/design.md, section 3; the stage filters
 in data/stages.py select them, and also MathVista rows):
 
     stage 1  easy    synthetic scenes and tables, integer answers       data/gen_stage1.py

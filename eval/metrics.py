@@ -4,7 +4,7 @@ Every number here is read off a completion through the one response contract
 (``data.contract.parse_response``), so what the evaluation counts as "parseable" or
 "exact" is exactly what the rewards paid for during training.
 
-Per completion (DESIGN.md section 4; L = max new tokens, tok = completion tokens counted
+Per completion (docs/design.md, section 2; L = max new tokens, tok = completion tokens counted
 with the real tokenizer):
 
     solution_tag   exactly one <SOLUTION>...</SOLUTION> block

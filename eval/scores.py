@@ -1,6 +1,6 @@
 """Checkpoint scores of the staged metric-gated paper: Structure, Correctness, Composite.
 
-All three are fixed linear combinations of aggregate rates (DESIGN.md section 4):
+All three are fixed linear combinations of aggregate rates (docs/design.md, section 5):
 
     Structure   = .35 parse + .20 sol-tag + .20 reas-tag - .15 malformed - .10 trunc
     Correctness = .70 EM + .20 tol + .10 parse

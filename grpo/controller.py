@@ -1,4 +1,4 @@
-"""Metric-gated reward-weight controller (staged metric-gated GRPO, DESIGN.md section 4).
+"""Metric-gated reward-weight controller (staged metric-gated GRPO, docs/design.md section 4).
 
 After each checkpoint the trainer evaluates the policy on a fixed held-out eval subset and
 hands the aggregate rates to `Controller.update`. The controller changes reward weights
@@ -87,7 +87,7 @@ EVAL_KEY_ALIASES = {
     "exact_match": "exact",
     "mean_completion_tokens": "mean_tokens",
 }
-# Floors and ceilings of the verifier weights (DESIGN.md section 4).
+# Floors and ceilings of the verifier weights (docs/design.md, section 3).
 BOUNDS: dict[str, tuple[float, float]] = {
     "format": (0.25, 2.0),
     "parseable": (0.25, 2.0),
@@ -103,7 +103,7 @@ _DECIMALS = 9
 
 @dataclass(frozen=True)
 class GateThresholds:
-    """Gate thresholds and step sizes; defaults are the staged paper's (DESIGN.md section 4)."""
+    """Gate thresholds and step sizes; defaults are the staged paper's (docs/design.md, section 4)."""
 
     parseable_min: float = 0.85
     """Parseable rate below this floors the parseable weight."""

@@ -1,4 +1,4 @@
-"""The response contract: strict extraction and numeric normalisation (DESIGN.md section 4)."""
+"""The response contract: strict extraction and numeric normalisation (docs/design.md, section 1)."""
 
 import pytest
 

@@ -1,4 +1,4 @@
-"""The metric-gated controller: DESIGN.md section 4's gates as a table, plus the additions."""
+"""The metric-gated controller: the staged paper's gates (docs/design.md, section 4) as a table, plus the additions."""
 
 import json
 import logging

@@ -1,7 +1,7 @@
 """Structure / Correctness / Composite against the staged paper's published rows.
 
-Table 6 of the staged-pipeline article (/work/shared/seeds/000_*.txt names it; its rows are
-printed in the article's markdown source in the paper's repository) evaluates four
+Table 6 of the staged-pipeline article (its rows are printed in the article's markdown
+source in the paper's repository; docs/design.md, section 5) evaluates four
 checkpoints on eval_overall_numeric, n = 456. It gives Exact, Tol, Parse and the three
 scores, but not the solution-tag, reasoning-tag, malformed or truncation rates:
 

@@ -1,4 +1,4 @@
-"""The six verifier components (DESIGN.md section 4) on a table of completions."""
+"""The six verifier components (docs/design.md, section 2) on a table of completions."""
 
 import pytest
 

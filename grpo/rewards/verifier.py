@@ -1,4 +1,4 @@
-"""The six verifier components of the staged metric-gated GRPO paper (DESIGN.md section 4).
+"""The six verifier components of the staged metric-gated GRPO paper (docs/design.md, section 2).
 
 Each completion is parsed once by the response contract (data.contract.parse_response,
 the same parser the metrics use) and scored by six small functions. L = max_new_tokens,
