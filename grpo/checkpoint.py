@@ -534,6 +534,18 @@ class LoadedCheckpoint:
     scores: dict
     config_json: str
     extra: dict = field(default_factory=dict)
+    optimizer_state: Any = None  # AdamW's state dict as saved (None: saved without one)
+
+    def restore_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Put the saved optimiser state (AdamW's moments) into ``optimizer``, in place."""
+        if self.optimizer_state is None:
+            raise CheckpointError(f"{self.path} was saved without optimiser state: "
+                                  "load it with optimizer=None (fresh optimiser)")
+        try:
+            optimizer.load_state_dict(self.optimizer_state)  # casts state to each parameter's device/dtype
+        except (ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"optimiser state in {self.path} does not fit this optimiser ({e}): "
+                                  "same parameters in the same order are needed (same LoRA rank and targets)") from None
 
 
 def _damaged(path: Path, what: str) -> CheckpointError:
@@ -664,16 +676,7 @@ def load_checkpoint(
         except (KeyError, TypeError) as e:
             raise _damaged(path / OPTIM_JSON, f"names tensors {OPTIM_TENSORS} does not hold ({e})") from None
     tensors = {k: v.to(device) for k, v in tensors.items()}
-    if optimizer is not None:
-        if opt_state is None:
-            raise CheckpointError(f"{path} was saved without optimiser state: "
-                                  "load it with optimizer=None (fresh optimiser)")
-        try:
-            optimizer.load_state_dict(opt_state)  # casts state to each parameter's device/dtype
-        except (ValueError, KeyError, TypeError) as e:
-            raise CheckpointError(f"optimiser state in {path} does not fit this optimiser ({e}): "
-                                  "same parameters in the same order are needed (same LoRA rank and targets)") from None
-    return LoadedCheckpoint(
+    loaded = LoadedCheckpoint(
         path=path,
         phase=state["phase"],
         step=state["step"],
@@ -686,7 +689,11 @@ def load_checkpoint(
         scores=state["scores"],
         config_json=json.dumps(state["config"], indent=2),
         extra=state.get("extra", {}),
+        optimizer_state=opt_state,
     )
+    if optimizer is not None:
+        loaded.restore_optimizer(optimizer)
+    return loaded
 
 
 # ----------------------------------------------------------------------------- resume

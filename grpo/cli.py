@@ -1,23 +1,228 @@
-"""What the command-line entry points share: errors as one line, paths inside a directory."""
+"""The training command line: phase planning, per-phase configs, checks before any model
+loads, and errors as one line. ``python -m grpo.train`` calls ``main`` here with the
+trainer's phase runner (kept as a parameter, so this module needs nothing from the loop).
+
+Phase planning: ``--phase B`` on an empty run directory runs the warm-up, A and B, because
+B starts from A:best_structure and A from warmup:latest (grpo/config.py PHASE_INIT); a
+phase whose start checkpoint exists, or an explicit ``--init``, runs alone. Every phase's
+config is built and validated before anything runs, so a bad ``--A.optim.lr`` on
+``--phase B`` fails in a second, not after the warm-up.
+"""
 
 from __future__ import annotations
 
+import argparse
+import errno
 import os
+import sys
+import time
+import uuid
+from collections.abc import Callable
 from pathlib import Path
 
+from transformers.utils import logging as hf_logging
 
-def one_line(err: BaseException) -> str:
-    """A message on one line: the selector errors list a run's phases on several."""
-    return "; ".join(line.strip() for line in str(err).splitlines() if line.strip())
+from grpo.checkpoint import (CheckpointError, SelectorError, check_compatible, check_init_compatible,
+                             check_resumable, load_checkpoint, read_registry, resume_point)
+from grpo.config import (PERCEPTION_DEFAULTS, PHASE_INIT, PHASES, PRESETS, WARMUP_DEFAULTS, ConfigError,
+                         TrainConfig, apply_overrides, describe_fields, parse_override_args, phase_preset,
+                         trains_from_scratch)
+from grpo.distributed import DataParallel, init_distributed
+from grpo.errors import NoRewardSpread, TrainingDiverged, inside, one_line
+from grpo.final_report import write_final_report
+from grpo.model import ModelLoadError
+from grpo.phase_data import load_training_data
+from grpo.policy import check_policy_config
+from grpo.resume import resolve_init
+from grpo.run import RunFiles, pick_device, seed_everything, set_threads
 
 
-def inside(filename: object, root: Path) -> bool:
-    """Whether an OSError's filename lies in ``root``: only then is the error the user's
-    directory (full disk, permissions) and worth one line instead of a traceback."""
-    if not isinstance(filename, (str, bytes)) and not hasattr(filename, "__fspath__"):
-        return False
+def phase_config(phase: str, preset: str, overrides: dict[str, str], requested: str) -> TrainConfig:
+    """The resolved config of one phase: its preset, then --preset, then the CLI overrides.
+
+    Overrides of phase.* and rewards.weights belong to the requested phase only (steps of
+    phase B are not the warm-up's steps); every other override applies to all phases.
+    """
+    cfg = phase_preset(phase)
+    if phase == "warmup":  # SFT defaults of the embedded model; a --preset may override them
+        apply_overrides(cfg, WARMUP_DEFAULTS)
+    apply_overrides(cfg, PRESETS[preset])
+    for key, value in overrides.items():
+        head, _, tail = key.partition(".")
+        if head in PHASES:  # --A.steps 10: for phase A only
+            if head == phase:
+                apply_overrides(cfg, {tail: value})
+        elif phase == requested or not _phase_local(key):
+            apply_overrides(cfg, {key: value})
+    if phase == "warmup" and trains_from_scratch(cfg.model.name):  # the perception labels teach a random tower
+        given = {k.removeprefix("warmup.") for k in overrides}
+        apply_overrides(cfg, {k: v for k, v in PERCEPTION_DEFAULTS.items() if k not in given})
+    return cfg.validate()
+
+
+def phase_configs(requested: str, preset: str, overrides: dict[str, str], init: str = "auto") -> dict[str, TrainConfig]:
+    """The validated config of every phase up to the requested one (any of them may run).
+
+    All are built before anything runs, so `--A.optim.lr inf` on `--phase B` fails now,
+    not after the warm-up. A prefix naming a later phase would set nothing: refused.
+    """
+    for key in overrides:
+        head = key.partition(".")[0]
+        if head in PHASES and PHASES.index(head) > PHASES.index(requested):
+            raise ConfigError(f"--{key}: phase {head} comes after the requested phase {requested} and does not run "
+                              f"in this command; drop the option or run --phase {head}")
+    order = PHASES[: PHASES.index(requested) + 1]
+    # the requested phase first: its error is the one the user expects to read
+    built = {p: phase_config(p, preset, overrides, requested) for p in reversed(order)}
+    configs = {p: built[p] for p in order}
+    if init != "auto":
+        configs[requested].phase.init = init
+        configs[requested].validate()
+    return configs
+
+
+def prepare_run_dir(root: Path) -> None:
+    """Create the run directory and prove it writable, before any work that would be lost."""
+    if root.exists() and not root.is_dir():
+        raise ConfigError(f"--run.run_dir {root} is a file, not a directory: name a directory (it is created if missing)")
     try:
-        path, root = Path(os.fsdecode(filename)).resolve(), Path(root).resolve()
-    except (OSError, ValueError):
-        return False
-    return path == root or path.is_relative_to(root)
+        root.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise ConfigError(f"--run.run_dir {root}: a part of that path is a file, so the directory cannot be "
+                          "created; name another directory") from None
+    # os.access says yes to root on a read-only directory and no to some ACL'd ones: try it.
+    probe = root / f".tmp-write-probe-{uuid.uuid4().hex[:8]}"
+    fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    os.close(fd)
+    os.unlink(probe)
+
+
+def preflight(configs: dict[str, TrainConfig], plan: list[str], files: RunFiles) -> None:
+    """Every check that can fail before a model is loaded: model and LoRA targets, the
+    run directory's checkpoints (compatible, resumable, intact), the start checkpoint, data."""
+    first = configs[plan[0]]
+    check_policy_config(first)  # model.name and lora.* are the same in every phase
+    for phase in plan:
+        check_compatible(files.root, configs[phase])
+        check_resumable(files.root, configs[phase])
+    resuming = False
+    if plan[0] != "warmup":
+        resuming = resume_point(files.root, plan[0])[0] is not None  # all damaged: CheckpointError now
+    if not resuming and plan[0] != "warmup":
+        init_path, _ = resolve_init(first, files)  # SelectorError: names nothing
+        if init_path is not None:
+            load_checkpoint(init_path)  # damaged: CheckpointError now, not after building the model
+            check_init_compatible(init_path, first)
+    for phase in plan:
+        if configs[phase].run.data != "synthetic":  # synthetic data is generated, never malformed
+            load_training_data(configs[phase])
+
+
+def _phase_local(key: str) -> bool:
+    """Keys that describe one phase (its length, batch, mixture, start, reward weights)."""
+    key = key.replace("-", "_")
+    return key.split(".")[0] == "phase" or key in ("rewards.weights", "weights", "steps", "prompts_per_step",
+                                                   "mixture", "init", "controller")
+
+
+def phases_to_run(requested: str, files: RunFiles, init: str) -> list[str]:
+    """The requested phase, preceded by every earlier phase whose checkpoint is missing."""
+    order = list(PHASES[: PHASES.index(requested) + 1])
+    if init != "auto" or read_registry(files.root, requested).get("aliases"):  # explicit start, or a resume
+        return [requested]
+    plan = [requested]
+    for phase in reversed(order[:-1]):
+        need = PHASE_INIT[plan[0]].split(":")[0]
+        if need != phase or read_registry(files.root, phase).get("aliases"):
+            break
+        plan.insert(0, phase)
+    return plan
+
+
+HELP = """\
+python -m grpo.train --phase {warmup,A,B,C} [--preset tiny|qwen7b] [--init base|SELECTOR|PATH] [--key value ...]
+
+Phases (the staged, metric-gated curriculum):
+  warmup  R1-VL policy warm-up: SFT on worked reasoning (for the embedded tiny model it also
+          teaches perception and leaves an imperfect, partly-compliant base on purpose)
+  A       GRPO on stage 1, structure-heavy weights; starts from warmup:latest
+  B       GRPO on stage 1 (.7) + stage 2 (.3), correctness-heavy; starts from A:best_structure
+  C       GRPO on stage 2 (.6) + stage 3 (.4), tolerance on; starts from B:best_composite
+A phase whose starting checkpoint is missing from the run directory runs the earlier phases
+first, so `python -m grpo.train --phase B` runs warm-up, A and B. --init overrides the start:
+'base' (the model as loaded), a selector such as A:best_structure, or a checkpoint path.
+The same run directory resumes: the adapter, optimiser, schedule, controller, RNG and data
+position of <phase>:latest are restored.
+
+Options (--section.key VALUE, or --key VALUE where the key is unique). phase.* keys and
+rewards.weights apply to the requested phase only; prefix a key with a phase name to set it
+for that phase alone, e.g. --warmup.phase.steps 100 --A.optim.lr 1e-3:
+"""
+
+
+def main(argv: list[str] | None, run_phase: Callable[[TrainConfig, RunFiles, str, DataParallel], None]) -> int:
+    """The training CLI: resolve every phase's config, plan and check the run, then
+    ``run_phase`` each planned phase (grpo/train.py passes the warm-up / GRPO dispatch).
+
+    Every error the project raises on purpose ends as one line on stderr: exit 2 when the
+    request is wrong (config, selector, model name, data), exit 1 when the run failed (a
+    checkpoint, divergence, the run directory's disk). Anything else is a bug and keeps its
+    traceback."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    hf_logging.disable_progress_bar()  # one "Loading weights" bar per model load is noise in a training log
+    if "-h" in argv or "--help" in argv:
+        print(HELP + describe_fields())
+        return 0
+    ap = argparse.ArgumentParser(add_help=False)
+    ap.add_argument("--phase", default="B", choices=PHASES)
+    ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    ap.add_argument("--init", default="auto")
+    known, rest = ap.parse_known_args(argv)
+    dp, root = None, None
+    try:
+        overrides = parse_override_args(rest)
+        configs = phase_configs(known.phase, known.preset, overrides, known.init)
+        cfg = configs[known.phase]
+        files = RunFiles(Path(cfg.run.run_dir))
+        root = files.root
+        device = pick_device(cfg.model.device)
+        prepare_run_dir(files.root)
+        dp = init_distributed(device)  # torchrun: this rank's process group and device; else one process
+        device, files.writer = dp.device, dp.is_main
+        plan = phases_to_run(known.phase, files, cfg.phase.init) if cfg.run.run_prior_phases else [known.phase]
+        preflight(configs, plan, files)
+        if len(plan) > 1:
+            print(f"phase {known.phase} starts from {PHASE_INIT[known.phase]}, which {files.root} does not have "
+                  f"yet: running {' -> '.join(plan)}")
+        t_run = time.time()
+        for phase in plan:
+            pcfg = configs[phase]
+            dp.barrier()  # every rank has read the run directory (and rank 0 finished writing it)
+            print(f"\n===== phase {phase} =====\nresolved config:\n{pcfg.to_json()}", flush=True)
+            if dp.is_main:
+                (files.root / f"config_{phase}.json").write_text(pcfg.to_json())
+            seed_everything(pcfg.run.seed)
+            set_threads(pcfg.run.cpu_threads)
+            t_phase = time.time()
+            run_phase(pcfg, files, device, dp)
+            print(f"phase {phase} took {time.time() - t_phase:.0f}s", flush=True)
+        if dp.is_main and known.phase != "warmup" and cfg.run.test_per_stage > 0 and cfg.run.data == "synthetic":
+            write_final_report(files.root, known.phase, cfg, device)
+        print(f"done in {time.time() - t_run:.0f}s; checkpoints and train_log.jsonl in {files.root}")
+    except (ConfigError, SelectorError, ModelLoadError) as err:  # the command asks for something wrong: say what
+        print(f"error: {one_line(err)}", file=sys.stderr)
+        return 2
+    except (CheckpointError, TrainingDiverged, NoRewardSpread) as err:  # the run failed; its earlier checkpoints are intact
+        print(f"error: {one_line(err)}", file=sys.stderr)
+        return 1
+    except OSError as err:
+        if root is None or not inside(err.filename, root):
+            raise  # not the run directory's disk: a bug or an environment problem, keep the traceback
+        why = "the disk is full" if err.errno in (errno.ENOSPC, errno.EDQUOT) else err.strerror or str(err)
+        print(f"error: cannot write to the run directory {root} ({why}: {err.filename}); "
+              "fix its permissions or free space, or use another --run.run_dir", file=sys.stderr)
+        return 1
+    finally:
+        if dp is not None:
+            dp.close()
+    return 0

@@ -40,7 +40,8 @@ from eval.evaluate import Completions, EvalProtocol, EvalResult, evaluate_comple
 from eval.inputs import load_examples, read_completions
 from eval.report import control_summary, write_report
 from grpo.checkpoint import CheckpointError
-from grpo.cli import inside, one_line
+from grpo.errors import inside, one_line
+from grpo.config import TrainConfig
 from grpo.model import ModelLoadError
 
 # ----------------------------------------------------------------------------- model -> EvalResult
@@ -90,6 +91,32 @@ def evaluate_model(bundle: Any, examples: Sequence[Example], protocol: EvalProto
     protocol.validate()
     sample_pass = sample_pass or sample_completions
     return evaluate_samples(examples, lambda exs: sample_pass(bundle, exs, protocol), protocol)
+
+
+def checkpoint_eval(bundle: Any, examples: Sequence[Example], cfg: TrainConfig, dp: Any = None) -> EvalResult:
+    """The trainer's eval at every checkpoint: greedy, one sample per prompt (the staged
+    paper's final protocol), on the phase's fixed held-out subset. Its metrics feed the
+    controller's gates and the checkpoint's scores (best_* aliases)."""
+    protocol = EvalProtocol(max_new_tokens=cfg.sampling.max_new_tokens, temperature=0.0,
+                            seed=cfg.run.seed, batch_size=64)
+    if dp is not None and dp.enabled:  # prompts split over ranks, completions gathered (grpo/distributed.py)
+        return dp.evaluate(bundle, examples, protocol)
+    return evaluate_model(bundle, examples, protocol)
+
+
+def print_eval(phase: str, step: int, result: EvalResult) -> None:
+    """One line of headline metrics with their 95% intervals and the scores, then the blind gap."""
+    m, iv = result.metrics, result.overall.intervals
+    parts = []
+    for key, short in (("parseable_rate", "parse"), ("exact_match", "EM"), ("solution_tag_rate", "sol"),
+                       ("reasoning_tag_rate", "reas"), ("truncation_rate", "trunc")):
+        lo, hi = iv.get(key, (float("nan"), float("nan")))
+        parts.append(f"{short} {m[key]:.3f} [{lo:.2f},{hi:.2f}]")
+    s = result.scores
+    print(f"[{phase} eval @ {step}] n={result.overall.n_prompts} " + "  ".join(parts)
+          + f"  struct {s['structure']:.3f} corr {s['correctness']:.3f} comp {s['composite']:.3f}", flush=True)
+    for line in control_summary(f"{phase} @ {step}", result):
+        print(f"  {line}", flush=True)
 
 
 # ----------------------------------------------------------------------------- CLI

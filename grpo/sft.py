@@ -43,14 +43,26 @@ perception stage: the model already sees.
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from data.contract import format_response
+from data.mixture import MixtureStream
 from data.schema import Example
+from grpo.checkpoint import save_checkpoint
+from grpo.config import ConfigError, TrainConfig
+from grpo.evaluate import checkpoint_eval, print_eval
+from grpo.model import load_bundle
+from grpo.perception import PerceptionHead
+from grpo.phase_data import eval_subset, load_training_data
+from grpo.policy import adapter_tensors, base_tensors, build_policy
+from grpo.run import Progress, RunFiles, StepGuard, lr_at
+from lora import lora_state_dict
 
 # Families whose warm-up targets mostly follow the contract. The rest mostly answer in
 # free form. (Counting scenes, line plots, cylinders and region sums are "sloppy".)
@@ -151,3 +163,92 @@ def warmup_losses(model, batch: dict[str, torch.Tensor], examples: Sequence[Exam
         lm = sft_loss(model, batch)
     return lm, head.loss(feats[0], token_labels(examples, batch["image_grid_thw"]))
 
+
+# ----------------------------------------------------------------------------- the warm-up phase
+
+
+def run_warmup(cfg: TrainConfig, files: RunFiles, device: str) -> None:
+    """R1-VL policy warm-up. For the tiny model: all weights, a perception (caption) stage
+    first, dense perception labels throughout, imperfect contract on purpose (module docstring).
+    Rank 0 only: the warm-up is not data-parallel."""
+    train, val = load_training_data(cfg)
+    dtype = getattr(torch, cfg.model.dtype)
+    bundle = load_bundle(cfg.model.name, dtype=dtype, device=device, seed=cfg.run.seed)
+    model = bundle.model
+    # The embedded model (or any directory build_tiny_model wrote) starts from random weights.
+    tiny = cfg.model.name == "tiny" or (Path(cfg.model.name) / "vlgrpo_build.json").is_file()
+    if not tiny:  # a pretrained model: warm up a LoRA, keep the contract strict
+        bundle = build_policy(cfg, device)
+        model = bundle.model
+    head = None
+    if tiny and cfg.optim.perception_weight > 0:
+        if not any(ex.marks for s in train for ex in train[s]):  # a family may draw none (geometry)
+            raise ConfigError(f"--run.data {cfg.run.data}: the examples carry no renderer marks, so the perception "
+                              f"loss has no labels; use the synthetic curriculum or set --warmup.optim.perception_weight 0")
+        torch.manual_seed(cfg.run.seed)
+        head = PerceptionHead(model.config.text_config.hidden_size).to(device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    visual = {id(p) for n, p in model.named_parameters() if ".visual." in f".{n}"}
+    groups = [{"params": [p for p in params if id(p) not in visual], "lr_scale": 1.0},
+              {"params": [p for p in params if id(p) in visual], "lr_scale": cfg.optim.vision_lr_scale},
+              {"params": list(head.parameters()) if head is not None else [], "lr_scale": 1.0}]
+    params += [p for p in groups[2]["params"]]
+    opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
+    style = SFTStyle() if tiny else None
+    rng = random.Random(cfg.run.seed)
+    stream = MixtureStream(train, cfg.phase.mixture, cfg.run.seed)  # the warm-up's own stage mixture
+    B, P = cfg.phase.prompts_per_step, cfg.phase.perception_steps if tiny else 0
+    print(f"warm-up: {P} perception steps on image captions, then {cfg.phase.steps} SFT steps on worked "
+          f"reasoning, x {B} examples ({'all weights, perception labels ' + ('on' if head else 'off') + ', imperfect contract on purpose' if tiny else 'LoRA'})",
+          flush=True)
+    guard = StepGuard([(n, p) for n, p in model.named_parameters() if p.requires_grad], opt, files, cfg)
+    model.train()
+    # Two stages, one loop: step k < P is a caption step (lr warm-up, then constant), the
+    # rest are worked-reasoning steps on their own schedule (lr_at: warm-up, then linear decay).
+    bar = Progress(P + cfg.phase.steps, "warmup")
+    for k in range(P + cfg.phase.steps):
+        t0 = time.time()
+        stage, step = ("perception", k) if k < P else ("sft", k - P)
+        if stage == "perception":
+            examples = stream.next_batch(B)
+            batch = caption_batch(bundle, examples)
+            lr = cfg.optim.lr * min(1.0, (step + 1) / max(1, cfg.optim.warmup_steps))
+        else:
+            examples = stream.next_batch(B)
+            batch = build_sft_batch(bundle, examples, [warmup_target(e, rng, style) for e in examples])
+            lr = lr_at(step, cfg)
+        batch = {key: v.to(device) for key, v in batch.items()}
+        for g in opt.param_groups:
+            g["lr"] = lr * g["lr_scale"]
+        lm_loss, perc_loss = warmup_losses(model, batch, examples, head)
+        loss = lm_loss if perc_loss is None else lm_loss + cfg.optim.perception_weight * perc_loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip or float("inf"))
+        bad = guard.step()  # a NaN loss or an overflowing update: the weights of before the step are kept
+        if bad:
+            guard.failed("warmup", k + 1, dict(loss=str(loss.item()), params=bad[:5]),
+                         f"[warmup {k + 1}] non-finite update ({len(bad)} tensors, e.g. {bad[0]}): step undone")
+        else:
+            guard.succeeded()
+        record = dict(phase="warmup", step=k + 1, stage=stage, sft_loss=lm_loss.item(), grad_norm=float(gnorm),
+                      lr=lr, time=dict(step=time.time() - t0))
+        if perc_loss is not None:
+            record["perception_loss"] = perc_loss.item()
+        files.write_log(record)
+        info = (f"{'captions' if stage == 'perception' else 'reasoning'}: lm loss {lm_loss.item():.3f}"
+                + (f", perception loss {perc_loss.item():.3f}" if perc_loss is not None else ""))
+        bar.update(k + 1, info)
+        if (k + 1) % cfg.run.log_every == 0 and not bar.tty:
+            print(f"[warmup {k + 1}/{P + cfg.phase.steps}] {info}", flush=True)
+    bar.close()
+    model.eval()
+    done = P + cfg.phase.steps  # the checkpoint's step counts every optimiser step, captions included
+    result = checkpoint_eval(bundle, eval_subset(cfg, val), cfg)
+    print_eval("warmup", done, result)
+    files.write_log(dict(event="eval", phase="warmup", step=done, metrics=result.flat()))
+    tensors = base_tensors(model) if tiny else adapter_tensors(lora_state_dict(model))
+    save_checkpoint(files.root, "warmup", done, tensors=tensors, optimizer=None,
+                    scheduler_state={"step": done}, controller_state={}, data_position=0,
+                    metrics=result.flat(), scores=result.scores, config_json=cfg.to_json(),
+                    extra={"kind": "base" if tiny else "adapter", "base": None})

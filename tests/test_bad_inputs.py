@@ -135,7 +135,7 @@ def raw_file(text: bytes):
 
 def cli_config(*args: str):
     """The phase-A config main() resolves from BASE + args (so a fake checkpoint matches it)."""
-    from grpo.train import phase_configs
+    from grpo.cli import phase_configs
 
     return phase_configs("A", "tiny", parse_override_args(OVERRIDES + list(args)), "base")["A"]
 
@@ -791,7 +791,7 @@ def test_damaged_checkpoints(tmp_path, damage, message):
 def test_unicode_bom_and_tiny_images_are_accepted(tmp_path, dataset):
     """Not errors: a UTF-8 byte-order mark, non-ASCII questions and pids, and 1x1 images
     (the processor scales them up to one 28 px patch). Checked on the loaded training data."""
-    from grpo.train import load_training_data
+    from grpo.phase_data import load_training_data
 
     root = copy_data(dataset, tmp_path)
     rows = rows_of(root)

@@ -16,7 +16,7 @@ import torch
 
 from bench import learning
 from grpo.config import PHASE_WEIGHTS, parse_override_args
-from grpo.train import phase_configs
+from grpo.cli import phase_configs
 
 VARIANTS = "correctness0,frozen"
 CELL = r"[+-]?\d+\.\d+ \[[+-]?\d+\.\d+, [+-]?\d+\.\d+\]"  # one seed: the value and its 95% interval

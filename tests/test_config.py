@@ -93,7 +93,7 @@ def test_perception_supervision_is_the_tiny_models_alone(tmp_path):
     """The caption stage and the perception head teach a random tower; a pretrained model
     (any directory without the tiny build's stamp) gets neither by default, and asking for
     them is one clear error rather than a silently relabelled run."""
-    from grpo.train import phase_config
+    from grpo.cli import phase_config
 
     tiny = phase_config("warmup", "tiny", {}, "B")
     assert (tiny.phase.perception_steps, tiny.optim.perception_weight) == (600, 1.0)

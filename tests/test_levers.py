@@ -318,7 +318,7 @@ def test_components_mode_keeps_a_tie_breaker_small():
 
 
 def test_lr_schedule_counts_optimiser_steps():
-    from grpo.train import lr_at
+    from grpo.run import lr_at
 
     cfg = TrainConfig()
     cfg.phase.name, cfg.phase.steps, cfg.optim.schedule, cfg.optim.warmup_steps = "A", 10, "linear", 2
@@ -350,17 +350,26 @@ def steps(run_dir: Path) -> dict[int, dict]:
 
 
 def capture_loss_calls(monkeypatch) -> list[dict]:
-    """Record every grpo_loss call of the trainer: its tensors (detached copies) and outputs."""
-    mod = importlib.import_module("kernels.grpo_loss")
-    real, calls = mod.grpo_loss, []
+    """Record every grpo_loss call of the trainer: its tensors (detached copies) and outputs,
+    with the reward inputs of its advantages under kw (the trainer hands the loss the result
+    of group_advantages, computed once per rollout batch)."""
+    mod = importlib.import_module("grpo.train")
+    real, real_adv, calls, sources = mod.grpo_loss, mod.group_advantages, [], {}
+
+    def adv_spy(*args, **kw):
+        adv = real_adv(*args, **kw)
+        sources[id(adv)] = kw
+        return adv
 
     def spy(logp, mask, *args, **kw):
         loss, stats = real(logp, mask, *args, **kw)
+        kw = dict(sources.get(id(kw.get("advantages")), {}), **kw)
         calls.append(dict(logp=logp.detach().clone(), mask=mask.clone(), kw=dict(kw), loss=float(loss.detach()),
                           clip=float(stats.clip_low_frac + stats.clip_high_frac), kl_old=float(stats.kl_old_mean)))
         return loss, stats
 
     monkeypatch.setattr(mod, "grpo_loss", spy)
+    monkeypatch.setattr(mod, "group_advantages", adv_spy)
     return calls
 
 
@@ -413,7 +422,7 @@ def test_mu_1_is_the_old_path_and_the_first_of_mu_2(tmp_path, monkeypatch):
 
 
 def test_a_non_finite_second_update_skips_the_rest_of_its_batch(tmp_path, monkeypatch):
-    mod = importlib.import_module("kernels.grpo_loss")
+    mod = importlib.import_module("grpo.train")
     real, n = mod.grpo_loss, [0]
 
     def nan_on_2(*args, **kw):
@@ -486,13 +495,13 @@ def test_resume_is_bit_identical_with_the_new_options_on(tmp_path, monkeypatch):
     """Straight 4 steps == killed right after the step-2 checkpoint, then resumed; the cosine
     schedule over phase.steps x mu optimiser steps included (the run is not shortened: a
     schedule over phase.steps changes with phase.steps)."""
-    import grpo.checkpoint as ckpt_mod
+    import grpo.train as trainer  # the loop calls save_checkpoint by this module's name
 
     opts = ["--phase.steps", "4", "--sampling.dynamic_sampling", "true", "--optim.updates_per_batch", "2",
             "--optim.beta", "0.05", "--optim.kl_bias_correction", "true", "--optim.adv_mode", "components",
             "--optim.adv_std_floor", "0.5", "--optim.schedule", "cosine", "--optim.accumulation", "2",
             "--rewards.weights", "format=1,finished=1,brevity=0.25"]
-    real_save = ckpt_mod.save_checkpoint
+    real_save = trainer.save_checkpoint
 
     def save_then_die(root, phase, step, **kw):
         real_save(root, phase, step, **kw)
@@ -502,10 +511,10 @@ def test_resume_is_bit_identical_with_the_new_options_on(tmp_path, monkeypatch):
     with reward_spread(only=even_pid, component="brevity"):
         rc, _, err = train(tmp_path / "straight", *opts)
         assert rc == 0, err
-        monkeypatch.setattr(ckpt_mod, "save_checkpoint", save_then_die)
+        monkeypatch.setattr(trainer, "save_checkpoint", save_then_die)
         with pytest.raises(Killed):
             train(tmp_path / "resumed", *opts)
-        monkeypatch.setattr(ckpt_mod, "save_checkpoint", real_save)
+        monkeypatch.setattr(trainer, "save_checkpoint", real_save)
         rc, out, err = train(tmp_path / "resumed", *opts)
     assert rc == 0, err
     assert "resuming phase A at step 2" in out

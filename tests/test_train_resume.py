@@ -20,10 +20,10 @@ import pytest
 import torch
 
 import grpo.checkpoint as ckpt_mod
-import kernels.grpo_loss as loss_mod
+import grpo.train as trainer  # the loop calls its grpo_loss by this module's name
 from grpo.checkpoint import load_checkpoint, read_registry, resolve
 from grpo.policy import adapter_tensors
-from grpo.train import GEN_KEY
+from grpo.run import GEN_KEY
 from train_helpers import log_lines, reward_spread, run_main
 
 TINY = [
@@ -129,7 +129,7 @@ def test_failed_checkpoint_write_keeps_latest_loadable_and_resumable(straight, t
 
 def nan_loss_on(calls: set[int]):
     """grpo_loss that returns NaN on the given (1-based) calls, the real loss otherwise."""
-    real = loss_mod.grpo_loss
+    real = trainer.grpo_loss
     n = [0]
 
     def loss(*args, **kw):
@@ -142,7 +142,7 @@ def nan_loss_on(calls: set[int]):
 
 def test_a_nan_step_is_skipped_and_logged(tmp_path, monkeypatch):
     run = tmp_path / "run"
-    monkeypatch.setattr(loss_mod, "grpo_loss", nan_loss_on({1}))
+    monkeypatch.setattr(trainer, "grpo_loss", nan_loss_on({1}))
     with reward_spread():
         rc, out, err = train(run, "--phase.steps", "2")
     assert rc == 0, err
@@ -156,7 +156,7 @@ def test_a_nan_step_is_skipped_and_logged(tmp_path, monkeypatch):
 
 def test_three_nan_steps_in_a_row_stop_the_run(tmp_path, monkeypatch):
     run = tmp_path / "run"
-    monkeypatch.setattr(loss_mod, "grpo_loss", nan_loss_on({1, 2, 3}))
+    monkeypatch.setattr(trainer, "grpo_loss", nan_loss_on({1, 2, 3}))
     rc, out, err = train(run, "--phase.steps", "5", "--run.eval_every", "10")
     assert rc == 1
     assert err.startswith("error: phase A: 3 non-finite losses or updates in a row at step 3") and "--optim.lr" in err
@@ -205,7 +205,7 @@ def test_a_non_finite_update_is_undone_like_a_skipped_step(tmp_path, monkeypatch
     back to before the step, so the run is bit-identical to one that skipped that step."""
     with reward_spread():
         with monkeypatch.context() as mp:
-            mp.setattr(loss_mod, "grpo_loss", nan_loss_on({1}))
+            mp.setattr(trainer, "grpo_loss", nan_loss_on({1}))
             rc, _, err = train(tmp_path / "skipped", "--phase.steps", "2")
         assert rc == 0, err
         with monkeypatch.context() as mp:

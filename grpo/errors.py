@@ -1,0 +1,37 @@
+"""The run's own failures, and how the entry points print an error: one line, no traceback.
+
+Every error the project raises on purpose (a bad option, a damaged checkpoint, a full
+disk in the run directory, a diverged run) ends as one line on stderr with an exit code
+(2: the request is wrong, 1: the run failed); anything else is a bug and keeps its
+traceback. grpo/cli.py (training) and grpo/evaluate.py (evaluation) share these.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+class TrainingDiverged(RuntimeError):
+    """Losses stayed non-finite: the run stops (one line, exit code 1)."""
+
+
+class NoRewardSpread(RuntimeError):
+    """Dynamic sampling found no group with reward spread within its bound (one line, exit code 1)."""
+
+
+def one_line(err: BaseException) -> str:
+    """A message on one line: the selector errors list a run's phases on several."""
+    return "; ".join(line.strip() for line in str(err).splitlines() if line.strip())
+
+
+def inside(filename: object, root: Path) -> bool:
+    """Whether an OSError's filename lies in ``root``: only then is the error the user's
+    directory (full disk, permissions) and worth one line instead of a traceback."""
+    if not isinstance(filename, (str, bytes)) and not hasattr(filename, "__fspath__"):
+        return False
+    try:
+        path, root = Path(os.fsdecode(filename)).resolve(), Path(root).resolve()
+    except (OSError, ValueError):
+        return False
+    return path == root or path.is_relative_to(root)

@@ -1,0 +1,241 @@
+"""What a training phase needs besides the algorithm: its files, progress line, schedule,
+seeds, and the guard against non-finite steps. Shared by the GRPO loop (grpo/train.py),
+the SFT warm-up (grpo/sft.py) and the CLI (grpo/cli.py).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from grpo.config import ConfigError, TrainConfig
+from grpo.errors import TrainingDiverged
+
+GEN_KEY = "sampler_generator_state"  # checkpoint tensor: the rollout sampler's torch.Generator state
+
+
+def pick_device(name: str) -> str:
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"--model.device {name}: no CUDA device here; use --model.device cpu")
+    index = name.partition(":")[2]
+    if index and int(index) >= torch.cuda.device_count():
+        raise ConfigError(f"--model.device {name}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                          f"cuda:0 .. cuda:{torch.cuda.device_count() - 1}")
+    return name
+
+
+def set_threads(n: int) -> None:
+    if n > 0:
+        torch.set_num_threads(n)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+# ----------------------------------------------------------------------------- schedule
+
+
+def updates_per_batch(cfg: TrainConfig) -> int:
+    """mu: optimiser steps per rollout batch in a GRPO phase (the SFT warm-up takes one per batch)."""
+    return 1 if cfg.phase.name == "warmup" else cfg.optim.updates_per_batch
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Learning rate for optimiser step ``step`` (0-based): linear warm-up, then the schedule.
+
+    phase.steps counts rollout batches; a GRPO phase takes mu = optim.updates_per_batch
+    optimiser steps per batch, so the schedule (and optim.warmup_steps) runs over
+    phase.steps x mu optimiser steps, and batch s's updates are optimiser steps s*mu ..
+    s*mu + mu - 1. A pure function of the step, so resuming needs only the step to restore
+    the schedule (checkpoints fall on batch boundaries).
+    """
+    o, total = cfg.optim, max(1, cfg.phase.steps * updates_per_batch(cfg))
+    if step < o.warmup_steps:
+        return o.lr * (step + 1) / o.warmup_steps
+    frac = (step - o.warmup_steps) / max(1, total - o.warmup_steps)
+    if o.schedule == "linear":
+        return o.lr * (1.0 - 0.9 * frac)
+    if o.schedule == "cosine":
+        return o.lr * (0.1 + 0.45 * (1.0 + math.cos(math.pi * frac)))
+    return o.lr
+
+
+# ----------------------------------------------------------------------------- files, progress
+
+
+@dataclass
+class RunFiles:
+    """Where a run writes: <run_dir>/config_<phase>.json, train_log.jsonl, <phase>/step_N."""
+
+    root: Path
+    writer: bool = True  # False on ranks > 0 of a data-parallel run: rank 0 writes the log
+
+    @property
+    def log(self) -> Path:
+        return self.root / "train_log.jsonl"
+
+    def write_log(self, record: dict) -> None:
+        if not self.writer:
+            return
+        with self.log.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+class Progress:
+    """A one-line progress bar on a terminal; nothing otherwise (CI logs get the periodic
+    lines the loops print). ``write`` prints a line without breaking the bar."""
+
+    def __init__(self, total: int, label: str, start: int = 0):
+        self.total, self.label, self.t0, self.start = max(1, total), label, time.time(), start
+        self.tty = sys.stderr.isatty()
+        self.shown = False
+
+    def update(self, done: int, info: str = "") -> None:
+        if not self.tty:
+            return
+        frac = done / self.total
+        rate = (done - self.start) / max(1e-9, time.time() - self.t0)
+        eta = (self.total - done) / rate if rate > 0 else float("nan")
+        bar = "#" * int(24 * frac) + "." * (24 - int(24 * frac))
+        sys.stderr.write(f"\r{self.label} [{bar}] {done}/{self.total} eta {eta:4.0f}s {info}   ")
+        sys.stderr.flush()
+        self.shown = True
+
+    def write(self, text: str) -> None:
+        self.close()
+        print(text, flush=True)
+
+    def close(self) -> None:
+        if self.tty and self.shown:
+            sys.stderr.write("\n")
+            self.shown = False
+
+
+# ----------------------------------------------------------------------------- non-finite steps
+
+
+class StepGuard:
+    """Parameters and optimiser state from before an optimiser step, put back if the step
+    left a parameter non-finite; and the count of non-finite losses or updates in a row.
+
+    The loss check cannot see this: a finite loss with lr=1e30, or an overflow inside
+    AdamW, still turns the adapter into NaN, and every later step (and checkpoint) would
+    carry it. Costs one copy of the trained tensors and their moments per step (for a
+    rank-8 LoRA of the 7B, ~40M floats: cheap next to one rollout).
+    """
+
+    LIMIT = 3  # non-finite losses or updates in a row before the run stops
+
+    def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], opt: torch.optim.Optimizer,
+                 files: RunFiles, cfg: TrainConfig):
+        self.names = [n for n, _ in named_params]
+        self.params = [p for _, p in named_params]
+        self.opt, self.files, self.cfg = opt, files, cfg
+        self.streak = 0
+
+    def before(self) -> None:
+        self.saved = [p.detach().clone() for p in self.params]
+        sd = self.opt.state_dict()
+        self.saved_opt = {"state": {i: {k: v.clone() if torch.is_tensor(v) else v for k, v in st.items()}
+                                    for i, st in sd["state"].items()},
+                          "param_groups": [dict(g) for g in sd["param_groups"]]}
+
+    def non_finite(self, dp=None) -> list[str]:
+        """Names of parameters holding NaN/inf after the step (all ranks agree, or none does)."""
+        bad = [n for n, p in zip(self.names, self.params) if not bool(torch.isfinite(p).all())]
+        if dp is not None and dp.enabled and dp.all_reduce_sum(float(len(bad))) > 0 and not bad:
+            return ["<on another rank>"]
+        return bad
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        for p, v in zip(self.params, self.saved):
+            p.copy_(v)
+        self.opt.load_state_dict(self.saved_opt)
+
+    def step(self, dp=None) -> list[str]:
+        """opt.step(), undone if it left a parameter non-finite; -> the bad names ([] = kept)."""
+        self.before()
+        self.opt.step()
+        bad = self.non_finite(dp)
+        if bad:
+            self.restore()
+        return bad
+
+    def failed(self, phase: str, step: int, record: dict, message: str) -> None:
+        """Count a skipped loss or an undone update: log it, say it, stop after LIMIT in a row."""
+        self.streak += 1
+        self.files.write_log(dict(event="nan", phase=phase, step=step, **record))
+        print(f"{message} ({self.streak} in a row)")
+        if self.streak >= self.LIMIT:
+            raise TrainingDiverged(
+                f"phase {phase}: 3 non-finite losses or updates in a row at step {step}; lower --optim.lr "
+                f"(now {self.cfg.optim.lr}) or check the rewards; the last good checkpoint is in "
+                f"{self.files.root / phase}")
+
+    def succeeded(self) -> None:
+        self.streak = 0
+
+
+# ----------------------------------------------------------------------------- the log line (step 7 of grpo/train.py)
+
+
+def update_record(u: int, loss_sum: float, gnorm: torch.Tensor, lr: float, stats_u: list, dp) -> dict:
+    """One update's entry of the log line's "updates" (mu > 1): its loss, grad norm, lr, the
+    clip fractions and the KL to the sampling policy (0 at update 1 by construction),
+    averaged over micro-batches and ranks."""
+    su = dp.mean_over_ranks({key: float(sum(float(getattr(x, f)) for x in stats_u) / len(stats_u))
+                             for key, f in (("clip_low", "clip_low_frac"), ("clip_high", "clip_high_frac"),
+                                            ("kl_old", "kl_old_mean"))})
+    return dict(update=u + 1, loss=loss_sum, grad_norm=float(gnorm), lr=lr, **su)
+
+
+def step_record(phase: str, step: int, logs: list, weights: dict, loss_sum: float, updates: list, fill,
+                temperature: float, lr: float, grad_norm: float | None, timing: dict, dp,
+                mu: int) -> dict:
+    """The log line of one rollout batch (keys: eval/plots.py). Rewards, lengths and the
+    loss's diagnostics are those of update 1, the on-policy one."""
+    rb0 = logs[0][0]
+    comps = {k: float(torch.cat([r.components[k] for r, _, _ in logs]).mean()) for k in rb0.components}
+    totals = torch.cat([r.total for r, _, _ in logs])
+    lengths = torch.cat([o.lengths.float() for _, _, o in logs])
+    trunc = torch.cat([o.truncated.float() for _, _, o in logs])
+    # averaged over ranks: the controller's zero-spread gate must see the same value on every rank
+    st = dp.mean_over_ranks({k: float(sum(float(getattr(s, k)) for _, s, _ in logs) / len(logs))
+                             for k in ("kl_mean", "clip_low_frac", "clip_high_frac", "zero_spread_frac",
+                                       "adv_abs_mean")})
+    record = dict(phase=phase, step=step + 1, reward=float(totals.mean()), components=comps,
+                  weights=dict(weights), loss=loss_sum, kl=st["kl_mean"],
+                  clip_low=st["clip_low_frac"], clip_high=st["clip_high_frac"],
+                  zero_spread=st["zero_spread_frac"], adv_abs=st["adv_abs_mean"],
+                  completion_len=float(lengths.mean()), truncation=float(trunc.mean()), lr=lr,
+                  temperature=temperature, grad_norm=grad_norm, time=timing)
+    if mu > 1:  # the first update's loss and stats above (on-policy); every update here
+        record["loss"] = updates[0]["loss"] if updates else loss_sum
+        record["updates"] = updates
+    if fill is not None:
+        record["dynamic"] = fill.to_dict()
+    return record
+
+
+def progress_line(phase: str, step: int, steps: int, record: dict, fill, updates: list, mu: int) -> str:
+    return (f"[{phase} {step + 1}/{steps}] reward {record['reward']:.3f}  "
+            + " ".join(f"{k} {v:.2f}" for k, v in record["components"].items())
+            + f"  len {record['completion_len']:.1f}  zero-spread {record['zero_spread']:.2f}"
+            + (f"  refills {fill.refills} fill {fill.fill:.2f}" if fill is not None else "")
+            + (f"  clip@{len(updates)} {updates[-1]['clip_low'] + updates[-1]['clip_high']:.3f}"
+               if mu > 1 and updates else "")
+            + f"  {record['time']['step']:.2f}s/step")
