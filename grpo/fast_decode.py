@@ -49,20 +49,28 @@ class StaticKVCache:
         self.keys, self.values, self.length = keys, values, length
 
     @classmethod
-    def from_prefill(cls, cache, G: int, max_new_tokens: int) -> StaticKVCache:
-        """Copy a transformers prefill cache of B rows into N = B*G rows with room for max_new_tokens."""
+    def from_prefill(cls, cache, G: int, max_new_tokens: int, *, round_to: int = 1,
+                     zero: bool = False) -> StaticKVCache:
+        """Copy a transformers prefill cache of B rows into N = B*G rows with room for
+        max_new_tokens, the length rounded up to a multiple of ``round_to``.
+
+        ``zero``: zero-fill the unwritten columns. This module's step reads only the written
+        ones; a step that attends over all columns under a mask (grpo/rollout_fast.py) needs
+        them finite, since 0 * NaN = NaN.
+        """
         keys, values = [], []
         for layer in cache.layers:
-            k, v = layer.keys, layer.values  # [B, H_kv, L, D]
-            B, H, L, D = k.shape
-            kb = k.new_empty(B, G, H, L + max_new_tokens, D)
-            vb = v.new_empty(B, G, H, L + max_new_tokens, D)
+            k, v = layer.keys, layer.values  # [B, H_kv, P, D], P = prompt tokens
+            B, H, P, D = k.shape
+            S = -(-(P + max_new_tokens) // round_to) * round_to
+            alloc = k.new_zeros if zero else k.new_empty
+            kb, vb = alloc(B, G, H, S, D), alloc(B, G, H, S, D)
             # The group copy, written straight into the buffer (broadcast over G, no temporary).
-            kb[:, :, :, :L] = k[:, None]
-            vb[:, :, :, :L] = v[:, None]
-            keys.append(kb.view(B * G, H, L + max_new_tokens, D))
-            values.append(vb.view(B * G, H, L + max_new_tokens, D))
-        return cls(keys, values, L)
+            kb[:, :, :, :P] = k[:, None]
+            vb[:, :, :, :P] = v[:, None]
+            keys.append(kb.view(B * G, H, S, D))
+            values.append(vb.view(B * G, H, S, D))
+        return cls(keys, values, P)
 
     def batch_select_indices(self, rows: torch.Tensor) -> None:
         """Keep only ``rows`` (batch compaction when completions finish): one gather per layer."""

@@ -20,7 +20,8 @@ what a captured CUDA graph needs). Everything else -- embeddings, norms, rotary 
 lm_head, the vision tower -- is the policy's own module, shared, not copied. For the 7B
 the copy is the 28 x 7 projections, 6.5B parameters = 13 GB of bf16.
 
-``MergedRollout.sample`` is ``grpo.sampler.sample`` with the decode loop swapped:
+``MergedRollout.sample`` is ``grpo.sampler.sample`` -- the same checks, prefill, decode loop
+and output -- with this class as its DecodeHook, which swaps the per-token model call:
 
     prefill     the policy itself (vision tower + M-RoPE via transformers, 4-bit + LoRA):
                 once per prompt, compute-bound, so the dequantisation cost is amortised
@@ -62,8 +63,8 @@ import torch.nn.functional as F
 
 from grpo import fast_decode
 from grpo.model import ModelBundle, PromptBatch
-from grpo.prompt_context import build_prompt_context, group_rows
-from grpo.sampler import SampleOutput, _check_args, prefill, sample_token, stop_token_ids
+from grpo.prompt_context import PromptContext
+from grpo.sampler import DecodeStep, SampleOutput, sample
 from lora.layer import LoRALinear, is_linear4bit
 from lora.quant import dequantize_weight
 
@@ -111,8 +112,7 @@ class MergedRollout:
             self.weights.append(per_layer)
         head = model.lm_head
         self.lm_head = _merged_fp32(head)[0].to(self.dtype) if _needs_copy(head) else head.weight
-        self.keys: list[torch.Tensor] = []
-        self.values: list[torch.Tensor] = []
+        self.cache: fast_decode.StaticKVCache | None = None  # while a rollout decodes
 
     @property
     def nbytes(self) -> int:
@@ -152,7 +152,7 @@ class MergedRollout:
             v = F.linear(h, *w["v_proj"]).view(N, 1, -1, D).transpose(1, 2)
             q = q * cos + fast_decode._rotate_half(q) * sin
             k = k * cos + fast_decode._rotate_half(k) * sin
-            K, V = self.keys[i], self.values[i]
+            K, V = self.cache.keys[i], self.cache.values[i]
             K.index_copy_(2, col, k)  # the new column, in place, at a device-side index
             V.index_copy_(2, col, v)
             H_kv = K.shape[1]
@@ -186,76 +186,40 @@ class MergedRollout:
 
     # ------------------------------------------------------------------ sampling
 
-    def _static_cache(self, cache, G: int, S: int) -> None:
-        """Prefill cache (B rows, L columns) -> zero-filled [B*G, H_kv, S, D] per layer."""
-        self.keys, self.values = [], []
-        for layer in cache.layers:
-            for src, dst in ((layer.keys, self.keys), (layer.values, self.values)):
-                B, H, L, D = src.shape
-                buf = src.new_zeros(B, G, H, S, D)
-                buf[:, :, :, :L] = src[:, None]  # the group copy, written straight into the buffer
-                dst.append(buf.view(B * G, H, S, D))
-
     @torch.no_grad()
     def sample(self, bundle: ModelBundle, prompts: PromptBatch, *, G: int, max_new_tokens: int,
                temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                generator: torch.Generator | None = None) -> SampleOutput:
-        """grpo.sampler.sample's contract (same SampleOutput) with decoding from the merged copy."""
-        _check_args(G, max_new_tokens, temperature, top_k, top_p)
+        """grpo.sampler.sample (same loop, same SampleOutput) with this copy's decode step."""
         if bundle.model is not self.model:
             raise ValueError("this MergedRollout was built for another model; build one per policy")
-        model, device = self.model, self.device
-        L = prompts.input_ids.shape[1]
-        if L + max_new_tokens > bundle.context_length:
-            raise ValueError(f"prompt of {L} tokens + max_new_tokens={max_new_tokens} exceeds the model's "
-                             f"context of {bundle.context_length}; lower max_new_tokens or the image size")
-        if generator is None and seed is not None:
-            generator = torch.Generator(device=device).manual_seed(seed)
+        return sample(bundle, prompts, G=G, max_new_tokens=max_new_tokens, temperature=temperature,
+                      top_k=top_k, top_p=top_p, seed=seed, generator=generator, hook=self)
 
-        ctx = build_prompt_context(model, prompts)  # vision tower: once per prompt
-        first_logits, cache = prefill(model, ctx)  # the policy itself: 4-bit + LoRA
-        rows = group_rows(ctx.B, G, device)
-        N, S = ctx.B * G, -(-(L + max_new_tokens) // S_ROUND) * S_ROUND
-        self._static_cache(cache, G, S)
-        del cache
+    def begin(self, cache, ctx: PromptContext, rows: torch.Tensor, G: int, max_new_tokens: int) -> DecodeStep:
+        """The DecodeHook half of ``sample``: a zero-filled static cache of N = B*G rows and S
+        columns, the step's fixed-address inputs, and (CUDA) the captured graph."""
+        device, P = self.device, ctx.attention_mask.shape[1]  # P prompt columns
+        self.cache = fast_decode.StaticKVCache.from_prefill(cache, G, max_new_tokens, round_to=S_ROUND, zero=True)
+        N, S = rows.shape[0], self.cache.keys[0].shape[2]
         key_mask = torch.zeros(N, S, dtype=torch.bool, device=device)
-        key_mask[:, :L] = ctx.attention_mask[rows].bool()
-        next_position = ctx.next_position[rows]
+        key_mask[:, :P] = ctx.attention_mask[rows].bool()
         # Static inputs of the step: a replay reads them where they are.
         token_in = torch.zeros(N, dtype=torch.long, device=device)
-        position_in = next_position.clone()
-        col = torch.full((1,), L, dtype=torch.long, device=device)
-        step_fn = (self._capture(token_in, position_in, col, key_mask) if self.graphs
-                   else lambda: self._decode_step(token_in, position_in, col, key_mask))
+        position_in = ctx.next_position[rows].clone()
+        col = torch.full((1,), P, dtype=torch.long, device=device)
+        run = (self._capture(token_in, position_in, col, key_mask) if self.graphs
+               else lambda: self._decode_step(token_in, position_in, col, key_mask))
 
-        stop = torch.tensor(stop_token_ids(bundle), device=device)
-        pad_id = bundle.pad_token_id
-        tokens = torch.full((N, max_new_tokens), pad_id, dtype=torch.long, device=device)
-        logps = torch.zeros((N, max_new_tokens), dtype=torch.float32, device=device)
-        logqs = torch.zeros_like(logps)
-        done = torch.zeros(N, dtype=torch.bool, device=device)
-        logits, n_steps = first_logits[rows], 0
-        for step in range(max_new_tokens):
-            token, logp, logq = sample_token(logits, temperature, top_k, top_p, generator)
-            token = token.masked_fill(done, pad_id)  # stopped rows emit padding (and keep decoding it)
-            tokens[:, step] = token
-            logps[:, step] = logp.masked_fill(done, 0.0)
-            logqs[:, step] = logq.masked_fill(done, 0.0)
-            done = done | torch.isin(token, stop)
-            n_steps = step + 1
-            if step == max_new_tokens - 1 or bool(done.all()):  # one host sync per step, as the plain loop
-                break
+        def step(token: torch.Tensor, position: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+            new = attention_mask.shape[1] - 1  # the new token's cache column: P + tokens decoded so far
             token_in.copy_(token)
-            position_in.copy_(next_position + step)
-            col.fill_(L + step)
-            key_mask[:, L + step] = True
-            logits = step_fn()
-        self.keys, self.values = [], []  # free the cache between rollouts
+            position_in.copy_(position)
+            col.fill_(new)
+            key_mask[:, new] = True
+            return run()
 
-        tokens, logps, logqs = tokens[:, :n_steps], logps[:, :n_steps], logqs[:, :n_steps]
-        is_stop = torch.isin(tokens, stop)
-        mask = (~((is_stop.long().cumsum(1) - is_stop.long()) > 0)).long()  # up to and including the stop
-        texts = [bundle.decode(t[m.bool() & ~s].tolist()) for t, m, s in zip(tokens.cpu(), mask.cpu(), is_stop.cpu())]
-        return SampleOutput(completion_ids=tokens, completion_mask=mask, logprobs=logps * mask,
-                            sampler_logprobs=logqs * mask, finished=done, truncated=~done, texts=texts,
-                            prompt_index=rows, G=G, context=ctx)
+        return step
+
+    def end(self) -> None:
+        self.cache = None  # free the KV cache between rollouts

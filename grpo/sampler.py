@@ -48,7 +48,9 @@ graphs or torch.compile.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
@@ -186,11 +188,15 @@ def decode_n_tokens(
     top_p: float,
     generator: torch.Generator | None,
     compact: bool = True,
+    step_fn: DecodeStep | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Decode up to max_new_tokens for N rows sharing ``cache``.
 
-    first_logits [N, V]: logits after the prompt; next_position [N]; attention_mask [N, L].
-    Returns (tokens [N, T], logprobs [N, T], sampler_logprobs [N, T], done [N] bool).
+    first_logits [N, V]: logits after the prompt; next_position [N]; attention_mask [N, P]
+    over the P prompt columns. Returns (tokens [N, T], logprobs [N, T], sampler_logprobs
+    [N, T], done [N] bool). ``step_fn`` (token [N], position [N], attention_mask [N, P + t + 1])
+    -> logits [N, V] replaces decode_one_token over ``cache`` (a DecodeHook's step); it keeps
+    every row, so it runs without compaction.
 
     ``compact``: once a quarter of the rows still in the batch have stopped, drop them from
     the batch and the KV cache (one gather of the cache), so finished completions stop
@@ -199,6 +205,8 @@ def decode_n_tokens(
     depend on it; sampled ones do (fewer rows draw fewer random numbers) but stay
     reproducible for a seed.
     """
+    if step_fn is not None and compact:
+        raise ValueError("compact=True drops rows from the loop's own cache; a step_fn keeps its own: pass compact=False")
     N, device = first_logits.shape[0], first_logits.device
     tokens = torch.full((N, max_new_tokens), pad_id, dtype=torch.long, device=device)
     logps = torch.zeros((N, max_new_tokens), dtype=torch.float32, device=device)
@@ -227,7 +235,10 @@ def decode_n_tokens(
             rows, token, done = rows[keep], token[keep], done[keep]
             next_position, attention_mask = next_position[keep], attention_mask[keep]
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones(attention_mask.shape[0], 1)], 1)
-        logits = decode_one_token(model, cache, token, next_position + step, attention_mask, cache_kw)
+        if step_fn is None:
+            logits = decode_one_token(model, cache, token, next_position + step, attention_mask, cache_kw)
+        else:
+            logits = step_fn(token, next_position + step, attention_mask)
     done_all[rows[done]] = True
     return tokens[:, :n_steps], logps[:, :n_steps], logqs[:, :n_steps], done_all
 
@@ -251,6 +262,21 @@ def stop_token_ids(bundle: ModelBundle) -> list[int]:
     return sorted(set(int(i) for i in ids if i is not None))
 
 
+DecodeStep = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class DecodeHook(Protocol):
+    """Another decode step for ``sample``: the checks, the vision pass, the prefill, the loop,
+    the sampling of each token and the output stay the sampler's; only the per-token model
+    call is the hook's (grpo/rollout_fast.py: a merged bf16 copy replayed as a CUDA graph)."""
+
+    def begin(self, cache: Any, ctx: PromptContext, rows: torch.Tensor, G: int, max_new_tokens: int) -> DecodeStep:
+        """Take the prefill cache of the B prompts; return the step for the N = B*G rows."""
+
+    def end(self) -> None:
+        """Free what ``begin`` allocated (the KV cache) between rollouts."""
+
+
 @torch.no_grad()
 def sample(
     bundle: ModelBundle,
@@ -265,6 +291,7 @@ def sample(
     generator: torch.Generator | None = None,
     compact: bool = True,
     decode: str = "auto",
+    hook: DecodeHook | None = None,
 ) -> SampleOutput:
     """Sample G completions for each of the B prompts (N = B*G rows, grouped by prompt).
 
@@ -272,15 +299,16 @@ def sample(
     prompts, same device -> same completions. ``decode``: "static" (preallocated KV cache
     and the hand-written step of grpo/fast_decode.py), "hf" (transformers' forward and
     DynamicCache, the reference) or "auto" (static where fast_decode supports the model).
-    ``compact``: drop finished rows from the batch (see decode_n_tokens).
+    ``compact``: drop finished rows from the batch (see decode_n_tokens). ``hook``: another
+    decode step (DecodeHook); it decodes every row to the end and ignores ``decode``.
     """
     _check_args(G, max_new_tokens, temperature, top_k, top_p)
     if decode not in ("auto", "static", "hf"):
         raise ValueError(f"decode={decode!r}: use 'auto', 'static' or 'hf'")
     model = bundle.model
-    L = prompts.input_ids.shape[1]
-    if L + max_new_tokens > bundle.context_length:
-        raise ValueError(f"prompt of {L} tokens + max_new_tokens={max_new_tokens} exceeds the model's "
+    prompt_len = prompts.input_ids.shape[1]
+    if prompt_len + max_new_tokens > bundle.context_length:
+        raise ValueError(f"prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens} exceeds the model's "
                          f"context of {bundle.context_length}; lower max_new_tokens or the image size")
     device = model.device
     if generator is None and seed is not None:
@@ -289,8 +317,11 @@ def sample(
     ctx = build_prompt_context(model, prompts)  # vision tower: once per prompt
     first_logits, cache = prefill(model, ctx)  # text prefill: once per prompt
     rows = group_rows(ctx.B, G, device)
-    # The group copy: every layer's K and V [B, H, L, D] -> [B*G, H, L, D], prompt b in rows b*G..b*G+G-1.
-    if decode == "static" or (decode == "auto" and fast_decode.supports(model)):
+    # The group copy: every layer's K and V [B, H, P, D] -> [B*G, H, P, D], prompt b in rows b*G..b*G+G-1.
+    step_fn = None
+    if hook is not None:
+        step_fn, cache, compact = hook.begin(cache, ctx, rows, G, max_new_tokens), None, False
+    elif decode == "static" or (decode == "auto" and fast_decode.supports(model)):
         cache = fast_decode.StaticKVCache.from_prefill(cache, G, max_new_tokens)
     else:
         cache.batch_repeat_interleave(G)
@@ -299,7 +330,10 @@ def sample(
         model, cache, first_logits[rows], ctx.next_position[rows], ctx.attention_mask[rows],
         max_new_tokens=max_new_tokens, stop_ids=stop, pad_id=bundle.pad_token_id,
         temperature=temperature, top_k=top_k, top_p=top_p, generator=generator, compact=compact,
+        step_fn=step_fn,
     )
+    if hook is not None:
+        hook.end()
     # Mask: tokens up to and including the first stop token. A stopped row's later tokens
     # are padding, so "not yet stopped before this step" is the mask.
     is_stop = torch.isin(tokens, stop)
