@@ -169,12 +169,12 @@ def lm_weight_bytes(model, merged=None) -> int:
     return rep.total - embed.numel() * embed.element_size() + head_bytes  # a step reads N embedding rows, not the table
 
 
-def kv_bytes_per_step(model, N: int, L: int, T: int) -> float:
-    """Mean KV-cache bytes read per decode step over T steps after an L-token prompt."""
+def kv_bytes_per_step(model, N: int, P: int, T: int) -> float:
+    """Mean KV-cache bytes read per decode step over T steps after a P-token prompt."""
     c = model.config.text_config
     D = c.hidden_size // c.num_attention_heads
     per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * D * model.dtype.itemsize
-    return N * per_token * (L + T / 2)
+    return N * per_token * (P + T / 2)
 
 
 # ----------------------------------------------------------------------------- one step
@@ -223,7 +223,7 @@ def grpo_step(bundle, examples, args, rollout_path: str, merged, stages: Stages)
         args.opt.zero_grad(set_to_none=True)
         if merged is not None:
             merged.refresh()
-    return dict(N=ids.shape[0], steps=ids.shape[1], L=prompts.input_ids.shape[1])
+    return dict(N=ids.shape[0], steps=ids.shape[1], P=prompts.input_ids.shape[1])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -314,7 +314,7 @@ def main(argv: list[str] | None = None) -> None:
         tokens = f["N"] * f["steps"]
         tok_s[path] = tokens / decode_s
         w = lm_weight_bytes(model, merged if path == "merged" else None)
-        kv = kv_bytes_per_step(model, f["N"], f["L"], f["steps"])
+        kv = kv_bytes_per_step(model, f["N"], f["P"], f["steps"])
         bound = f["N"] / ((w + kv) / bw) if bw else None
         drows.append({"path": path, "rows": str(f["N"]), "steps": str(f["steps"]), "decode ms": f"{decode_s * 1e3:.0f}",
                       "ms/step": f"{decode_s * 1e3 / f['steps']:.2f}", "tok/s": f"{tok_s[path]:.0f}",

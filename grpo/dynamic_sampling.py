@@ -176,8 +176,8 @@ def select_groups(r: Rollout, groups: Sequence[int]) -> Rollout:
     return Rollout([r.examples[i] for i in groups], sub, _select_rewards(r.rb, rows))
 
 
-def _pad_left(x: torch.Tensor, L: int, value: int | bool) -> torch.Tensor:
-    pad = L - x.shape[-1]
+def _pad_left(x: torch.Tensor, P: int, value: int | bool) -> torch.Tensor:
+    pad = P - x.shape[-1]
     if pad == 0:
         return x
     return torch.cat([torch.full((*x.shape[:-1], pad), value, dtype=x.dtype, device=x.device), x], -1)
@@ -213,16 +213,16 @@ def concat_rollouts(rs: Sequence[Rollout], pad_id: int) -> Rollout:
         return rs[0]
     outs = [r.out for r in rs]
     G = outs[0].G
-    L = max(o.context.L for o in outs)
+    P = max(o.context.P for o in outs)  # the longest prompt
     T = max(o.completion_ids.shape[1] for o in outs)
     ctxs = [o.context for o in outs]
     ctx = PromptContext(
-        input_ids=torch.cat([_pad_left(c.input_ids, L, pad_id) for c in ctxs]),
-        attention_mask=torch.cat([_pad_left(c.attention_mask, L, 0) for c in ctxs]),
-        position_ids=torch.cat([_pad_left(c.position_ids, L, 0) for c in ctxs], 1),
+        input_ids=torch.cat([_pad_left(c.input_ids, P, pad_id) for c in ctxs]),
+        attention_mask=torch.cat([_pad_left(c.attention_mask, P, 0) for c in ctxs]),
+        position_ids=torch.cat([_pad_left(c.position_ids, P, 0) for c in ctxs], 1),
         next_position=torch.cat([c.next_position for c in ctxs]),
         image_embeds=torch.cat([c.image_embeds for c in ctxs]),
-        image_mask=torch.cat([_pad_left(c.image_mask, L, False) for c in ctxs]),
+        image_mask=torch.cat([_pad_left(c.image_mask, P, False) for c in ctxs]),
     )
     dev = outs[0].completion_ids.device
     n_prompts = sum(r.n_groups for r in rs)

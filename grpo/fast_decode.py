@@ -6,9 +6,9 @@ every layer's K and V (O(T^2) copying over a completion), a rebuilt 4-D attentio
 M-RoPE bookkeeping and a few hundred Python calls of wrappers -- on a small model more
 than the matmuls themselves. This file is the gpt-fast alternative:
 
-- ``StaticKVCache``: per layer one preallocated [N, H_kv, L + max_new_tokens, D] buffer;
-  step s writes column L + s for every row (prompts are left-padded, so that is the same
-  column for all rows) and attention reads columns [0, L + s]. Filled from the prefill's
+- ``StaticKVCache``: per layer one preallocated [N, H_kv, P + max_new_tokens, D] buffer
+  (P prompt tokens); step s writes column P + s for every row (prompts are left-padded, so that is the same
+  column for all rows) and attention reads columns [0, P + s]. Filled from the prefill's
   cache with the group copy done in place (prompt b -> rows b*G .. b*G+G-1).
 - ``decode_step``: the decoder layer written out -- RMSNorm, q/k/v projections, rotary,
   attention over the cache, o_proj, residual, RMSNorm, SwiGLU MLP, residual -- calling

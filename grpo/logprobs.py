@@ -12,9 +12,9 @@ all T of them. What this file does to make that cheap:
   sampling (grpo/prompt_context.PromptContext, frozen tower, no grad) are scattered into
   the B prompt embeddings, which are then indexed to serve the B*G rows. A rerun would
   cost 2G vision passes per prompt per step (policy + reference).
-- Logits only at completion positions: the transformer runs on all L + T positions, but
+- Logits only at completion positions: the transformer runs on all P + T positions (P prompt tokens), but
   the LM head runs only on the T hidden states that predict completion tokens
-  (positions L-1 .. L+T-2), in row chunks.
+  (positions P-1 .. P+T-2), in row chunks.
 - The log-softmax goes through ``kernels.logprob.token_logprobs`` (Triton on CUDA, the
   PyTorch reference on CPU): log p(target) without an fp32 [N, T, V] copy.
 
@@ -65,7 +65,7 @@ def completion_hidden_states(
     out = model.model(inputs_embeds=embeds, attention_mask=attention_mask, position_ids=position_ids,
                       use_cache=False)
     # The token at position L + t is predicted by the hidden state at L + t - 1.
-    return out.last_hidden_state[:, ctx.L - 1 : ctx.L + T - 1]
+    return out.last_hidden_state[:, ctx.P - 1 : ctx.P + T - 1]
 
 
 def completion_logprobs(

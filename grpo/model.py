@@ -380,15 +380,15 @@ def load_bundle(
 
 @dataclass
 class PromptBatch:
-    """B prompts ready for the model; rows are left-padded so every prompt ends at column L-1.
+    """B prompts ready for the model; rows are left-padded so every prompt ends at column P-1.
 
     Left padding is what batched decoding wants: the next token of every row goes in the
     same column, and the KV cache stays one rectangular tensor.
     """
 
-    input_ids: torch.Tensor  # [B, L] long
-    attention_mask: torch.Tensor  # [B, L] long, 0 on left padding
-    mm_token_type_ids: torch.Tensor  # [B, L] int, 1 on <|image_pad|> tokens (what turns M-RoPE on)
+    input_ids: torch.Tensor  # [B, P] long
+    attention_mask: torch.Tensor  # [B, P] long, 0 on left padding
+    mm_token_type_ids: torch.Tensor  # [B, P] int, 1 on <|image_pad|> tokens (what turns M-RoPE on)
     pixel_values: torch.Tensor  # [sum_i patches_i, 3*2*14*14] float, images concatenated in row order
     image_grid_thw: torch.Tensor  # [B, 3] long, (t, h, w) patch grid per image
     kept: list[int] = field(default_factory=list)  # input index of each row
@@ -489,16 +489,16 @@ def encode_prompts(
         kept.append(i)
     if not rows:
         raise ValueError(f"encode_prompts: every image failed to preprocess: {skipped}")
-    L = max(len(r) for r in rows)
-    if L > bundle.context_length:
-        raise ValueError(f"encode_prompts: a prompt is {L} tokens, longer than the model's context "
+    P = max(len(r) for r in rows)  # the padded prompt length
+    if P > bundle.context_length:
+        raise ValueError(f"encode_prompts: a prompt is {P} tokens, longer than the model's context "
                          f"({bundle.context_length}); shorten the question or lower max_pixels")
     B = len(rows)
-    input_ids = torch.full((B, L), bundle.pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((B, L), dtype=torch.long)
+    input_ids = torch.full((B, P), bundle.pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((B, P), dtype=torch.long)
     for b, r in enumerate(rows):
-        input_ids[b, L - len(r):] = torch.tensor(r, dtype=torch.long)
-        attention_mask[b, L - len(r):] = 1
+        input_ids[b, P - len(r):] = torch.tensor(r, dtype=torch.long)
+        attention_mask[b, P - len(r):] = 1
     mm_token_type_ids = (input_ids == bundle.image_token_id).to(torch.long) * attention_mask
     return PromptBatch(
         input_ids=input_ids,

@@ -39,24 +39,25 @@ from grpo.model import PromptBatch
 class PromptContext:
     """Per-prompt tensors reused by sampling and both log-prob passes (B = prompts)."""
 
-    input_ids: torch.Tensor  # [B, L] long, left-padded
-    attention_mask: torch.Tensor  # [B, L] long
-    position_ids: torch.Tensor  # [3, B, L] long, M-RoPE (t, h, w); 0 on padding
+    input_ids: torch.Tensor  # [B, P] long, left-padded
+    attention_mask: torch.Tensor  # [B, P] long
+    position_ids: torch.Tensor  # [3, B, P] long, M-RoPE (t, h, w); 0 on padding
     next_position: torch.Tensor  # [B] long, position of the first completion token
     image_embeds: torch.Tensor  # [n_vis_total, d] merged visual tokens, rows in prompt order, no grad
-    image_mask: torch.Tensor  # [B, L] bool, where image_embeds go
+    image_mask: torch.Tensor  # [B, P] bool, where image_embeds go
 
     @property
     def B(self) -> int:
         return self.input_ids.shape[0]
 
     @property
-    def L(self) -> int:
+    def P(self) -> int:
+        """Prompt length in tokens (padded); L is the completion budget elsewhere."""
         return self.input_ids.shape[1]
 
 
 def mrope_positions(model, prompts: PromptBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """(position_ids [3, B, L], next_position [B]) from transformers' own get_rope_index."""
+    """(position_ids [3, B, P], next_position [B]) from transformers' own get_rope_index."""
     position_ids, rope_deltas = model.model.get_rope_index(
         prompts.input_ids,
         mm_token_type_ids=prompts.mm_token_type_ids,
@@ -97,7 +98,7 @@ def build_prompt_context(model, prompts: PromptBatch) -> PromptContext:
 
 
 def prompt_embeds(model, ctx: PromptContext) -> torch.Tensor:
-    """[B, L, d] input embeddings of the prompts with the visual tokens scattered in.
+    """[B, P, d] input embeddings of the prompts with the visual tokens scattered in.
 
     Cheap (an embedding lookup and a copy); recomputed per pass so it follows the
     embedding table's grad mode. Index the result with a row map to serve B*G rows.

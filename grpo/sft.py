@@ -57,8 +57,8 @@ from data.schema import Example
 from grpo.checkpoint import save_checkpoint
 from grpo.config import ConfigError, TrainConfig
 from grpo.evaluate import checkpoint_eval, print_eval
-from grpo.model import load_bundle
-from grpo.perception import PerceptionHead
+from grpo.model import encode_prompts, load_bundle
+from grpo.perception import PerceptionHead, capture_visual_tokens, token_labels
 from grpo.phase_data import eval_subset, load_training_data
 from grpo.policy import adapter_tensors, base_tensors, build_policy
 from grpo.run import Progress, RunFiles, StepGuard, lr_at
@@ -103,11 +103,9 @@ def build_sft_batch(bundle, examples: Sequence[Example], targets: Sequence[str],
                     image_only: bool = False) -> dict[str, torch.Tensor]:
     """Prompt (left-padded, from grpo.model.encode_prompts) + target + <|im_end|> (right-padded).
 
-    Returns model inputs plus ``labels`` [B, L] with -100 everywhere except target tokens.
+    Returns model inputs plus ``labels`` [B, S] with -100 everywhere except target tokens.
     ``image_only``: the prompt is the image without the question (the perception stage).
     """
-    from grpo.model import encode_prompts
-
     prompts = encode_prompts(bundle, examples, image_only=image_only)
     tok = bundle.tokenizer
     tgt = [tok(t, add_special_tokens=False)["input_ids"] + [bundle.eos_token_id] for t in targets]
@@ -131,11 +129,11 @@ def sft_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Mean next-token cross-entropy over target tokens (logits only where labels exist)."""
     labels = batch["labels"]
     inputs = {k: v for k, v in batch.items() if k != "labels"}
-    hidden = model.model(**inputs).last_hidden_state  # [B, L, d]
+    hidden = model.model(**inputs).last_hidden_state  # [B, S, d], S = prompt + target tokens
     # Position t predicts token t+1: keep only positions whose next token is a target.
     predict = labels[:, 1:] != -100  # [B, L-1]
     h = hidden[:, :-1][predict]  # [M, d]
-    logits = model.lm_head(h).float()  # [M, V]: never the full [B, L, V]
+    logits = model.lm_head(h).float()  # [M, V]: never the full [B, S, V]
     return F.cross_entropy(logits, labels[:, 1:][predict])
 
 
@@ -155,8 +153,6 @@ def warmup_losses(model, batch: dict[str, torch.Tensor], examples: Sequence[Exam
     The perception loss reads the merged visual tokens that the LM forward computes
     (a forward hook on the tower), so the tower runs once.
     """
-    from grpo.perception import capture_visual_tokens, token_labels
-
     if head is None:
         return sft_loss(model, batch), None
     with capture_visual_tokens(model) as feats:

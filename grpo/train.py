@@ -177,12 +177,13 @@ def run_grpo_phase(cfg: TrainConfig, files: RunFiles, device: str, dp: DataParal
                 raise NoRewardSpread(no_spread_message(phase, step + 1, fill, G, temperature,
                                                        cfg.sampling.max_refills))
 
-        # ---- 3. advantage: z-score each reward within its prompt's group (the same for all mu updates)
-        adv = [group_advantages(G=G, T=r.out.completion_ids.shape[1], **advantage_kwargs(r.rb, cfg, dp, device))
-               for r in batch]
         # dapo divides by the active tokens of the whole step (every micro-batch of every rank);
         # share scales a micro-batch's loss to this rank's part of the global loss (1 on one process)
         active_tokens, shares = dp.loss_shares(cfg.optim.loss_type, [r.out.completion_mask for r in batch])
+
+        # ---- 3. advantage: z-score each reward within its prompt's group (the same for all mu updates)
+        adv = [group_advantages(G=G, T=r.out.completion_ids.shape[1], **advantage_kwargs(r.rb, cfg, dp, device))
+               for r in batch]
 
         # ---- 4-6, mu times. Update 1 runs with old = the current policy detached and keeps its
         # log-probs as old_logp for updates 2..mu; the reference log-probs do not change.

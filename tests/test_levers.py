@@ -268,7 +268,7 @@ def test_merging_pads_rubric_prefix_inputs():
     assert p.s.shape == (6, 2) and p.scored.sum(1).tolist() == [0, 0, 2, 2, 0, 0]  # 3 % 3 = 0 items
     assert torch.equal(p.R_ans, r.rb.total)
     one = select_groups(stream.draw(3), [2])
-    assert check_aligned(one) == [6] and one.out.context.L == 3 + 6 % 3  # all-padding columns cut
+    assert check_aligned(one) == [6] and one.out.context.P == 3 + 6 % 3  # all-padding columns cut
     assert concat_rollouts([one], 0) is one
 
 
