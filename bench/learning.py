@@ -187,6 +187,8 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in [
             "right answer in a group (see std_floor())", _both("optim.adv_std_floor", std_floor), shares=("warmup",)),
     Variant("kl", "KL anchor beta = 0.04 in A and B (k3 against the LoRA-off reference)",
             _both("optim.beta", lambda c: 0.04), shares=("warmup",)),
+    Variant("fp32", "phases A and B over the float32 base instead of NF4 (what the 4-bit base costs in EM and time)",
+            _both("model.load_in_4bit", lambda c: "false"), shares=("warmup",)),
     Variant("frozen", "frozen-policy control: phase B from the same A:best_structure with --B.optim.lr 0 "
             "(sampled, scored and logged like training; curves only)",
             lambda cfgs: ["--B.optim.lr", "0", "--B.run.test_per_stage", "0"], shares=("warmup", "A"), control=True),
