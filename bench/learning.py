@@ -1015,17 +1015,23 @@ def _run_all(runs: Sequence[Run], args: argparse.Namespace, evals: dict, failure
                 print(f"[bench] {run.name}: finished earlier, reused ({run.dir})", flush=True)
             running[pool.submit(ensure_trained, run, runs)] = run
 
-    pending, running, done, failed, evaluated = list(runs), {}, set(), set(), set()
-    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        while pending or running:
+    pending, running, done, failed, evaluating = list(runs), {}, set(), set(), {}
+    # Trainers in `pool`; evaluations one at a time in `evaluator` (torch in this process, one
+    # thread), so a free trainer slot never waits for an evaluation to end.
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool, ThreadPoolExecutor(max_workers=1) as evaluator:
+        while pending or running or evaluating:
             for run in [r for r in pending if r.variant.shares and f"default seed{r.seed}" in failed]:
                 pending.remove(run)  # its default run failed: nothing to start from
                 failures.append(f"{run.name}: not run, the default run of seed {run.seed} failed")
             fill()
-            if not running:
+            if not running and not evaluating:
                 break
-            finished_now, _ = wait(running, return_when=FIRST_COMPLETED)
+            finished_now, _ = wait([*running, *evaluating], return_when=FIRST_COMPLETED)
             for fut in finished_now:
+                if fut in evaluating:
+                    evaluating.pop(fut)
+                    fut.result()  # a refused request (exit 2) stops everything
+                    continue
                 run = running.pop(fut)
                 try:
                     fut.result()
@@ -1037,10 +1043,7 @@ def _run_all(runs: Sequence[Run], args: argparse.Namespace, evals: dict, failure
                     failed.add(run.name)
                     continue
                 done.add(run.name)
-            fill()  # before evaluating, so the trainers keep running meanwhile
-            for run in [r for r in runs if r.name in done and r.name not in evaluated]:
-                evaluated.add(run.name)
-                evaluate(run)
+                evaluating[evaluator.submit(evaluate, run)] = run
 
 
 def _finite(obj: Any) -> Any:
