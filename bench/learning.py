@@ -187,6 +187,8 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in [
             "right answer in a group (see std_floor())", _both("optim.adv_std_floor", std_floor), shares=("warmup",)),
     Variant("kl", "KL anchor beta = 0.04 in A and B (k3 against the LoRA-off reference)",
             _both("optim.beta", lambda c: 0.04), shares=("warmup",)),
+    Variant("fp32", "phases A and B over the float32 base instead of NF4 (what the 4-bit base costs in EM and time)",
+            _both("model.load_in_4bit", lambda c: "false"), shares=("warmup",)),
     Variant("frozen", "frozen-policy control: phase B from the same A:best_structure with --B.optim.lr 0 "
             "(sampled, scored and logged like training; curves only)",
             lambda cfgs: ["--B.optim.lr", "0", "--B.run.test_per_stage", "0"], shares=("warmup", "A"), control=True),
@@ -912,6 +914,9 @@ curves_seed<k>.png, test_checkpoints.png. Finished runs are reused, interrupted 
                    help="samples per prompt for pass@k at temperature 1 (default 8; 0 = skip the sampled eval)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads of this process's evaluation (default 1, like the trainer; 0 = torch's default)")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="trainer processes at a time (default 1; each uses one thread: at most the CPU cores, "
+                        "and the trainer's wall times then include the sharing)")
     p.add_argument("--plan", action="store_true", help="print every run's command line and state, run nothing")
     return p
 
@@ -924,6 +929,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         raise BenchError(f"--pass-k {args.pass_k}: must be >= 1 samples per prompt, or 0 to skip pass@k")
     if args.threads < 0:
         raise BenchError(f"--threads {args.threads}: must be >= 0 (0 = torch's default)")
+    if args.jobs < 1:
+        raise BenchError(f"--jobs {args.jobs}: must be >= 1 (trainer processes at a time)")
     names = list(VARIANTS) if args.variants.strip() == "all" else [n.strip() for n in args.variants.split(",") if n.strip()]
     unknown = [n for n in names if n not in VARIANTS]
     if unknown or not names:
@@ -981,21 +988,63 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run_all(runs: Sequence[Run], args: argparse.Namespace, evals: dict, failures: list[str]) -> None:
-    """Train (or reuse) and evaluate every run, the default run of every seed first: every
-    ablation starts from it. A run that fails (exit 1) is recorded and the others go on: a
-    diverging variant is a result too. A refused request (exit 2) stops everything."""
-    for run in runs:
+    """Train (or reuse) and evaluate every run, up to ``args.jobs`` trainer processes at a time.
+
+    An ablation starts only once its seed's default run has finished (it copies that run's
+    phases). Each finished run is evaluated here, in this process, while the next ones
+    train. A run that fails (exit 1) is recorded and the others go on: a diverging variant
+    is a result too. A refused request (exit 2) stops everything.
+    """
+    from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+
+    def ready(run: Run) -> bool:
+        return not run.variant.shares or f"default seed{run.seed}" in done
+
+    def evaluate(run: Run) -> None:
         try:
-            if finished(run):
-                print(f"[bench] {run.name}: finished earlier, reused ({run.dir})", flush=True)
-            else:
-                ensure_trained(run, runs)
             evals.setdefault(run.variant.name, {})[run.seed] = evaluate_run(run, args.pass_k, args.out / "eval_cache")
         except BenchError as err:
             if err.code != 1:
                 raise
             print(f"[bench] failed: {err}", flush=True)
             failures.append(str(err))
+
+    def fill() -> None:  # start ready runs in the free slots
+        for run in [r for r in pending if ready(r)][:max(0, args.jobs - len(running))]:
+            pending.remove(run)
+            if finished(run):
+                print(f"[bench] {run.name}: finished earlier, reused ({run.dir})", flush=True)
+            running[pool.submit(ensure_trained, run, runs)] = run
+
+    pending, running, done, failed, evaluating = list(runs), {}, set(), set(), {}
+    # Trainers in `pool`; evaluations one at a time in `evaluator` (torch in this process, one
+    # thread), so a free trainer slot never waits for an evaluation to end.
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool, ThreadPoolExecutor(max_workers=1) as evaluator:
+        while pending or running or evaluating:
+            for run in [r for r in pending if r.variant.shares and f"default seed{r.seed}" in failed]:
+                pending.remove(run)  # its default run failed: nothing to start from
+                failures.append(f"{run.name}: not run, the default run of seed {run.seed} failed")
+            fill()
+            if not running and not evaluating:
+                break
+            finished_now, _ = wait([*running, *evaluating], return_when=FIRST_COMPLETED)
+            for fut in finished_now:
+                if fut in evaluating:
+                    evaluating.pop(fut)
+                    fut.result()  # a refused request (exit 2) stops everything
+                    continue
+                run = running.pop(fut)
+                try:
+                    fut.result()
+                except BenchError as err:
+                    if err.code != 1:
+                        raise
+                    print(f"[bench] failed: {err}", flush=True)
+                    failures.append(str(err))
+                    failed.add(run.name)
+                    continue
+                done.add(run.name)
+                evaluating[evaluator.submit(evaluate, run)] = run
 
 
 def _finite(obj: Any) -> Any:

@@ -37,6 +37,7 @@ Bad rows are skipped and counted, never a crash (``load_jsonl(..., return_skippe
     missing_image       the image file named by the row does not exist
     corrupt_image       the file is not an image PIL can read
     image_too_large     the image claims more pixels than PIL's decompression-bomb limit
+    image_aspect        one side over 200 times the other (Qwen2-VL's resize refuses it)
     unknown_answer_type / unknown_language / non_numeric_answer
                         as in data/mathvista.py (a non-numeric gold answer under an
                         integer/float answer type; an empty answer is kept as "no gold")

@@ -23,6 +23,8 @@ so reports can show them:
     corrupt_image        bytes that PIL cannot identify / verify
     image_too_large      more pixels than PIL's decompression-bomb limit (Image.MAX_IMAGE_PIXELS
                          x 2, 179M by default): a few KB of PNG can claim 30000 x 30000
+    image_aspect         one side over MAX_ASPECT (200) times the other: Qwen2-VL's resize
+                         refuses it, so it would fail inside a training or eval batch
     unknown_answer_type  not one of integer, float, text, list
     unknown_language     not one of english, chinese, persian
     non_numeric_answer   a non-empty gold answer that is not a number under an
@@ -70,8 +72,9 @@ from data.stages import is_numeric_free_form, select_stage
 
 LANGUAGES = ("english", "chinese", "persian")
 NUMERIC_ANSWER_TYPES = ("integer", "float")
-SKIP_REASONS = ("missing_image", "corrupt_image", "image_too_large", "unknown_answer_type", "unknown_language",
-                "non_numeric_answer")
+SKIP_REASONS = ("missing_image", "corrupt_image", "image_too_large", "image_aspect", "unknown_answer_type",
+                "unknown_language", "non_numeric_answer")
+MAX_ASPECT = 200  # Qwen2-VL's smart_resize raises above this long/short side ratio
 # Columns without which a row means nothing: a missing `answer` column would read as "no
 # gold" on every row and the report would score against empty answers.
 REQUIRED_COLUMNS = ("pid", "question", "answer", "answer_type")
@@ -96,18 +99,25 @@ def _open_image(data: bytes, pid: str) -> Any:
     try:
         with Image.open(io.BytesIO(data)) as probe:
             probe.verify()  # reads headers / chunk CRCs without decoding all pixels
-        return Image.open(io.BytesIO(data))  # verify() invalidates its image: reopen
+        return _check_aspect(Image.open(io.BytesIO(data)), pid)  # verify() invalidates its image: reopen
     except Image.DecompressionBombError as err:  # not an OSError: it would escape as a traceback
         raise SkipRow("image_too_large", pid) from err
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as err:
         raise SkipRow("corrupt_image", pid) from err
 
 
+def _check_aspect(image: Any, pid: str) -> Any:
+    w, h = image.size
+    if min(w, h) < 1 or max(w, h) / min(w, h) > MAX_ASPECT:
+        raise SkipRow("image_aspect", pid)
+    return image
+
+
 def _row_image(row: dict[str, Any], base_dir: Path | None, pid: str) -> Any:
     """The row's image from embedded bytes, a decoded PIL image, or a file next to the data."""
     decoded = row.get("decoded_image")
     if decoded is not None and hasattr(decoded, "size") and hasattr(decoded, "mode"):
-        return decoded  # `datasets` already decoded it into a PIL image
+        return _check_aspect(decoded, pid)  # `datasets` already decoded it into a PIL image
     if isinstance(decoded, dict) and decoded.get("bytes"):
         return _open_image(decoded["bytes"], pid)
     if isinstance(decoded, (bytes, bytearray)) and decoded:

@@ -809,18 +809,23 @@ def resolve(run_dir: str | Path, selector: str) -> Path:
 # ----------------------------------------------------------------------------- compatibility
 
 
-def _meaning(cfg: dict[str, Any]) -> dict[str, Any]:
-    """The flattened model + lora fields that change what a checkpoint's weights mean."""
+def _meaning(cfg: dict[str, Any], kind: str | None = None) -> dict[str, Any]:
+    """The flattened model + lora fields that change what a checkpoint's weights mean.
+
+    A base checkpoint (``extra.kind == "base"``: the tiny warm-up's full-precision weights)
+    means the same whether a later phase quantises it or not, so model.load_in_4bit is
+    not part of its meaning; an adapter was trained against one of the two and is.
+    """
     out = {}
     for sec in ("model", "lora"):
         for k, v in (cfg.get(sec) or {}).items():
-            if f"{sec}.{k}" not in RUNTIME_ONLY_FIELDS:
+            if f"{sec}.{k}" not in RUNTIME_ONLY_FIELDS and not (kind == "base" and f"{sec}.{k}" == "model.load_in_4bit"):
                 out[f"{sec}.{k}"] = list(v) if isinstance(v, tuple) else v
     return out
 
 
-def _saved_config(run_dir: Path, phase: str, reg: dict) -> tuple[int, dict] | None:
-    """(step, config) of the newest checkpoint of a phase whose state.json reads; None if none does.
+def _saved_config(run_dir: Path, phase: str, reg: dict) -> tuple[int, dict, str | None] | None:
+    """(step, config, extra.kind) of the newest checkpoint of a phase whose state.json reads; None if none does.
 
     Only a compatibility check: the resume itself verifies every file, and reports damage.
     """
@@ -829,7 +834,7 @@ def _saved_config(run_dir: Path, phase: str, reg: dict) -> tuple[int, dict] | No
             state = _read_state(run_dir / phase / c["dir"])
         except CheckpointError:
             continue
-        return c["step"], state["config"]
+        return c["step"], state["config"], (state.get("extra") or {}).get("kind")
     return None
 
 
@@ -841,13 +846,12 @@ def _diffs(saved: dict[str, Any], want: dict[str, Any]) -> list[str]:
 def check_compatible(run_dir: str | Path, config: TrainConfig) -> None:
     """Refuse a run directory whose checkpoints were made with another model or LoRA setup."""
     run_dir = Path(run_dir)
-    want = _meaning(json.loads(config.to_json()))
     for phase in PHASES:
         reg = read_registry(run_dir, phase)
         saved = _saved_config(run_dir, phase, reg) if reg["checkpoints"] else None
         if saved is None:
             continue
-        diffs = _diffs(_meaning(saved[1]), want)
+        diffs = _diffs(_meaning(saved[1], saved[2]), _meaning(json.loads(config.to_json()), saved[2]))
         if diffs:
             raise ConfigError(
                 f"run_dir {run_dir} holds checkpoints ({phase} step {saved[0]}) made with a different "
@@ -856,8 +860,9 @@ def check_compatible(run_dir: str | Path, config: TrainConfig) -> None:
 
 def check_init_compatible(path: str | Path, config: TrainConfig) -> None:
     """Refuse to start a phase from a checkpoint (--init PATH) made with another model or LoRA setup."""
-    saved = _meaning(_read_state(Path(path))["config"])
-    diffs = _diffs(saved, _meaning(json.loads(config.to_json())))
+    state = _read_state(Path(path))
+    kind = (state.get("extra") or {}).get("kind")
+    diffs = _diffs(_meaning(state["config"], kind), _meaning(json.loads(config.to_json()), kind))
     if diffs:
         raise ConfigError(f"--init {path} was made with a different model/LoRA config: {'; '.join(diffs)}. "
                           "Set these back, or start from another checkpoint.")

@@ -50,19 +50,22 @@ PHASE_MIXTURE: dict[str, dict[int, float]] = {
     "B": {1: 0.7, 2: 0.3},
     "C": {2: 0.6, 3: 0.4},
 }
+# GRPO learning rates: phase A (format) at 2e-3 fixes the contract within 60 steps; B at 2e-3
+# drifted (val EM 0.165 -> 0.095 over its 60 steps) where 5e-4 held (bench/EXPERIMENTS.md).
+PHASE_LR: dict[str, float] = {"A": 2e-3, "B": 5e-4, "C": 5e-4}
 PHASE_INIT: dict[str, str] = {"warmup": "base", "A": "warmup:latest", "B": "A:best_structure", "C": "B:best_composite"}
 # The warm-up's own defaults (SFT of the embedded model from random weights): the caption
 # stage first, then worked reasoning, 32 examples a step. lr 5e-4 learned to read faster than
 # 1e-3 or 2e-3 on every perception probe we ran (bench/EXPERIMENTS.md).
 WARMUP_DEFAULTS: dict[str, Any] = {
-    "phase.steps": 300, "phase.prompts_per_step": 32, "optim.lr": 5e-4,
+    "phase.steps": 250, "phase.prompts_per_step": 32, "optim.lr": 5e-4,
     "optim.warmup_steps": 20, "optim.schedule": "linear",
-    # (600 + 300) x 32 examples: 8000 per stage keeps that near one pass (2000 would repeat each ~5 times)
+    # (800 + 250) x 32 examples, 60% of them stage 1: 8000 per stage keeps repeats to ~2-3 (2000 would be ~10)
     "run.train_per_stage": 8000,
 }
 # ... and for a model trained from scratch (random tower), the perception supervision of
 # grpo/perception.py: a pretrained model already sees, so it never gets these by default.
-PERCEPTION_DEFAULTS: dict[str, Any] = {"phase.perception_steps": 600, "optim.perception_weight": 1.0}
+PERCEPTION_DEFAULTS: dict[str, Any] = {"phase.perception_steps": 800, "optim.perception_weight": 1.0}
 
 
 def _one_of(choices: tuple[str, ...]) -> str:
@@ -109,7 +112,7 @@ class ModelConfig:
     dtype: str = "float32"
     """Compute dtype of the base: float32 (CPU default) or bfloat16 (GPU)."""
     load_in_4bit: bool = False
-    """Quantise the language model's linear layers to NF4 (bitsandbytes, double quant)."""
+    """Quantise the language model's linear layers to NF4 (bitsandbytes, double quant) under the LoRA (the tiny preset: on; its from-scratch warm-up trains every weight in float32 and each GRPO phase quantises that base)."""
     image_size: int = 112
     """Side of the synthetic images in pixels (112 px = 16 visual tokens after merging)."""
     gradient_checkpointing: bool = False
@@ -227,7 +230,7 @@ class PhaseConfig:
     controller: bool = True
     """Run the metric-gated controller after each checkpoint eval."""
     perception_steps: int = 0
-    """Warm-up of a random base: steps on image captions (image-only prompt) before the worked-reasoning SFT (the tiny model's warm-up: 600)."""
+    """Warm-up of a random base: steps on image captions (image-only prompt) before the worked-reasoning SFT (the tiny model's warm-up: 800)."""
 
 
 @dataclass
@@ -418,6 +421,7 @@ def phase_preset(phase: str) -> TrainConfig:
     cfg.phase.name = phase
     cfg.phase.mixture = dict(PHASE_MIXTURE[phase])
     if phase != "warmup":
+        cfg.optim.lr = PHASE_LR[phase]
         cfg.rewards.weights = dict(PHASE_WEIGHTS[phase])
         cfg.rewards.tolerance = phase == "C"
     return cfg
@@ -433,7 +437,7 @@ def trains_from_scratch(name: str) -> bool:
 PRESETS = {
     # The embedded default: tiny model, synthetic curriculum, CPU. (Phase-specific values
     # are applied by phase_preset.)
-    "tiny": {},
+    "tiny": {"model.load_in_4bit": True},
     # Qwen2.5-VL-7B-Instruct on one GPU, as in the staged paper: 4-bit base, rank-8 LoRA.
     "qwen7b": {
         "model.name": "Qwen/Qwen2.5-VL-7B-Instruct", "model.dtype": "bfloat16", "model.load_in_4bit": True,

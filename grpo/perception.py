@@ -20,9 +20,11 @@ for the image cell it covers:
 
 A linear head on each merged token predicts them (cross-entropy; soft cross-entropy for
 colour), and its loss is added to the LM's. Linear on purpose: what a linear head can
-read, the LM's first attention layer can read too. On a 1-6 circle-counting toy with this
-kind of head (one 0/1/2+ count per cell) the answer accuracy went from chance (0.15,
-equal with shuffled images) to 0.99 with true images vs 0.24 shuffled in 300 steps.
+read, the LM's first attention layer can read too. Measured with bench/perception_probe.py
+on this model (1-6 circles, "how many shapes?", 300 steps x 32): without the head 0.15
+with true images vs 0.14 shuffled (chance 1/6); with it 1.00 vs 0.16. Position labels
+(row, col) are what made "row 2, column 1" table reads learnable (0.95 after 600 steps,
+~0.3 without); bench/EXPERIMENTS.md has every measurement.
 
 Costs: one [n_tokens, d] x [d, 128] matmul per image on features the forward computes
 anyway (captured by a forward hook, so the tower runs once). The head is thrown away

@@ -340,6 +340,7 @@ DATA_CASES = [
     (write_images(png_bytes()[:40]), "3 skipped (corrupt_image 3)"),
     (write_images(b"this is a text file, not an image\n"), "3 skipped (corrupt_image 3)"),
     (write_images(bomb_png()), "3 skipped (image_too_large 3)"),
+    (write_images(png_bytes((402, 2))), "3 skipped (image_aspect 3)"),  # 201:1, Qwen2-VL's resize refuses it
     (stage_3_missing, "stage 3 has no training examples"),
 ]
 

@@ -36,7 +36,8 @@ def bench(*args: str) -> tuple[int, str, str]:
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
     out = tmp_path_factory.mktemp("learning")
-    rc, stdout, stderr = bench("--quick", "--seeds", "1", "--variants", VARIANTS, "--out", str(out))
+    # two trainers at a time: both ablations start together once the default run is done
+    rc, stdout, stderr = bench("--quick", "--seeds", "1", "--variants", VARIANTS, "--out", str(out), "--jobs", "2")
     assert rc == 0, stderr + stdout
     return out, stdout
 
@@ -97,7 +98,7 @@ def test_a_rerun_trains_and_samples_nothing(quick):
     out, _ = quick
     logs = {p: p.read_bytes() for p in out.glob("*/seed0/train_log.jsonl")}
     before = (out / "summary.md").read_text()
-    rc, stdout, stderr = bench("--quick", "--seeds", "1", "--variants", VARIANTS, "--out", str(out))
+    rc, stdout, stderr = bench("--quick", "--seeds", "1", "--variants", VARIANTS, "--out", str(out))  # --jobs 1
     assert rc == 0, stderr
     assert stdout.count("finished earlier, reused") == 3
     assert ": training" not in stdout and "pass@8 of" not in stdout  # no trainer, no sampling
@@ -121,6 +122,7 @@ def test_other_settings_refuse_the_old_run_directories(quick):
     (["--seeds", "three"], "argument --seeds: invalid int value: 'three'"),
     (["--pass-k", "-1"], "--pass-k -1: must be >= 1 samples per prompt, or 0 to skip pass@k"),
     (["--threads", "-1"], "--threads -1: must be >= 0"),
+    (["--jobs", "0"], "--jobs 0: must be >= 1"),
     (["--frobnicate"], "unrecognized arguments: --frobnicate"),
 ])
 def test_bad_arguments_are_one_line_with_exit_code_2(args, message):

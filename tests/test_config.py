@@ -96,7 +96,7 @@ def test_perception_supervision_is_the_tiny_models_alone(tmp_path):
     from grpo.cli import phase_config
 
     tiny = phase_config("warmup", "tiny", {}, "B")
-    assert (tiny.phase.perception_steps, tiny.optim.perception_weight) == (600, 1.0)
+    assert (tiny.phase.perception_steps, tiny.optim.perception_weight) == (800, 1.0)
     assert phase_config("A", "tiny", {}, "B").optim.perception_weight == 0.0  # GRPO phases: never
     kept = phase_config("warmup", "tiny", {"warmup.phase.perception_steps": "7"}, "B")
     assert (kept.phase.perception_steps, kept.optim.perception_weight) == (7, 1.0)
