@@ -46,6 +46,7 @@ quantise an already-built model so the tiny and the 7B share this one path).
 """
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -53,6 +54,24 @@ import torch
 import torch.nn as nn
 
 from lora.layer import LoRALinear, is_linear4bit
+
+
+class _NoHubKernelNotice(logging.Filter):
+    """Drop bitsandbytes' "Failed to load CPU gemm_4bit_forward from kernels-community" notice.
+
+    On AVX512-BF16 CPUs bitsandbytes tries, at import, `from kernels import get_kernel` (the
+    Hugging Face `kernels` package, to download a packed-4bit CPU kernel). This project's
+    own top-level package is also named `kernels`, so that import always fails and the
+    notice asks the user to pip install something. The kernel it wanted serves only the
+    repacked inference layout, which every Linear4bit here switches off
+    (support_avx512bf16_for_cpu = False, below), so the notice is noise on every run.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "kernels-community" not in record.getMessage()
+
+
+logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_NoHubKernelNotice())
 
 DEFAULT_SKIP = ("model.visual", "lm_head")
 _BLOCKSIZES = (64, 128, 256, 512, 1024, 2048, 4096)

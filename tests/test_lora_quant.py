@@ -227,3 +227,20 @@ def test_quantize_bad_input():
     inject_lora(model, verbose=False)
     with pytest.raises(ValueError, match="quantise the base first"):
         quantize_model_4bit(model)
+
+
+def test_the_hub_kernel_notice_is_dropped_and_nothing_else():
+    """bitsandbytes logs, on AVX512-BF16 CPUs, that it could not import the hub `kernels`
+    package (our own `kernels/` shadows it; the kernel it wanted serves only the packed
+    layout we switch off). lora.quant drops that one notice from that one logger."""
+    import logging
+
+    import lora.quant  # noqa: F401 (installs the filter)
+
+    log = logging.getLogger("bitsandbytes.backends.cpu.ops")
+
+    def record(msg: str) -> logging.LogRecord:
+        return logging.LogRecord(log.name, logging.WARNING, __file__, 1, msg, None, None)
+
+    assert not log.filter(record("Failed to load CPU gemm_4bit_forward from kernels-community: no get_kernel"))
+    assert log.filter(record("some other bitsandbytes warning"))
