@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import json
 import math
+import queue
 import random
 import sys
+import threading
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,6 +77,48 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 # ----------------------------------------------------------------------------- files, progress
+
+
+def prefetch(items: Iterable, depth: int = 2) -> Iterator:
+    """Iterate ``items`` with the next ``depth`` produced ahead, in a background thread.
+
+    The warm-up's batch preparation (image preprocessing, tokenisation, perception labels:
+    ~0.13 s of a ~0.45 s step on one core) then runs on the machine's second core while
+    the model computes. The producer is one thread consuming ``items`` in order, so every
+    batch, and every random draw that makes it, is exactly what a plain loop would give.
+    An exception in the producer is raised here, at the item it replaced.
+    """
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+    done = object()
+
+    def produce() -> None:
+        try:
+            for item in items:
+                while not stop.is_set():
+                    try:
+                        q.put((None, item), timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            q.put((None, done))
+        except BaseException as err:  # handed to the consumer, raised there
+            q.put((err, None))
+
+    worker = threading.Thread(target=produce, name="prefetch", daemon=True)
+    worker.start()
+    try:
+        while True:
+            err, item = q.get()
+            if err is not None:
+                raise err
+            if item is done:
+                return
+            yield item
+    finally:  # the consumer stopped early (an error, a break): let the producer end
+        stop.set()
 
 
 @dataclass

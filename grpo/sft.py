@@ -61,7 +61,7 @@ from grpo.model import encode_prompts, load_bundle
 from grpo.perception import PerceptionHead, capture_visual_tokens, token_labels
 from grpo.phase_data import eval_subset, load_training_data
 from grpo.policy import adapter_tensors, base_tensors, build_policy
-from grpo.run import Progress, RunFiles, StepGuard, lr_at
+from grpo.run import Progress, RunFiles, StepGuard, lr_at, prefetch
 from lora import lora_state_dict
 
 # Families whose warm-up targets mostly follow the contract. The rest mostly answer in
@@ -147,17 +147,19 @@ def caption_batch(bundle, examples: Sequence[Example]) -> dict[str, torch.Tensor
 
 
 def warmup_losses(model, batch: dict[str, torch.Tensor], examples: Sequence[Example],
-                  head=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                  head=None, labels=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(LM loss, perception loss) of one warm-up batch; the second is None without a head.
 
     The perception loss reads the merged visual tokens that the LM forward computes
-    (a forward hook on the tower), so the tower runs once.
+    (a forward hook on the tower), so the tower runs once. ``labels``: the batch's
+    token_labels if already computed (the warm-up prepares them with the batch).
     """
     if head is None:
         return sft_loss(model, batch), None
     with capture_visual_tokens(model) as feats:
         lm = sft_loss(model, batch)
-    return lm, head.loss(feats[0], token_labels(examples, batch["image_grid_thw"]))
+    labels = labels if labels is not None else token_labels(examples, batch["image_grid_thw"])
+    return lm, head.loss(feats[0], labels)
 
 
 # ----------------------------------------------------------------------------- the warm-up phase
@@ -201,22 +203,26 @@ def run_warmup(cfg: TrainConfig, files: RunFiles, device: str) -> None:
     model.train()
     # Two stages, one loop: step k < P is a caption step (lr warm-up, then constant), the
     # rest are worked-reasoning steps on their own schedule (lr_at: warm-up, then linear decay).
+    def batches():  # every step's data, in order (prefetch runs this one step ahead)
+        for k in range(P + cfg.phase.steps):
+            stage, step = ("perception", k) if k < P else ("sft", k - P)
+            examples = stream.next_batch(B)
+            if stage == "perception":
+                batch = caption_batch(bundle, examples)
+                lr = cfg.optim.lr * min(1.0, (step + 1) / max(1, cfg.optim.warmup_steps))
+            else:
+                batch = build_sft_batch(bundle, examples, [warmup_target(e, rng, style) for e in examples])
+                lr = lr_at(step, cfg)
+            labels = token_labels(examples, batch["image_grid_thw"]) if head is not None else None
+            yield k, stage, lr, examples, batch, labels
+
     bar = Progress(P + cfg.phase.steps, "warmup")
-    for k in range(P + cfg.phase.steps):
+    for k, stage, lr, examples, batch, labels in prefetch(batches()):
         t0 = time.time()
-        stage, step = ("perception", k) if k < P else ("sft", k - P)
-        if stage == "perception":
-            examples = stream.next_batch(B)
-            batch = caption_batch(bundle, examples)
-            lr = cfg.optim.lr * min(1.0, (step + 1) / max(1, cfg.optim.warmup_steps))
-        else:
-            examples = stream.next_batch(B)
-            batch = build_sft_batch(bundle, examples, [warmup_target(e, rng, style) for e in examples])
-            lr = lr_at(step, cfg)
         batch = {key: v.to(device) for key, v in batch.items()}
         for g in opt.param_groups:
             g["lr"] = lr * g["lr_scale"]
-        lm_loss, perc_loss = warmup_losses(model, batch, examples, head)
+        lm_loss, perc_loss = warmup_losses(model, batch, examples, head, labels)
         loss = lm_loss if perc_loss is None else lm_loss + cfg.optim.perception_weight * perc_loss
         opt.zero_grad(set_to_none=True)
         loss.backward()

@@ -256,3 +256,40 @@ def test_help_lists_phases_and_options(capsys):
     for key in ("--sampling.G", "--phase.steps", "--run.eval_every", "--lora.rank", "--optim.loss_type"):
         assert key in text
     assert "Group size" in text  # the field docstrings come along
+
+
+def test_warmup_prefetch_changes_nothing_but_overlap(tmp_path, monkeypatch):
+    """The warm-up prepares the next batch in a background thread (grpo.run.prefetch);
+    its losses and its checkpoint must equal a plain loop's, bit for bit."""
+    import grpo.sft
+
+    args = ("--phase", "warmup", "--warmup.phase.steps", "3", "--warmup.phase.perception_steps", "3")
+    assert train(tmp_path / "prefetched", *args)[0] == 0
+    monkeypatch.setattr(grpo.sft, "prefetch", lambda items, depth=2: iter(items))
+    assert train(tmp_path / "plain", *args)[0] == 0
+    losses = [[(r["sft_loss"], r.get("perception_loss")) for r in step_records(tmp_path / d, "warmup").values()]
+              for d in ("prefetched", "plain")]
+    assert len(losses[0]) == 6 and losses[0] == losses[1]
+    tensors = [load_checkpoint(resolve(tmp_path / d, "warmup:latest")).tensors for d in ("prefetched", "plain")]
+    assert tensors[0].keys() == tensors[1].keys()
+    assert all(torch.equal(tensors[0][k], tensors[1][k]) for k in tensors[0])
+
+
+def test_prefetch_keeps_order_and_raises_where_the_producer_failed():
+    from grpo.run import prefetch
+
+    assert list(prefetch(range(50), depth=3)) == list(range(50))
+
+    def failing():
+        yield 1
+        yield 2
+        raise ValueError("bad batch")
+
+    got = []
+    with pytest.raises(ValueError, match="bad batch"):
+        for x in prefetch(failing()):
+            got.append(x)
+    assert got == [1, 2]
+    it = prefetch(iter(range(10**6)), depth=2)
+    assert next(it) == 0
+    it.close()  # the consumer stops early: the producer thread ends instead of blocking
