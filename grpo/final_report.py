@@ -48,11 +48,16 @@ def write_final_report(run_dir: str | Path, last_phase: str, cfg: TrainConfig, d
     examples = [ex for s in (1, 2, 3) for ex in generate("test", s, n, cfg.run.seed, cfg.model.image_size)]
     protocol = EvalProtocol(max_new_tokens=cfg.sampling.max_new_tokens, temperature=0.0, seed=cfg.run.seed,
                             batch_size=64)
-    results = {}
+    results, by_path = {}, {}
     for selector in report_selectors(run_dir, last_phase):
         t0 = time.time()
-        bundle = load_policy(resolve(run_dir, selector), run_dir=run_dir, device=device)
-        results[selector] = evaluate_model(bundle, examples, protocol)
+        path = resolve(run_dir, selector).resolve()
+        if path in by_path:  # two aliases of one checkpoint (A:latest is often A:best_structure): greedy, same result
+            results[selector] = results[by_path[path]]
+        else:
+            bundle = load_policy(path, run_dir=run_dir, device=device)
+            results[selector] = evaluate_model(bundle, examples, protocol)
+            by_path[path] = selector
         m = results[selector].metrics
         print(f"[test] {selector:<18} EM {m['exact_match']:.3f}  parse {m['parseable_rate']:.3f}  "
               f"composite {results[selector].scores['composite']:.3f}  ({time.time() - t0:.0f}s)", flush=True)
