@@ -195,17 +195,17 @@ def run_warmup(cfg: TrainConfig, files: RunFiles, device: str) -> None:
     style = SFTStyle() if tiny else None
     rng = random.Random(cfg.run.seed)
     stream = MixtureStream(train, cfg.phase.mixture, cfg.run.seed)  # the warm-up's own stage mixture
-    B, P = cfg.phase.prompts_per_step, cfg.phase.perception_steps if tiny else 0
-    print(f"warm-up: {P} perception steps on image captions, then {cfg.phase.steps} SFT steps on worked "
+    B, n_caption = cfg.phase.prompts_per_step, cfg.phase.perception_steps if tiny else 0  # B as in GRPO: examples a step
+    print(f"warm-up: {n_caption} perception steps on image captions, then {cfg.phase.steps} SFT steps on worked "
           f"reasoning, x {B} examples ({'all weights, perception labels ' + ('on' if head else 'off') + ', imperfect contract on purpose' if tiny else 'LoRA'})",
           flush=True)
     guard = StepGuard([(n, p) for n, p in model.named_parameters() if p.requires_grad], opt, files, cfg)
     model.train()
-    # Two stages, one loop: step k < P is a caption step (lr warm-up, then constant), the
+    # Two stages, one loop: step k < n_caption is a caption step (lr warm-up, then constant), the
     # rest are worked-reasoning steps on their own schedule (lr_at: warm-up, then linear decay).
     def batches():  # every step's data, in order (prefetch runs this one step ahead)
-        for k in range(P + cfg.phase.steps):
-            stage, step = ("perception", k) if k < P else ("sft", k - P)
+        for k in range(n_caption + cfg.phase.steps):
+            stage, step = ("perception", k) if k < n_caption else ("sft", k - n_caption)
             examples = stream.next_batch(B)
             if stage == "perception":
                 batch = caption_batch(bundle, examples)
@@ -216,7 +216,7 @@ def run_warmup(cfg: TrainConfig, files: RunFiles, device: str) -> None:
             labels = token_labels(examples, batch["image_grid_thw"]) if head is not None else None
             yield k, stage, lr, examples, batch, labels
 
-    bar = Progress(P + cfg.phase.steps, "warmup")
+    bar = Progress(n_caption + cfg.phase.steps, "warmup")
     for k, stage, lr, examples, batch, labels in prefetch(batches()):
         t0 = time.time()
         batch = {key: v.to(device) for key, v in batch.items()}
@@ -242,10 +242,10 @@ def run_warmup(cfg: TrainConfig, files: RunFiles, device: str) -> None:
                 + (f", perception loss {perc_loss.item():.3f}" if perc_loss is not None else ""))
         bar.update(k + 1, info)
         if (k + 1) % cfg.run.log_every == 0 and not bar.tty:
-            print(f"[warmup {k + 1}/{P + cfg.phase.steps}] {info}", flush=True)
+            print(f"[warmup {k + 1}/{n_caption + cfg.phase.steps}] {info}", flush=True)
     bar.close()
     model.eval()
-    done = P + cfg.phase.steps  # the checkpoint's step counts every optimiser step, captions included
+    done = n_caption + cfg.phase.steps  # the checkpoint's step counts every optimiser step, captions included
     result = checkpoint_eval(bundle, eval_subset(cfg, val), cfg)
     print_eval("warmup", done, result)
     files.write_log(dict(event="eval", phase="warmup", step=done, metrics=result.flat()))
