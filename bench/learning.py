@@ -974,7 +974,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     md = render(summary, runs, args.pass_k, failures)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "summary.md").write_text(md)
-    (args.out / "summary.json").write_text(json.dumps(_finite(summary), indent=2))
+    from eval.report import json_safe
+
+    (args.out / "summary.json").write_text(json.dumps(json_safe(summary), indent=2))
     plots = [plot_curves(runs, s, args.out / f"curves_seed{s}.png") for s in range(args.seeds)]
     plots.append(plot_checkpoints(summary, args.out / "test_checkpoints.png"))
     print("\n" + "\n".join(main_table(summary, args.pass_k)) + "\n\n" + "\n".join(phase_tables(summary, args.pass_k)))
@@ -997,17 +999,25 @@ def _run_all(runs: Sequence[Run], args: argparse.Namespace, evals: dict, failure
     """
     from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
-    def ready(run: Run) -> bool:
-        return not run.variant.shares or f"default seed{run.seed}" in done
+    main_of = {r.seed: r.name for r in runs if r.variant.name == "default"}  # every ablation starts from it
 
-    def evaluate(run: Run) -> None:
+    def ready(run: Run) -> bool:
+        return not run.variant.shares or main_of[run.seed] in done
+
+    def succeeded(fut) -> bool:
+        """The future's outcome: a failed run (exit 1) is recorded, a refused request (exit 2) raised."""
         try:
-            evals.setdefault(run.variant.name, {})[run.seed] = evaluate_run(run, args.pass_k, args.out / "eval_cache")
+            fut.result()
+            return True
         except BenchError as err:
             if err.code != 1:
                 raise
             print(f"[bench] failed: {err}", flush=True)
             failures.append(str(err))
+            return False
+
+    def evaluate(run: Run) -> None:
+        evals.setdefault(run.variant.name, {})[run.seed] = evaluate_run(run, args.pass_k, args.out / "eval_cache")
 
     def fill() -> None:  # start ready runs in the free slots
         for run in [r for r in pending if ready(r)][:max(0, args.jobs - len(running))]:
@@ -1016,12 +1026,12 @@ def _run_all(runs: Sequence[Run], args: argparse.Namespace, evals: dict, failure
                 print(f"[bench] {run.name}: finished earlier, reused ({run.dir})", flush=True)
             running[pool.submit(ensure_trained, run, runs)] = run
 
-    pending, running, done, failed, evaluating = list(runs), {}, set(), set(), {}
+    pending, running, evaluating, done, failed = list(runs), {}, set(), set(), set()
     # Trainers in `pool`; evaluations one at a time in `evaluator` (torch in this process, one
     # thread), so a free trainer slot never waits for an evaluation to end.
     with ThreadPoolExecutor(max_workers=args.jobs) as pool, ThreadPoolExecutor(max_workers=1) as evaluator:
         while pending or running or evaluating:
-            for run in [r for r in pending if r.variant.shares and f"default seed{r.seed}" in failed]:
+            for run in [r for r in pending if r.variant.shares and main_of[r.seed] in failed]:
                 pending.remove(run)  # its default run failed: nothing to start from
                 failures.append(f"{run.name}: not run, the default run of seed {run.seed} failed")
             fill()
@@ -1030,31 +1040,15 @@ def _run_all(runs: Sequence[Run], args: argparse.Namespace, evals: dict, failure
             finished_now, _ = wait([*running, *evaluating], return_when=FIRST_COMPLETED)
             for fut in finished_now:
                 if fut in evaluating:
-                    evaluating.pop(fut)
-                    fut.result()  # a refused request (exit 2) stops everything
+                    evaluating.remove(fut)
+                    succeeded(fut)
                     continue
                 run = running.pop(fut)
-                try:
-                    fut.result()
-                except BenchError as err:
-                    if err.code != 1:
-                        raise
-                    print(f"[bench] failed: {err}", flush=True)
-                    failures.append(str(err))
+                if succeeded(fut):
+                    done.add(run.name)
+                    evaluating.add(evaluator.submit(evaluate, run))
+                else:
                     failed.add(run.name)
-                    continue
-                done.add(run.name)
-                evaluating[evaluator.submit(evaluate, run)] = run
-
-
-def _finite(obj: Any) -> Any:
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
-    return obj
 
 
 if __name__ == "__main__":

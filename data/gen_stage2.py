@@ -26,7 +26,7 @@ from PIL import Image
 
 from data.gen_common import Annotation, Family, Solution, add_up, difference, finish, mean_of_two, num, \
     read_one
-from data.gen_stage1 import draw_table
+from data.gen_stage1 import describe_table, draw_table
 from data.render import BLACK, COLOURS, GREY, LIGHT_GREY, WHITE, Canvas
 
 _CHART_COLOURS = ("red", "blue", "green", "orange", "purple")
@@ -183,10 +183,6 @@ def annotate_table2(p: dict[str, Any]) -> Annotation:
                    float_answer=True, task="math word problem")
 
 
-def describe_table2(p: dict[str, Any]) -> str:
-    return " ".join(f"row {r + 1}: {', '.join(str(v) for v in row)}." for r, row in enumerate(p["values"]))
-
-
 def render_table2(p: dict[str, Any], size: int) -> Image.Image:
     cv = Canvas(size)
     draw_table(cv, [[str(v) for v in row] for row in p["values"]])
@@ -249,6 +245,6 @@ def render_cylinder(p: dict[str, Any], size: int) -> Image.Image:
 FAMILIES = (
     Family("bar_chart", 2, sample_bar, annotate_bar, render_bar, describe_bar),
     Family("line_plot", 2, sample_line, annotate_line, render_line, describe_line),
-    Family("table_stats", 2, sample_table2, annotate_table2, render_table2, describe_table2),
+    Family("table_stats", 2, sample_table2, annotate_table2, render_table2, describe_table),
     Family("cylinders", 2, sample_cylinder, annotate_cylinder, render_cylinder, describe_cylinder),
 )

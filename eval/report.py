@@ -162,14 +162,14 @@ def report_dict(results: Mapping[str, EvalResult], protocol: Mapping[str, Any], 
             "models": {name: r.to_dict() for name, r in results.items()}}
 
 
-def _finite(obj: Any) -> Any:
-    """NaN (an empty stage subset's metrics) -> None, so the file is standard JSON."""
+def json_safe(obj: Any) -> Any:
+    """NaN / inf (an empty stage subset's metrics) -> None, recursively, so the file is standard JSON."""
     if isinstance(obj, float) and not math.isfinite(obj):
         return None
     if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
+        return {k: json_safe(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
+        return [json_safe(v) for v in obj]
     return obj
 
 
@@ -191,7 +191,7 @@ def write_report(
     out.mkdir(parents=True, exist_ok=True)
     md_path, json_path = out / "report.md", out / "report.json"
     md_path.write_text(render_markdown(results, protocol, title, data), encoding="utf-8")
-    payload = _finite(report_dict(results, protocol, title, data))
+    payload = json_safe(report_dict(results, protocol, title, data))
     json_path.write_text(json.dumps(payload, indent=2, allow_nan=False, default=str), encoding="utf-8")
     for name, r in results.items():
         with open(out / f"samples_{_safe_name(name)}.jsonl", "w", encoding="utf-8") as f:

@@ -46,7 +46,6 @@ import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -55,7 +54,7 @@ from data.contract import format_response
 from data.mixture import MixtureStream
 from data.schema import Example
 from grpo.checkpoint import save_checkpoint
-from grpo.config import ConfigError, TrainConfig
+from grpo.config import ConfigError, TrainConfig, trains_from_scratch
 from grpo.evaluate import checkpoint_eval, print_eval
 from grpo.model import encode_prompts, load_bundle
 from grpo.perception import PerceptionHead, capture_visual_tokens, token_labels
@@ -174,7 +173,7 @@ def run_warmup(cfg: TrainConfig, files: RunFiles, device: str) -> None:
     bundle = load_bundle(cfg.model.name, dtype=dtype, device=device, seed=cfg.run.seed)
     model = bundle.model
     # The embedded model (or any directory build_tiny_model wrote) starts from random weights.
-    tiny = cfg.model.name == "tiny" or (Path(cfg.model.name) / "vlgrpo_build.json").is_file()
+    tiny = trains_from_scratch(cfg.model.name)
     if not tiny:  # a pretrained model: warm up a LoRA, keep the contract strict
         bundle = build_policy(cfg, device)
         model = bundle.model
