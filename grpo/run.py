@@ -92,20 +92,23 @@ def prefetch(items: Iterable, depth: int = 2) -> Iterator:
     stop = threading.Event()
     done = object()
 
+    def put(entry: tuple) -> bool:  # False: the consumer has gone, stop producing
+        while not stop.is_set():
+            try:
+                q.put(entry, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
     def produce() -> None:
         try:
             for item in items:
-                while not stop.is_set():
-                    try:
-                        q.put((None, item), timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if stop.is_set():
+                if not put((None, item)):
                     return
-            q.put((None, done))
+            put((None, done))
         except BaseException as err:  # handed to the consumer, raised there
-            q.put((err, None))
+            put((err, None))
 
     worker = threading.Thread(target=produce, name="prefetch", daemon=True)
     worker.start()
