@@ -431,7 +431,7 @@ def trains_from_scratch(name: str) -> bool:
     """The embedded tiny model, or a directory build_tiny_model wrote: random weights to start."""
     from pathlib import Path
 
-    return name == "tiny" or (Path(name) / "vlgrpo_build.json").is_file()
+    return name in ("tiny", "tiny-random") or (Path(name) / "vlgrpo_build.json").is_file()
 
 
 PRESETS = {

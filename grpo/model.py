@@ -48,6 +48,7 @@ import torch
 from data.contract import format_prompt, format_response
 
 TINY_NAME = "tiny"
+TINY_RANDOM_NAME = "tiny-random"  # the same architecture, random weights: what pretraining starts from
 TINY_VERSION = "tiny-qwen2.5-vl-v1"  # bump when the config, tokenizer or corpus changes
 TINY_IMAGE_SIZE = 112  # px; 112/14 = 8x8 = 64 patches -> 16 visual tokens after the 2x2 merge
 
@@ -278,7 +279,7 @@ def _first_line(e: BaseException) -> str:
 
 def _resolve_source(name_or_path: str, seed: int) -> tuple[str, bool]:
     """(path or hub id, is_local)."""
-    if name_or_path == TINY_NAME:
+    if name_or_path in (TINY_NAME, TINY_RANDOM_NAME):
         return str(default_model_dir(seed)), True
     path = Path(name_or_path).expanduser()
     if path.is_dir():
@@ -298,7 +299,7 @@ def _resolve_source(name_or_path: str, seed: int) -> tuple[str, bool]:
 
 def check_model_source(name_or_path: str) -> None:
     """A ModelLoadError now if the name can mean no model; loads and builds nothing."""
-    if str(name_or_path) != TINY_NAME:
+    if str(name_or_path) not in (TINY_NAME, TINY_RANDOM_NAME):
         _resolve_source(str(name_or_path), 0)
 
 
@@ -372,7 +373,7 @@ def load_bundle(
     model.to(device)
     model.eval()  # no dropout anywhere: sampling and log-probs must see the same function
     return ModelBundle(model=model, tokenizer=tokenizer, image_processor=image_processor,
-                       source=TINY_NAME if str(name_or_path) == TINY_NAME else src)
+                       source=str(name_or_path) if str(name_or_path) in (TINY_NAME, TINY_RANDOM_NAME) else src)
 
 
 # ----------------------------------------------------------------------------- prompt encoding
