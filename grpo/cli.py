@@ -2,9 +2,10 @@
 loads, and errors as one line. ``python -m grpo.train`` calls ``main`` here with the
 trainer's phase runner (kept as a parameter, so this module needs nothing from the loop).
 
-Phase planning: ``--phase B`` on an empty run directory runs the warm-up, A and B, because
-B starts from A:best_structure and A from warmup:latest (grpo/config.py PHASE_INIT); a
-phase whose start checkpoint exists, or an explicit ``--init``, runs alone. Every phase's
+Phase planning: ``--phase B`` on an empty run directory runs A and B, because B starts from
+A:best_structure and A from the pretrained base (grpo/config.py phase_init; on tiny-random,
+which trains from scratch, A starts from warmup:latest, so the warm-up runs first); a phase
+whose start checkpoint exists, or an explicit ``--init``, runs alone. Every phase's
 config is built and validated before anything runs, so a bad ``--A.optim.lr`` on
 ``--phase B`` fails in a second, not after the warm-up.
 """
@@ -24,9 +25,9 @@ from transformers.utils import logging as hf_logging
 
 from grpo.checkpoint import (CheckpointError, SelectorError, check_compatible, check_init_compatible,
                              check_resumable, load_checkpoint, read_registry, resume_point)
-from grpo.config import (PERCEPTION_DEFAULTS, PHASE_INIT, PHASES, PRESETS, WARMUP_DEFAULTS, ConfigError,
+from grpo.config import (PERCEPTION_DEFAULTS, PHASES, PRESETS, WARMUP_DEFAULTS, ConfigError,
                          TrainConfig, apply_overrides, describe_fields, parse_override_args, phase_preset,
-                         trains_from_scratch)
+                         phase_init, trains_from_scratch)
 from grpo.distributed import DataParallel, init_distributed
 from grpo.errors import NoRewardSpread, TrainingDiverged, inside, one_line
 from grpo.final_report import write_final_report
@@ -125,14 +126,14 @@ def _phase_local(key: str) -> bool:
                                                    "mixture", "init", "controller")
 
 
-def phases_to_run(requested: str, files: RunFiles, init: str) -> list[str]:
+def phases_to_run(requested: str, files: RunFiles, init: str, model_name: str) -> list[str]:
     """The requested phase, preceded by every earlier phase whose checkpoint is missing."""
     order = list(PHASES[: PHASES.index(requested) + 1])
     if init != "auto" or read_registry(files.root, requested).get("aliases"):  # explicit start, or a resume
         return [requested]
     plan = [requested]
     for phase in reversed(order[:-1]):
-        need = PHASE_INIT[plan[0]].split(":")[0]
+        need = phase_init(plan[0], model_name).split(":")[0]
         if need != phase or read_registry(files.root, phase).get("aliases"):
             break
         plan.insert(0, phase)
@@ -143,9 +144,11 @@ HELP = """\
 python -m grpo.train --phase {warmup,A,B,C} [--preset tiny|qwen7b] [--init base|SELECTOR|PATH] [--key value ...]
 
 Phases (the staged, metric-gated curriculum):
-  warmup  R1-VL policy warm-up: SFT on worked reasoning (for the embedded tiny model it also
-          teaches perception and leaves an imperfect, partly-compliant base on purpose)
-  A       GRPO on stage 1, structure-heavy weights; starts from warmup:latest
+  warmup  R1-VL policy warm-up: SFT on worked reasoning (a LoRA on a pretrained model; on
+          tiny-random it trains every weight, teaches perception and leaves an imperfect,
+          partly-compliant base on purpose: python -m grpo.pretrain runs it to build 'tiny')
+  A       GRPO on stage 1, structure-heavy weights; starts from the pretrained base
+          (from warmup:latest when the model trains from scratch: --model.name tiny-random)
   B       GRPO on stage 1 (.7) + stage 2 (.3), correctness-heavy; starts from A:best_structure
   C       GRPO on stage 2 (.6) + stage 3 (.4), tolerance on; starts from B:best_composite
 A phase whose starting checkpoint is missing from the run directory runs the earlier phases
@@ -189,10 +192,10 @@ def main(argv: list[str] | None, run_phase: Callable[[TrainConfig, RunFiles, str
         prepare_run_dir(files.root)
         dp = init_distributed(device)  # torchrun: this rank's process group and device; else one process
         device, files.writer = dp.device, dp.is_main
-        plan = phases_to_run(known.phase, files, cfg.phase.init) if cfg.run.run_prior_phases else [known.phase]
+        plan = phases_to_run(known.phase, files, cfg.phase.init, cfg.model.name) if cfg.run.run_prior_phases else [known.phase]
         preflight(configs, plan, files)
         if len(plan) > 1:
-            print(f"phase {known.phase} starts from {PHASE_INIT[known.phase]}, which {files.root} does not have "
+            print(f"phase {known.phase} starts from {phase_init(known.phase, cfg.model.name)}, which {files.root} does not have "
                   f"yet: running {' -> '.join(plan)}")
         t_run = time.time()
         for phase in plan:

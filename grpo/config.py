@@ -53,7 +53,7 @@ PHASE_MIXTURE: dict[str, dict[int, float]] = {
 # GRPO learning rates: phase A (format) at 2e-3 fixes the contract within 60 steps; B at 2e-3
 # drifted (val EM 0.165 -> 0.095 over its 60 steps) where 5e-4 held (bench/EXPERIMENTS.md).
 PHASE_LR: dict[str, float] = {"A": 2e-3, "B": 5e-4, "C": 5e-4}
-PHASE_INIT: dict[str, str] = {"warmup": "base", "A": "warmup:latest", "B": "A:best_structure", "C": "B:best_composite"}
+PHASE_INIT: dict[str, str] = {"warmup": "base", "A": "base", "B": "A:best_structure", "C": "B:best_composite"}
 # The warm-up's own defaults (SFT of the embedded model from random weights): the caption
 # stage first, then worked reasoning, 32 examples a step. lr 5e-4 learned to read faster than
 # 1e-3 or 2e-3 on every perception probe we ran (bench/EXPERIMENTS.md).
@@ -108,7 +108,7 @@ def check_weights(weights: Any, tolerance: bool) -> dict[str, float]:
 @dataclass
 class ModelConfig:
     name: str = "tiny"
-    """'tiny' (the embedded model, built on first use), a local directory, or a hub id."""
+    """'tiny' (the shipped pretrained model), 'tiny-random' (its architecture, random weights), a local directory, or a hub id."""
     dtype: str = "float32"
     """Compute dtype of the base: float32 (CPU default) or bfloat16 (GPU)."""
     load_in_4bit: bool = False
@@ -213,6 +213,8 @@ class RewardConfig:
     """V-Rubrics credit: 'sequence' (one scalar) or 'prefix' (token-level, up to the evidence)."""
     prefix_answer_weight: float = 0.5
     """'a' in A_t = a*z(R_ans) + (1-a)*sum_j rho_j z(s_j) 1[t <= t_end_j] (prefix mode)."""
+    random_reward: bool = False
+    """Control, not training: each completion's rewards are replaced by those of a random completion of its batch."""
 
 
 @dataclass
@@ -318,11 +320,19 @@ class TrainConfig:
             # The perception labels exist only to teach a tower that trains from scratch.
             (not (p.name == "warmup" and (o.perception_weight > 0 or p.perception_steps > 0)) or trains_from_scratch(m.name),
              f"model.name={m.name!r} is a pretrained model, which already sees: the perception loss and caption "
-             f"stage apply only to the embedded tiny model; set --warmup.optim.perception_weight 0 and "
+             f"stage apply only to a model trained from scratch (tiny-random, what python -m grpo.pretrain uses); set --warmup.optim.perception_weight 0 and "
              f"--warmup.phase.perception_steps 0"),
             (not (p.name == "warmup" and o.perception_weight > 0 and o.vision_lr_scale == 0),
              f"optim.perception_weight={o.perception_weight} trains the vision tower through its labels, but "
              f"optim.vision_lr_scale=0 freezes the tower: set a vision_lr_scale > 0 or perception_weight 0"),
+            # The random-reward control draws whole rows; a dropped zero-spread group would be
+            # refilled with draws that have spread by chance, and prefix credit is per token.
+            (not (ru.random_reward and s.dynamic_sampling),
+             "rewards.random_reward with sampling.dynamic_sampling: the control's random draws give spread to "
+             "groups that had none, so dynamic sampling would select on noise; turn one of them off"),
+            (not (ru.random_reward and ru.rubric_mode == "prefix"),
+             "rewards.random_reward with rewards.rubric_mode prefix: the control replaces scalar rewards; "
+             "use rubric_mode sequence"),
             (o.accumulation >= 1, f"optim.accumulation={o.accumulation}: must be >= 1"),
             (o.beta >= 0, f"optim.beta={o.beta}: must be >= 0"),
             (0 <= o.eps_low < 1, f"optim.eps_low={o.eps_low}: must be in [0, 1) (the ratio's lower clip is 1 - eps_low)"),
@@ -428,10 +438,21 @@ def phase_preset(phase: str) -> TrainConfig:
 
 
 def trains_from_scratch(name: str) -> bool:
-    """The embedded tiny model, or a directory build_tiny_model wrote: random weights to start."""
+    """'tiny-random', or a directory build_tiny_model wrote: random weights to start (the
+    shipped 'tiny' is pretrained and trains like any pretrained model)."""
     from pathlib import Path
 
-    return name in ("tiny", "tiny-random") or (Path(name) / "vlgrpo_build.json").is_file()
+    return name == "tiny-random" or (Path(name) / "vlgrpo_build.json").is_file()
+
+
+def phase_init(phase: str, model_name: str) -> str:
+    """The checkpoint a phase starts from by default. Phase A starts from the pretrained
+    base as loaded (the staged paper starts from Qwen2.5-VL-7B-Instruct); only a model
+    trained from scratch starts A from its own warm-up, since RL on random weights learns
+    nothing. ``--init warmup:latest`` starts A from a warm-up on any model."""
+    if phase == "A" and trains_from_scratch(model_name):
+        return "warmup:latest"
+    return PHASE_INIT[phase]
 
 
 PRESETS = {

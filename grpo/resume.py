@@ -16,14 +16,14 @@ from pathlib import Path
 import torch
 
 from grpo.checkpoint import LoadedCheckpoint, load_checkpoint, resolve, restore_rng, resume_point
-from grpo.config import PHASE_INIT, TrainConfig
+from grpo.config import TrainConfig, phase_init
 from grpo.policy import adapter_tensors, base_checkpoint_of
 from grpo.run import RunFiles
 
 
 def resolve_init(cfg: TrainConfig, files: RunFiles) -> tuple[Path | None, str]:
     """The checkpoint a phase starts from (None = the configured model as is)."""
-    init = PHASE_INIT[cfg.phase.name] if cfg.phase.init == "auto" else cfg.phase.init
+    init = phase_init(cfg.phase.name, cfg.model.name) if cfg.phase.init == "auto" else cfg.phase.init
     if init == "base":
         return None, init
     return resolve(files.root, init), init

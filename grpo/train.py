@@ -7,7 +7,8 @@ vision-language policy = frozen base (optionally NF4 4-bit) + rank-8 LoRA, run a
 staged, metric-gated curriculum of the staged-GRPO paper (docs/design.md):
 
     warmup  R1-VL's policy warm-up: SFT on worked reasoning (grpo/sft.py)
-    A       stage 1 only, structure-heavy reward weights, from warmup:latest
+    A       stage 1 only, structure-heavy reward weights, from the pretrained base
+            (a model trained from scratch, tiny-random, starts A from warmup:latest)
     B       stage 1 .7 + stage 2 .3, correctness-heavy, from A:best_structure
     C       stage 2 .6 + stage 3 .4, tolerance on, from B:best_composite
 
@@ -155,6 +156,10 @@ def run_grpo_phase(cfg: TrainConfig, files: RunFiles, device: str, dp: DataParal
         examples = [examples[i] for i in prompts.kept]  # a prompt whose image failed to encode is dropped
         rb = rewards([examples[row // G] for row in range(len(out.texts))], out.texts,
                      num_tokens=content_tokens(out), completion_ids=out.completion_ids)
+        if cfg.rewards.random_reward:  # the random-reward control (bench/learning.py): rewards cut loose
+            # keyed by the data position, so a resumed run draws what a straight run draws
+            key = (cfg.run.seed * 1_000_003 + stream.position) * 64 + dp.rank
+            rb = rb.random_draw(torch.Generator().manual_seed(key))
         timing["rewards"] += time.time() - t0
         return Rollout(examples, out, rb)
 
