@@ -1,5 +1,5 @@
-"""bench/learning.py end to end in its --quick configuration (about 30 s on 2 shared cores):
-one seed, the default run plus two variants -- the correctness-0 ablation (shares the
+"""bench/learning.py end to end in its --quick configuration (about 30 s on 2 shared cores),
+through its command line (python -m bench.learning): one seed, the default run plus two variants -- the correctness-0 ablation (shares the
 default's warm-up) and the frozen-policy control (shares its warm-up and phase A) -- through
 training subprocesses, the reports, pass@8 with shuffled images, the summary and the plots.
 Then: a rerun trains and samples nothing, changed settings refuse the old run directories,
@@ -9,7 +9,11 @@ the structure is asserted (the benchmark itself carries the numbers)."""
 import contextlib
 import io
 import json
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -36,10 +40,14 @@ def bench(*args: str) -> tuple[int, str, str]:
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
     out = tmp_path_factory.mktemp("learning")
+    root = Path(__file__).resolve().parents[1]
     # two trainers at a time: both ablations start together once the default run is done
-    rc, stdout, stderr = bench("--quick", "--seeds", "1", "--variants", VARIANTS, "--out", str(out), "--jobs", "2")
-    assert rc == 0, stderr + stdout
-    return out, stdout
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.learning", "--quick", "--seeds", "1", "--variants", VARIANTS, "--out", str(out),
+         "--jobs", "2"], cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True, text=True,
+        timeout=900)
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    return out, proc.stdout
 
 
 def table(md: str, heading: str) -> list[list[str]]:
