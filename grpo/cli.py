@@ -181,7 +181,7 @@ def main(argv: list[str] | None, run_phase: Callable[[TrainConfig, RunFiles, str
     ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     ap.add_argument("--init", default="auto")
     known, rest = ap.parse_known_args(argv)
-    dp, root = None, None
+    dp, root, files = None, None, None
     try:
         overrides = parse_override_args(rest)
         configs = phase_configs(known.phase, known.preset, overrides, known.init)
@@ -206,6 +206,7 @@ def main(argv: list[str] | None, run_phase: Callable[[TrainConfig, RunFiles, str
                 (files.root / f"config_{phase}.json").write_text(pcfg.to_json())
             seed_everything(pcfg.run.seed)
             set_threads(pcfg.run.cpu_threads)
+            files.tensorboard = pcfg.run.tensorboard
             t_phase = time.time()
             run_phase(pcfg, files, device, dp)
             print(f"phase {phase} took {time.time() - t_phase:.0f}s", flush=True)
@@ -226,6 +227,8 @@ def main(argv: list[str] | None, run_phase: Callable[[TrainConfig, RunFiles, str
               "fix its permissions or free space, or use another --run.run_dir", file=sys.stderr)
         return 1
     finally:
+        if files is not None:
+            files.close()
         if dp is not None:
             dp.close()
     return 0

@@ -22,6 +22,7 @@ dicts (``name=value,name=value``).
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import math
 import re
@@ -258,6 +259,8 @@ class RunConfig:
     cpu_threads: int = 1
     """torch CPU threads (0 = torch's default). The tiny model's matmuls gain nothing from
     more, and OpenMP spin-waits collapse (10x slower, measured) when the cores are shared."""
+    tensorboard: bool = False
+    """Also write every number of train_log.jsonl as a TensorBoard scalar, in <run_dir>/tensorboard/ (tensorboard extra)."""
 
 
 @dataclass
@@ -377,6 +380,10 @@ class TrainConfig:
             (r.log_every >= 1, f"run.log_every={r.log_every}: must be >= 1"),
             (r.test_per_stage >= 0, f"run.test_per_stage={r.test_per_stage}: must be >= 0 (0 = no report)"),
             (r.cpu_threads >= 0, f"run.cpu_threads={r.cpu_threads}: must be >= 0 (0 = torch's default)"),
+            # checked here, before a model loads, so a missing package is not found after the warm-up
+            (not r.tensorboard or importlib.util.find_spec("tensorboard") is not None,
+             "run.tensorboard=true needs the tensorboard package: pip install 'vlgrpo[tensorboard]' "
+             "(or pip install tensorboard), or drop --run.tensorboard"),
         ]
         for ok, msg in checks:
             if not ok:

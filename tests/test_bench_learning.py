@@ -1,7 +1,8 @@
-"""bench/learning.py end to end in its --quick configuration (about 40 s on 2 shared cores):
-one seed, the default run plus three variants -- the correctness-0 ablation and the
-random-reward control (both from the shipped base) and the frozen-policy control (shares the
-default's phase A) -- through training subprocesses, the reports, pass@8 with shuffled images, the summary and the plots.
+"""bench/learning.py end to end in its --quick configuration (about 40 s on 2 shared cores),
+through its command line (python -m bench.learning): one seed, the default run plus three
+variants -- the correctness-0 ablation and the random-reward control (both from the shipped
+base) and the frozen-policy control (shares the default's phase A) -- through training
+subprocesses, the reports, pass@8 with shuffled images, the summary and the plots.
 Then: a rerun trains and samples nothing, changed settings refuse the old run directories,
 bad arguments are one line with exit code 2. The numbers of a 2-step run mean nothing: only
 the structure is asserted (the benchmark itself carries the numbers)."""
@@ -9,7 +10,11 @@ the structure is asserted (the benchmark itself carries the numbers)."""
 import contextlib
 import io
 import json
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -36,10 +41,14 @@ def bench(*args: str) -> tuple[int, str, str]:
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
     out = tmp_path_factory.mktemp("learning")
+    root = Path(__file__).resolve().parents[1]
     # two trainers at a time: both ablations start together once the default run is done
-    rc, stdout, stderr = bench("--quick", "--seeds", "1", "--variants", VARIANTS, "--out", str(out), "--jobs", "2")
-    assert rc == 0, stderr + stdout
-    return out, stdout
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.learning", "--quick", "--seeds", "1", "--variants", VARIANTS, "--out", str(out),
+         "--jobs", "2"], cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True, text=True,
+        timeout=900)
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    return out, proc.stdout
 
 
 def table(md: str, heading: str) -> list[list[str]]:
