@@ -12,8 +12,8 @@ from grpo.checkpoint import step_dirname
 from grpo.run import record_scalars
 from train_helpers import log_lines, run_main
 
-TINY = [
-    "--model.device", "cpu", "--run.train_per_stage", "20", "--run.eval_size", "4", "--run.test_per_stage", "0",
+TINY = [  # tiny-random: a warm-up runs before A, so both kinds of records are written
+    "--model.name", "tiny-random", "--model.device", "cpu", "--run.train_per_stage", "20", "--run.eval_size", "4", "--run.test_per_stage", "0",
     "--sampling.G", "2", "--sampling.max_new_tokens", "8", "--phase.prompts_per_step", "2",
     "--warmup.phase.steps", "2", "--warmup.phase.perception_steps", "2", "--warmup.phase.prompts_per_step", "4",
 ]
