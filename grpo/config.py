@@ -54,6 +54,14 @@ PHASE_MIXTURE: dict[str, dict[int, float]] = {
 # GRPO learning rates: phase A (format) at 2e-3 fixes the contract within 60 steps; B at 2e-3
 # drifted (val EM 0.165 -> 0.095 over its 60 steps) where 5e-4 held (bench/EXPERIMENTS.md).
 PHASE_LR: dict[str, float] = {"A": 2e-3, "B": 5e-4, "C": 5e-4}
+# The GRPO budget of each phase on the embedded default: rollout batches x prompts (each
+# sampled G times), and the checkpoint-eval cadence. The main command spends its ten CPU
+# minutes here: the model arrives pretrained (grpo/tiny_model), so no warm-up runs.
+PHASE_BUDGET: dict[str, dict[str, Any]] = {
+    "A": {"phase.steps": 80, "phase.prompts_per_step": 8, "run.eval_every": 20},
+    "B": {"phase.steps": 160, "phase.prompts_per_step": 8, "run.eval_every": 40},
+    "C": {"phase.steps": 160, "phase.prompts_per_step": 8, "run.eval_every": 40},
+}
 PHASE_INIT: dict[str, str] = {"warmup": "base", "A": "base", "B": "A:best_structure", "C": "B:best_composite"}
 # The warm-up's own defaults (SFT of the embedded model from random weights): the caption
 # stage first, then worked reasoning, 32 examples a step. lr 5e-4 learned to read faster than
@@ -441,6 +449,7 @@ def phase_preset(phase: str) -> TrainConfig:
         cfg.optim.lr = PHASE_LR[phase]
         cfg.rewards.weights = dict(PHASE_WEIGHTS[phase])
         cfg.rewards.tolerance = phase == "C"
+        apply_overrides(cfg, PHASE_BUDGET[phase])
     return cfg
 
 

@@ -57,6 +57,29 @@ def _argv(run_dir: str, extra: list[str]) -> list[str]:
     return out + extra
 
 
+def check_same_settings(run_dir: Path, argv: list[str]) -> None:
+    """A run directory that already holds a pretraining run must be resumed with exactly the
+    settings it was started with (the card states them, and the export would otherwise
+    label one schedule's weights with another's). ConfigError names what differs."""
+    saved = run_dir / "config_warmup.json"
+    if not saved.is_file():
+        return
+    from grpo.cli import phase_configs
+    from grpo.config import ConfigError, from_json, parse_override_args
+
+    want = json.loads(phase_configs("warmup", "tiny", parse_override_args(argv[2:]))["warmup"].to_json())
+    try:
+        have = json.loads(from_json(saved.read_text()).to_json())  # keys added since: their defaults
+    except (ValueError, ConfigError) as err:
+        raise ConfigError(f"--run-dir {run_dir}: {saved.name} is unreadable ({err}); use another --run-dir") from None
+    diffs = [f"{sec}.{k}: {have[sec].get(k)!r} -> {v!r}" for sec in want for k, v in want[sec].items()
+             if have.get(sec, {}).get(k) != v]
+    if diffs:
+        raise ConfigError(f"--run-dir {run_dir} holds a pretraining run made with other settings "
+                          f"({'; '.join(diffs[:3])}{'; ...' if len(diffs) > 3 else ''}): resume it with the options "
+                          "it was started with, or use another --run-dir (nothing was changed)")
+
+
 def _git_commit() -> str:
     try:
         root = Path(__file__).resolve().parent.parent
@@ -258,6 +281,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.test_per_stage < 1:
         print(f"error: --test-per-stage {args.test_per_stage}: must be >= 1 (the card states test metrics)",
               file=sys.stderr)
+        return 2
+    from grpo.config import ConfigError
+
+    try:
+        check_same_settings(Path(args.run_dir), _argv(args.run_dir, rest))
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
         return 2
     t0 = time.time()
     code = cli.main(_argv(args.run_dir, rest), run_phase)
