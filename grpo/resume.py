@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from grpo.checkpoint import LoadedCheckpoint, load_checkpoint, resolve, restore_rng, resume_point
-from grpo.config import PHASE_INIT, TrainConfig
+from grpo.checkpoint import LoadedCheckpoint, is_periodic, load_checkpoint, resolve, restore_rng, resume_point
+from grpo.config import PHASE_INIT, ConfigError, TrainConfig
 from grpo.policy import adapter_tensors, base_checkpoint_of
 from grpo.run import RunFiles
 
@@ -26,7 +26,12 @@ def resolve_init(cfg: TrainConfig, files: RunFiles) -> tuple[Path | None, str]:
     init = PHASE_INIT[cfg.phase.name] if cfg.phase.init == "auto" else cfg.phase.init
     if init == "base":
         return None, init
-    return resolve(files.root, init), init
+    path = resolve(files.root, init)
+    if path.parent.name == "warmup" and is_periodic(path):  # a stopped warm-up's weights are no warm-up
+        raise ConfigError(f"phase {cfg.phase.name} would start from {init} = {path}, a warm-up stopped mid-way "
+                          f"(a periodic save); finish it first with --phase warmup and the same options (it "
+                          f"resumes), or name another start with --init")
+    return path, init
 
 
 @dataclass

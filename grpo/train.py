@@ -74,7 +74,7 @@ import torch
 
 from data.mixture import MixtureStream
 from grpo import cli
-from grpo.checkpoint import read_registry, save_checkpoint
+from grpo.checkpoint import phase_finished, save_checkpoint
 from grpo.cli import _phase_local, phase_configs  # noqa: F401 (bench/learning.py imports them from here)
 from grpo.config import TrainConfig
 from grpo.controller import Controller
@@ -342,7 +342,7 @@ def run_phase(cfg: TrainConfig, files: RunFiles, device: str, dp: DataParallel) 
     """One planned phase: the SFT warm-up (once per run directory, on rank 0) or GRPO."""
     if cfg.phase.name != "warmup":
         run_grpo_phase(cfg, files, device, dp)
-    elif read_registry(files.root, "warmup").get("aliases"):
+    elif phase_finished(files.root, "warmup"):
         print("warm-up already done in this run directory; skipping")
     elif dp.is_main:  # the SFT warm-up is not data-parallel: rank 0 runs it, the others wait
         run_warmup(cfg, files, device)
