@@ -45,6 +45,11 @@ of format 1 (sizes, no digests) still load, with the size check only.
 No pickle: tensors go to safetensors, everything else to JSON. torch.load of a pickle can
 run arbitrary code, and a checkpoint directory is the kind of file people share.
 
+Periodic saves (``periodic=True``: between evaluations, on a timer, a step count or a stop)
+are registry entries marked "periodic": they move `latest` only, the next save removes them
+unless an alias holds them, and a phase whose latest is one is not finished
+(``phase_finished``), so the next command resumes it instead of starting the next phase.
+
 Simplified: a single writer per run directory is assumed (no file locking), and steps in a
 phase must increase (resuming from an older checkpoint of the same phase into the same
 run directory is refused rather than branching the history).

@@ -27,7 +27,7 @@ from grpo.checkpoint import (CheckpointError, SelectorError, check_compatible, c
 from grpo.config import (PERCEPTION_DEFAULTS, PHASE_INIT, PHASES, PRESETS, WARMUP_DEFAULTS, ConfigError,
                          TrainConfig, apply_overrides, describe_fields, parse_override_args, phase_preset,
                          trains_from_scratch)
-from grpo.distributed import DataParallel, init_distributed
+from grpo.distributed import DataParallel, init_distributed, peer_lost
 from grpo.errors import NoRewardSpread, TrainingDiverged, inside, one_line
 from grpo.final_report import write_final_report
 from grpo.model import ModelLoadError
@@ -122,7 +122,7 @@ def preflight(configs: dict[str, TrainConfig], plan: list[str], files: RunFiles)
 def _stop_between(where: str, saved: str) -> None:
     """A stop requested between phases (or before the report) ends the run there: nothing is in progress."""
     if STOP.requested:
-        raise Stopped(stop_message(where, saved), STOP.signum)
+        raise Stopped(stop_message(where, saved=saved), STOP.signum)
 
 
 def _phase_local(key: str) -> bool:
@@ -228,11 +228,12 @@ def _main(argv: list[str], run_phase: Callable[[TrainConfig, RunFiles, str, Data
             try:
                 write_final_report(files.root, known.phase, cfg, device)
             except EvalAbandoned:
-                raise Stopped(stop_message("the final report (abandoned)", "every checkpoint is saved"),
+                raise Stopped(stop_message("the final report (abandoned)", saved="every checkpoint is saved"),
                               STOP.signum) from None
         print(f"done in {time.time() - t_run:.0f}s; checkpoints and train_log.jsonl in {files.root}")
-    except Stopped as stop:  # a loop saved the step it stopped at
-        print(stop, file=sys.stderr, flush=True)
+    except Stopped as stop:  # a loop saved the step it stopped at (under torchrun every rank stops there)
+        if dp is None or dp.is_main:
+            print(stop, file=sys.stderr, flush=True)
         return exit_code(stop.signum)
     except StopNow as now:  # a second signal: the step in progress is lost, every checkpoint is intact
         print(f"stopped at once on a second {signal_name(now.signum)}; the step in progress is lost; "
@@ -243,6 +244,12 @@ def _main(argv: list[str], run_phase: Callable[[TrainConfig, RunFiles, str, Data
         return 2
     except (CheckpointError, TrainingDiverged, NoRewardSpread) as err:  # the run failed; its earlier checkpoints are intact
         print(f"error: {one_line(err)}", file=sys.stderr)
+        return 1
+    except RuntimeError as err:
+        if dp is None or not dp.enabled or not peer_lost(err):
+            raise  # not a lost rank: a bug, keep the traceback
+        print(f"error: {dp.lost_rank_message(err)}", file=sys.stderr, flush=True)
+        dp.owns_group = False  # destroying a group whose peer died can block; the process is ending anyway
         return 1
     except OSError as err:
         if root is None or not inside(err.filename, root):

@@ -82,7 +82,7 @@ def find_start(cfg: TrainConfig, files: RunFiles, set_aside: bool) -> StartPoint
     for bad_step, why in damaged:
         print(f"phase {phase}: checkpoint step {bad_step} is damaged, skipped and set aside ({why})")
         files.write_log(dict(event="damaged_checkpoint", phase=phase, step=bad_step, error=why))
-    if resume is not None and resume.step >= cfg.phase.steps:
+    if resume is not None and resume.step >= cfg.phase.steps and not resume.scheduler_state.get("eval_pending"):
         print(f"phase {phase} already finished at step {resume.step} in {files.root}; "
               f"raise --phase.steps to continue it, or use a new --run.run_dir")
         return None

@@ -112,9 +112,11 @@ class StopFlag:
 STOP = StopFlag()
 
 
-def stop_message(where: str, saved: str = "checkpoint saved") -> str:
-    """The one line a stop prints: where it stopped, on which signal, what was kept."""
-    return f"stopped at {where} on {STOP.name}; {saved}; the same command resumes"
+def stop_message(where: str, signum: int | None = None, saved: str = "checkpoint saved") -> str:
+    """The one line a stop prints: where it stopped, on which signal (this process's unless
+    given: under torchrun another rank's may have stopped it), what was kept."""
+    name = signal_name(signum) if signum else STOP.name
+    return f"stopped at {where} on {name}; {saved}; the same command resumes"
 
 
 def check_eval() -> None:
