@@ -95,6 +95,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from grpo.stop import STOP, EvalAbandoned, StopNow, exit_code
+
 DEFAULT_OUT = Path("bench/results/learning")
 QUICK_OUT = Path("bench/results/learning-quick")
 REQUESTED = "B"  # the README's main job: --phase B (the shipped base -> A -> B)
@@ -117,6 +119,22 @@ QUICK_ARGS = [
     "--run.test_per_stage", "2", "--sampling.G", "2", "--sampling.max_new_tokens", "8",
     "--A.phase.steps", "2", "--A.phase.prompts_per_step", "2", "--B.phase.steps", "2", "--B.phase.prompts_per_step", "2",
 ]
+
+
+_children: set[subprocess.Popen] = set()  # the running trainers: a stop is forwarded to each
+
+
+def _forward(signum: int) -> None:
+    """Hand a signal on to every running trainer (they stop after their step and save)."""
+    for proc in list(_children):
+        try:
+            proc.send_signal(signum)
+        except OSError:  # it just ended
+            pass
+
+
+class BenchStopped(Exception):
+    """A run ended by a stop request (its trainer saved its checkpoint)."""
 
 
 class BenchError(Exception):
@@ -319,8 +337,12 @@ def _report(run: Run) -> dict | None:
 
 
 def finished(run: Run) -> bool:
-    """Phase B at its last step and, unless the run makes no report, its report written."""
-    if not (run.dir / "B" / "registry.json").is_file() or _latest(run.dir, "B") != _b_steps(run):
+    """Phase B at its last step (evaluated: not a stop's save) and, unless the run makes no
+    report, its report written."""
+    from grpo.checkpoint import phase_finished
+
+    if not (run.dir / "B" / "registry.json").is_file() or _latest(run.dir, "B") != _b_steps(run) \
+            or not phase_finished(run.dir, "B"):
         return False
     return run.configs["B"].run.test_per_stage == 0 or _report(run) is not None
 
@@ -389,11 +411,23 @@ def _train(run: Run, argv: list[str], label: str) -> None:
     with out.open("a") as f:
         f.write(f"\n$ {shlex.join(['python', *argv[1:]])}\n")
         f.flush()
-        rc = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, env=env, check=False).returncode
+        if STOP.requested:  # stopping: start no trainer
+            raise BenchStopped(run.name)
+        # its own session: a Ctrl-C at the terminal reaches this script only, which forwards it
+        # once (the terminal's copy and ours would be two: the trainer would stop at once)
+        proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        _children.add(proc)
+        try:
+            rc = proc.wait()
+        finally:
+            _children.discard(proc)
     meta_path = run.dir / "bench_run.json"  # wall time of this run's trainer calls (a resume adds up)
     meta = json.loads(meta_path.read_text())
     meta["train_seconds"] = meta.get("train_seconds", 0.0) + time.time() - t0
     meta_path.write_text(json.dumps(meta, indent=2))
+    if rc in (130, 143) and STOP.requested:  # it saved the step it stopped at: the next bench run resumes it
+        print(f"[bench] {run.name}: stopped, checkpoint saved ({out})", flush=True)
+        raise BenchStopped(run.name)
     if rc != 0:
         lines = [ln for ln in out.read_text().splitlines() if ln.strip()]
         last = next((ln for ln in reversed(lines) if ln.startswith("error:")), lines[-1] if lines else "")
@@ -976,14 +1010,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.time()
     evals: dict[str, dict[int, dict]] = {}
     failures: list[str] = []
+    STOP.install()
+    STOP.listeners.append(_forward)
     try:
         _run_all(runs, args, evals, failures)
-    except KeyboardInterrupt:
-        print("\ninterrupted: rerun the same command to resume (finished runs are reused)", file=sys.stderr)
-        return 130
+    except StopNow as now:  # a second signal, forwarded too: the trainers stop at once
+        print(f"stopped at once on a second {now}; the trainers lose their current step; the same command "
+              "resumes (finished runs are reused)", file=sys.stderr)
+        return exit_code(now.signum)
     except BenchError as err:
         print(f"error: {err}", file=sys.stderr)
         return err.code
+    finally:
+        STOP.listeners.remove(_forward)
+    if STOP.requested:
+        code = exit_code(STOP.signum)
+        print(f"stopped on {STOP.name}: every running trainer saved its checkpoint; the same command resumes "
+              "(finished runs are reused)", file=sys.stderr)
+        STOP.uninstall()
+        return code
+    STOP.uninstall()
     summary = summarize(runs, evals, args.pass_k, list(range(args.seeds)))
     summary["failures"] = failures
     md = render(summary, runs, args.pass_k, failures)
@@ -1024,6 +1070,8 @@ def _run_all(runs: Sequence[Run], args: argparse.Namespace, evals: dict, failure
         try:
             fut.result()
             return True
+        except (BenchStopped, EvalAbandoned):  # a stop: neither a result nor a failure
+            return False
         except BenchError as err:
             if err.code != 1:
                 raise
@@ -1034,7 +1082,10 @@ def _run_all(runs: Sequence[Run], args: argparse.Namespace, evals: dict, failure
     def evaluate(run: Run) -> None:
         evals.setdefault(run.variant.name, {})[run.seed] = evaluate_run(run, args.pass_k, args.out / "eval_cache")
 
-    def fill() -> None:  # start ready runs in the free slots
+    def fill() -> None:  # start ready runs in the free slots (none once a stop was requested)
+        if STOP.requested:
+            pending.clear()
+            return
         for run in [r for r in pending if ready(r)][:max(0, args.jobs - len(running))]:
             pending.remove(run)
             if finished(run):

@@ -24,11 +24,11 @@ from pathlib import Path
 from transformers.utils import logging as hf_logging
 
 from grpo.checkpoint import (CheckpointError, SelectorError, check_compatible, check_init_compatible,
-                             check_resumable, load_checkpoint, read_registry, resume_point)
+                             check_resumable, load_checkpoint, phase_finished, read_registry, resume_point)
 from grpo.config import (PERCEPTION_DEFAULTS, PHASES, PRESETS, WARMUP_DEFAULTS, ConfigError,
-                         TrainConfig, apply_overrides, describe_fields, parse_override_args, phase_preset,
-                         phase_init, trains_from_scratch)
-from grpo.distributed import DataParallel, init_distributed
+                         TrainConfig, apply_overrides, describe_fields, parse_override_args, phase_init,
+                         phase_preset, trains_from_scratch)
+from grpo.distributed import DataParallel, init_distributed, peer_lost
 from grpo.errors import NoRewardSpread, TrainingDiverged, inside, one_line
 from grpo.final_report import write_final_report
 from grpo.model import ModelLoadError
@@ -36,6 +36,7 @@ from grpo.phase_data import load_training_data
 from grpo.policy import check_policy_config
 from grpo.resume import resolve_init
 from grpo.run import RunFiles, pick_device, seed_everything, set_threads
+from grpo.stop import STOP, EvalAbandoned, Stopped, StopNow, exit_code, signal_name, stop_message
 
 
 def phase_config(phase: str, preset: str, overrides: dict[str, str], requested: str) -> TrainConfig:
@@ -119,6 +120,12 @@ def preflight(configs: dict[str, TrainConfig], plan: list[str], files: RunFiles)
             load_training_data(configs[phase])
 
 
+def _stop_between(where: str, saved: str) -> None:
+    """A stop requested between phases (or before the report) ends the run there: nothing is in progress."""
+    if STOP.requested:
+        raise Stopped(stop_message(where, saved=saved), STOP.signum)
+
+
 def _phase_local(key: str) -> bool:
     """Keys that describe one phase (its length, batch, mixture, start, reward weights)."""
     key = key.replace("-", "_")
@@ -134,7 +141,8 @@ def phases_to_run(requested: str, files: RunFiles, init: str, model_name: str) -
     plan = [requested]
     for phase in reversed(order[:-1]):
         need = phase_init(plan[0], model_name).split(":")[0]
-        if need != phase or read_registry(files.root, phase).get("aliases"):
+        # a phase stopped mid-way (its latest a periodic or stop save, or short of its steps) runs again: it resumes
+        if need != phase or phase_finished(files.root, phase):
             break
         plan.insert(0, phase)
     return plan
@@ -172,6 +180,14 @@ def main(argv: list[str] | None, run_phase: Callable[[TrainConfig, RunFiles, str
     checkpoint, divergence, the run directory's disk). Anything else is a bug and keeps its
     traceback."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    STOP.install()  # from here a signal never ends the run with a traceback (grpo/stop.py)
+    try:
+        return _main(argv, run_phase)
+    finally:
+        STOP.uninstall()
+
+
+def _main(argv: list[str], run_phase: Callable[[TrainConfig, RunFiles, str, DataParallel], None]) -> int:
     hf_logging.disable_progress_bar()  # one "Loading weights" bar per model load is noise in a training log
     if "-h" in argv or "--help" in argv:
         print(HELP + describe_fields())
@@ -199,6 +215,7 @@ def main(argv: list[str] | None, run_phase: Callable[[TrainConfig, RunFiles, str
                   f"yet: running {' -> '.join(plan)}")
         t_run = time.time()
         for phase in plan:
+            _stop_between(f"the start of phase {phase}", "everything before it is saved")
             pcfg = configs[phase]
             dp.barrier()  # every rank has read the run directory (and rank 0 finished writing it)
             print(f"\n===== phase {phase} =====\nresolved config:\n{pcfg.to_json()}", flush=True)
@@ -211,13 +228,32 @@ def main(argv: list[str] | None, run_phase: Callable[[TrainConfig, RunFiles, str
             run_phase(pcfg, files, device, dp)
             print(f"phase {phase} took {time.time() - t_phase:.0f}s", flush=True)
         if dp.is_main and known.phase != "warmup" and cfg.run.test_per_stage > 0 and cfg.run.data == "synthetic":
-            write_final_report(files.root, known.phase, cfg, device)
+            _stop_between("the final report", "every checkpoint is saved")
+            try:
+                write_final_report(files.root, known.phase, cfg, device)
+            except EvalAbandoned:
+                raise Stopped(stop_message("the final report (abandoned)", saved="every checkpoint is saved"),
+                              STOP.signum) from None
         print(f"done in {time.time() - t_run:.0f}s; checkpoints and train_log.jsonl in {files.root}")
+    except Stopped as stop:  # a loop saved the step it stopped at (under torchrun every rank stops there)
+        if dp is None or dp.is_main:
+            print(stop, file=sys.stderr, flush=True)
+        return exit_code(stop.signum)
+    except StopNow as now:  # a second signal: the step in progress is lost, every checkpoint is intact
+        print(f"stopped at once on a second {signal_name(now.signum)}; the step in progress is lost; "
+              "the same command resumes from the last checkpoint", file=sys.stderr, flush=True)
+        return exit_code(now.signum)
     except (ConfigError, SelectorError, ModelLoadError) as err:  # the command asks for something wrong: say what
         print(f"error: {one_line(err)}", file=sys.stderr)
         return 2
     except (CheckpointError, TrainingDiverged, NoRewardSpread) as err:  # the run failed; its earlier checkpoints are intact
         print(f"error: {one_line(err)}", file=sys.stderr)
+        return 1
+    except RuntimeError as err:
+        if dp is None or not dp.enabled or not peer_lost(err):
+            raise  # not a lost rank: a bug, keep the traceback
+        print(f"error: {dp.lost_rank_message(err)}", file=sys.stderr, flush=True)
+        dp.owns_group = False  # destroying a group whose peer died can block; the process is ending anyway
         return 1
     except OSError as err:
         if root is None or not inside(err.filename, root):

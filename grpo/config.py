@@ -258,6 +258,10 @@ class RunConfig:
     """Held-out examples for the checkpoint-side eval that feeds the controller gates."""
     eval_every: int = 20
     """Evaluate + checkpoint every this many steps (and at the end of the phase)."""
+    save_every: int = 0
+    """Also save a `latest`-only checkpoint every this many steps between evaluations (0 = off)."""
+    save_every_minutes: float = 30.0
+    """Also save a `latest`-only checkpoint when this many minutes passed since the last save (0 = off)."""
     log_every: int = 10
     """Print a one-line human summary every this many steps."""
     run_prior_phases: bool = True
@@ -386,6 +390,8 @@ class TrainConfig:
             (r.eval_size >= 1, f"run.eval_size={r.eval_size}: must be >= 1"),
             (r.eval_every >= 1, f"run.eval_every={r.eval_every}: must be >= 1 (it is also the checkpoint cadence)"),
             (r.log_every >= 1, f"run.log_every={r.log_every}: must be >= 1"),
+            (r.save_every >= 0, f"run.save_every={r.save_every}: must be >= 0 (0 = no step-count saves)"),
+            (r.save_every_minutes >= 0, f"run.save_every_minutes={r.save_every_minutes}: must be >= 0 (0 = no timed saves)"),
             (r.test_per_stage >= 0, f"run.test_per_stage={r.test_per_stage}: must be >= 0 (0 = no report)"),
             (r.cpu_threads >= 0, f"run.cpu_threads={r.cpu_threads}: must be >= 0 (0 = torch's default)"),
             # checked here, before a model loads, so a missing package is not found after the warm-up

@@ -77,6 +77,27 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return o.lr
 
 
+# ----------------------------------------------------------------------------- periodic saves
+
+
+class SaveClock:
+    """When a phase saves a `latest`-only checkpoint between evaluations: every
+    run.save_every steps, or once run.save_every_minutes passed since the last save of any
+    kind (so a crash loses at most that much work even when evaluations are rare)."""
+
+    def __init__(self, cfg: TrainConfig):
+        self.every, self.seconds = cfg.run.save_every, 60.0 * cfg.run.save_every_minutes
+        self.last = time.monotonic()
+
+    def due(self, done: int) -> bool:
+        """Whether a periodic save is due after ``done`` steps (not counting evaluation saves)."""
+        by_steps = self.every > 0 and done % self.every == 0
+        return by_steps or (self.seconds > 0 and time.monotonic() - self.last >= self.seconds)
+
+    def saved(self) -> None:
+        self.last = time.monotonic()
+
+
 # ----------------------------------------------------------------------------- files, progress
 
 
@@ -121,8 +142,11 @@ def prefetch(items: Iterable, depth: int = 2) -> Iterator:
             if item is done:
                 return
             yield item
-    finally:  # the consumer stopped early (an error, a break): let the producer end
+    finally:  # the consumer stopped early (an error, a break, a stop): let the producer end
         stop.set()
+        # and wait for it: a daemon thread still inside torch when the interpreter exits
+        # aborts the process (SIGABRT) instead of letting it exit with its own code
+        worker.join(timeout=60)
 
 
 @dataclass

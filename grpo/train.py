@@ -65,6 +65,7 @@ Simplified, on purpose:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import time
@@ -75,7 +76,7 @@ import torch
 
 from data.mixture import MixtureStream
 from grpo import cli
-from grpo.checkpoint import read_registry, save_checkpoint
+from grpo.checkpoint import phase_finished, save_checkpoint
 from grpo.cli import _phase_local, phase_configs  # noqa: F401 (bench/learning.py imports them from here)
 from grpo.config import TrainConfig
 from grpo.controller import Controller
@@ -90,10 +91,11 @@ from grpo.policy import adapter_tensors, build_policy
 from grpo.resume import find_start
 from grpo.rewards import RewardModel
 from grpo.rollout_fast import MergedRollout
-from grpo.run import (GEN_KEY, Progress, RunFiles, StepGuard, lr_at, pick_device,  # noqa: F401 (pick_device: bench)
-                      progress_line, step_record, update_record)
+from grpo.run import (GEN_KEY, Progress, RunFiles, SaveClock, StepGuard, lr_at,  # noqa: F401 (pick_device: bench)
+                      pick_device, progress_line, step_record, update_record)
 from grpo.sampler import content_tokens, sample
 from grpo.sft import run_warmup
+from grpo.stop import STOP, EvalAbandoned, Stopped, evals_run_to_the_end, stop_message
 from kernels.grpo_advantages import group_advantages
 from kernels.grpo_loss import grpo_loss
 from lora import disable_adapters, load_lora_state_dict, lora_parameters, lora_state_dict
@@ -167,6 +169,52 @@ def run_grpo_phase(cfg: TrainConfig, files: RunFiles, device: str, dp: DataParal
         """The groups of a rollout whose advantages are not all zero (dynamic sampling keeps those)."""
         values, valid = spread_columns(r.rb, cfg)
         return groups_with_spread(values, G, valid=valid)
+
+    clock = SaveClock(cfg)
+
+    def save(done: int, result=None, pending: bool = False) -> None:
+        """The checkpoint after ``done`` steps: with its evaluation (metrics, scores, every alias),
+        or periodic (``latest`` only; with what the next evaluation's gates read, and whether
+        this step's evaluation was abandoned: a resume redoes it)."""
+        dp.check_replicas(params)  # every rank must hold the adapter rank 0 is about to save
+        tensors = dict(adapter_tensors(lora_state_dict(model)), **dp.generator_states(GEN_KEY, gen))
+        if dp.is_main:
+            base = str(start.base.relative_to(files.root)) if start.base else None
+            sched = {"step": done} if result is not None else {
+                "step": done, "zero_spread_since_eval": list(zero_spread_since_eval), "eval_pending": pending}
+            save_checkpoint(files.root, phase, done, tensors=tensors, optimizer=opt,
+                            scheduler_state=sched, controller_state=controller.state_dict(),
+                            data_position=stream.position, metrics=result.flat() if result is not None else {},
+                            scores=result.scores if result is not None else {},
+                            config_json=cfg.to_json(), extra={"kind": "adapter", "base": base},
+                            periodic=result is None)
+        clock.saved()
+
+    def evaluate_and_save(done: int) -> None:
+        """8-10: eval -> gates -> checkpoint. A stop abandons the eval (one process; ranks
+        finish it together) and saves the step as periodic, its eval pending."""
+        try:
+            with evals_run_to_the_end() if dp.enabled else contextlib.nullcontext():
+                result = checkpoint_eval(bundle, eval_examples, cfg, dp)
+        except EvalAbandoned:
+            save(done, pending=True)
+            raise Stopped(stop_message(f"{phase} step {done} (its evaluation abandoned)"), STOP.signum) from None
+        print_eval(phase, done, result)
+        files.write_log(dict(event="eval", phase=phase, step=done, metrics=result.flat()))
+        if cfg.phase.controller:
+            metrics = dict(result.metrics, zero_spread=float(np.mean(zero_spread_since_eval)))
+            for d in controller.update(metrics, result.overall.intervals, n=result.overall.n_prompts):
+                print(f"  gate: {d}")
+                files.write_log(dict(event="gate", phase=phase, step=done, rule=d.rule,
+                                     changes={d.target: [d.old, d.new]}, decision=d.to_dict()))
+            rewards.set_weights(controller.weights)
+        zero_spread_since_eval.clear()
+        save(done, result)
+
+    if start.resume is not None:  # a periodic checkpoint: what the gates read since the last eval
+        zero_spread_since_eval.extend(start.resume.scheduler_state.get("zero_spread_since_eval", []))
+        if start.resume.scheduler_state.get("eval_pending"):  # stopped during this step's eval: redo it
+            evaluate_and_save(first)
 
     for step in range(first, cfg.phase.steps):
         t_step, timing = time.time(), dict(sampling=0.0, rewards=0.0, logprobs=0.0, backward=0.0)
@@ -266,27 +314,17 @@ def run_grpo_phase(cfg: TrainConfig, files: RunFiles, device: str, dp: DataParal
             bar.write(progress_line(phase, step, cfg.phase.steps, record, fill, updates, mu))
 
         # ---- 8-10. eval -> gates -> checkpoint, every run.eval_every steps and at the end
-        if (step + 1) % cfg.run.eval_every == 0 or step + 1 == cfg.phase.steps:
+        evaluated = (step + 1) % cfg.run.eval_every == 0 or step + 1 == cfg.phase.steps
+        if evaluated:
             bar.close()
-            result = checkpoint_eval(bundle, eval_examples, cfg, dp)
-            print_eval(phase, step + 1, result)
-            files.write_log(dict(event="eval", phase=phase, step=step + 1, metrics=result.flat()))
-            if cfg.phase.controller:
-                metrics = dict(result.metrics, zero_spread=float(np.mean(zero_spread_since_eval)))
-                for d in controller.update(metrics, result.overall.intervals, n=result.overall.n_prompts):
-                    print(f"  gate: {d}")
-                    files.write_log(dict(event="gate", phase=phase, step=step + 1, rule=d.rule,
-                                         changes={d.target: [d.old, d.new]}, decision=d.to_dict()))
-                rewards.set_weights(controller.weights)
-            zero_spread_since_eval = []
-            dp.check_replicas(params)  # every rank must hold the adapter rank 0 is about to save
-            tensors = dict(adapter_tensors(lora_state_dict(model)), **dp.generator_states(GEN_KEY, gen))
-            if dp.is_main:
-                base = str(start.base.relative_to(files.root)) if start.base else None
-                save_checkpoint(files.root, phase, step + 1, tensors=tensors, optimizer=opt,
-                                scheduler_state={"step": step + 1}, controller_state=controller.state_dict(),
-                                data_position=stream.position, metrics=result.flat(), scores=result.scores,
-                                config_json=cfg.to_json(), extra={"kind": "adapter", "base": base})
+            evaluate_and_save(step + 1)
+        # a stop (on any rank) or a periodic save is taken at this step boundary, by all ranks at once
+        signum, due = dp.agree(STOP.signum or 0, clock.due(step + 1))
+        if (signum or due) and not evaluated:
+            save(step + 1)
+        if signum:
+            bar.close()
+            raise Stopped(stop_message(f"{phase} step {step + 1}", signum), signum)
     bar.close()
 
 
@@ -347,7 +385,7 @@ def run_phase(cfg: TrainConfig, files: RunFiles, device: str, dp: DataParallel) 
     """One planned phase: the SFT warm-up (once per run directory, on rank 0) or GRPO."""
     if cfg.phase.name != "warmup":
         run_grpo_phase(cfg, files, device, dp)
-    elif read_registry(files.root, "warmup").get("aliases"):
+    elif phase_finished(files.root, "warmup"):
         print("warm-up already done in this run directory; skipping")
     elif dp.is_main:  # the SFT warm-up is not data-parallel: rank 0 runs it, the others wait
         run_warmup(cfg, files, device)
