@@ -231,12 +231,16 @@ class Progress:
         self.tty = sys.stderr.isatty()
         self.shown = False
 
+    def eta(self, done: int) -> float:
+        """Seconds left at the rate of this process's steps so far (NaN before the first)."""
+        rate = (done - self.start) / max(1e-9, time.time() - self.t0)
+        return (self.total - done) / rate if rate > 0 else float("nan")
+
     def update(self, done: int, info: str = "") -> None:
         if not self.tty:
             return
         frac = done / self.total
-        rate = (done - self.start) / max(1e-9, time.time() - self.t0)
-        eta = (self.total - done) / rate if rate > 0 else float("nan")
+        eta = self.eta(done)
         bar = "#" * int(24 * frac) + "." * (24 - int(24 * frac))
         sys.stderr.write(f"\r{self.label} [{bar}] {done}/{self.total} eta {eta:4.0f}s {info}   ")
         sys.stderr.flush()

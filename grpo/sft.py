@@ -305,7 +305,9 @@ def run_warmup(cfg: TrainConfig, files: RunFiles, device: str) -> None:
                 + (f", perception loss {perc_loss.item():.3f}" if perc_loss is not None else ""))
         bar.update(k + 1, info)
         if (k + 1) % cfg.run.log_every == 0 and not bar.tty:
-            print(f"[warmup {k + 1}/{total}] {info}", flush=True)
+            eta = bar.eta(k + 1)  # a log read without a terminal still says how long is left
+            print(f"[warmup {k + 1}/{total}] {info}  eta {eta / 60:.0f} min" if eta == eta
+                  else f"[warmup {k + 1}/{total}] {info}", flush=True)
         if STOP.requested or (k + 1 < total and clock.due(k + 1)):  # the last step is saved with its eval below
             save_progress(k + 1)
             if STOP.requested:
