@@ -36,3 +36,25 @@ def test_step_benchmark_refuses_7b_without_a_gpu():
         pytest.skip("a GPU is present")
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
         step.main(["--scale", "7b"])
+
+
+def test_step_benchmark_on_the_tiny_default_reports_the_rollout_mismatch(capsys):
+    """--scale tiny: the trainer's own tiny policy; the mismatch table has one row per path,
+    the plain path's sampler equals its trainer up to rounding, the merged fp32 copy nearly."""
+    import torch
+
+    pytest.importorskip("bitsandbytes")
+    threads = torch.get_num_threads()
+    try:
+        step.main(["--scale", "tiny", "--B", "1", "--G", "2", "--max-new-tokens", "4", "--beta", "0",
+                   "--threads", "1"])
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert "merged copy dtype torch.float32" in out  # the tiny model computes in fp32 on a CPU
+    for path in ("plain", "merged"):
+        row = re.search(rf"^\s*{path}\s+([\d.e+-]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)$", out, re.M)
+        assert row, path
+        kl, mean, mx, seq_max, over = map(float, row.groups())
+        assert kl < 1e-4 and abs(mean - 1) < 1e-2 and 1 - 1e-2 < mx < 1.1 and seq_max < 1.5 and over == 0, row.group(0)
+    assert re.search(r"^summary: GRPO step \(tiny, B=1 G=2 L=4\)", out, re.M)
