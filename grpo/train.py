@@ -14,7 +14,8 @@ staged, metric-gated curriculum of the staged-GRPO paper (docs/design.md):
 One GRPO step (one rollout batch of B prompts), as ``run_grpo_phase`` below runs it:
 
     1. sample     G completions per prompt; each prompt (and its image) is encoded once and
-                  its KV cache copied G times (grpo/sampler.py)
+                  its KV cache copied G times (grpo/sampler.py; the tiny preset decodes
+                  from a merged copy of the policy, grpo/rollout_fast.py)
     2. reward     the verifier components (+ step / detail / rubric terms), weighted by the
                   controller's current weights (grpo/rewards)
     3. advantage  A = (r - mean_g) / (std_g + 1e-4) within each prompt's group of G
