@@ -337,9 +337,13 @@ def update_record(u: int, loss_sum: float, gnorm: torch.Tensor, lr: float, stats
 
 def step_record(phase: str, step: int, logs: list, weights: dict, loss_sum: float, updates: list, fill,
                 temperature: float, lr: float, grad_norm: float | None, timing: dict, dp,
-                mu: int) -> dict:
+                mu: int, cfg: TrainConfig | None = None) -> dict:
     """The log line of one rollout batch (keys: eval/plots.py). Rewards, lengths and the
-    loss's diagnostics are those of update 1, the on-policy one."""
+    loss's diagnostics are those of update 1, the on-policy one. "rollout": the sampler
+    against the trainer (kernels/grpo_loss.py's is_* stats): kl = mean k3 estimate of
+    KL(sampler || trainer) per token, ratio_mean / ratio_max of pi_train / pi_sampler and
+    over_frac = ratios above the cap, at the correction's level (token when off); the max
+    is over micro-batches, then averaged over ranks like every float."""
     rb0 = logs[0][0]
     comps = {k: float(torch.cat([r.components[k] for r, _, _ in logs]).mean()) for k in rb0.components}
     totals = torch.cat([r.total for r, _, _ in logs])
@@ -355,6 +359,15 @@ def step_record(phase: str, step: int, logs: list, weights: dict, loss_sum: floa
                   zero_spread=st["zero_spread_frac"], adv_abs=st["adv_abs_mean"],
                   completion_len=float(lengths.mean()), truncation=float(trunc.mean()), lr=lr,
                   temperature=temperature, grad_norm=grad_norm, time=timing)
+    if cfg is not None:
+        o = cfg.optim
+        record["rollout"] = dict(
+            path=cfg.sampling.rollout, correction=o.rollout_correction, mode=o.rollout_correction_mode,
+            cap=float(o.rollout_correction_cap), level="sequence" if o.rollout_correction == "sequence" else "token",
+            kl=float(sum(float(s.is_kl) for _, s, _ in logs) / len(logs)),
+            ratio_mean=float(sum(float(s.is_ratio_mean) for _, s, _ in logs) / len(logs)),
+            ratio_max=max(float(s.is_ratio_max) for _, s, _ in logs),
+            over_frac=float(sum(float(s.is_over_frac) for _, s, _ in logs) / len(logs)))
     if mu > 1:  # the first update's loss and stats above (on-policy); every update here
         record["loss"] = updates[0]["loss"] if updates else loss_sum
         record["updates"] = updates

@@ -15,7 +15,8 @@ staged, metric-gated curriculum of the staged-GRPO paper (docs/design.md):
 One GRPO step (one rollout batch of B prompts), as ``run_grpo_phase`` below runs it:
 
     1. sample     G completions per prompt; each prompt (and its image) is encoded once and
-                  its KV cache copied G times (grpo/sampler.py)
+                  its KV cache copied G times (grpo/sampler.py; the tiny preset decodes
+                  from a merged copy of the policy, grpo/rollout_fast.py)
     2. reward     the verifier components (+ step / detail / rubric terms), weighted by the
                   controller's current weights (grpo/rewards)
     3. advantage  A = (r - mean_g) / (std_g + 1e-4) within each prompt's group of G
@@ -55,8 +56,11 @@ Simplified, on purpose:
     ratio of update 1 is exactly 1;
   - the reference policy is the base with LoRA off, not a separate frozen copy (the same
     weights, no second model in memory);
-  - rollouts and the loss use the same temperature-scaled distribution, no importance
-    correction between a sampler and a trainer engine (there is one engine);
+  - rollouts and the loss use the same temperature-scaled distribution; with
+    sampling.rollout=merged the sampler is a merged copy of the policy, whose log-probs
+    differ from the trainer's by rounding: the log line's "rollout" entry measures that
+    mismatch every step and optim.rollout_correction weights the policy term by
+    pi_train / pi_sampler (kernels/grpo_loss.py);
   - evaluation is greedy with one sample per prompt (the staged paper's final protocol);
   - the warm-up is not data-parallel (rank 0 runs it, the others wait);
   - a non-finite loss skips the update and a non-finite update is undone; three in a row
@@ -142,7 +146,9 @@ def run_grpo_phase(cfg: TrainConfig, files: RunFiles, device: str, dp: DataParal
     rewards.set_weights(controller.weights)
     loss_options = dict(beta=cfg.optim.beta, eps_low=cfg.optim.eps_low, eps_high=cfg.optim.eps_high,
                         loss_type=cfg.optim.loss_type, importance=cfg.optim.importance, max_len=L,
-                        kl_bias_correction=cfg.optim.kl_bias_correction)
+                        kl_bias_correction=cfg.optim.kl_bias_correction,
+                        correction=cfg.optim.rollout_correction, correction_mode=cfg.optim.rollout_correction_mode,
+                        correction_cap=cfg.optim.rollout_correction_cap)
     zero_spread_since_eval: list[float] = []  # what the controller's zero-spread gate reads
     bar = Progress(cfg.phase.steps, f"phase {phase}", first)
 
@@ -261,8 +267,11 @@ def run_grpo_phase(cfg: TrainConfig, files: RunFiles, device: str, dp: DataParal
 
                 # ---- 5. loss: ratio against old, clip, k3 KL to ref, aggregation; backward
                 t0 = time.time()
+                # The sampler's own log-probs: the mismatch stats every step, and the rollout
+                # correction's weights (a merged copy samples from other weights than the trainer's)
                 loss, stats = grpo_loss(logp, mask.float(), G=G, advantages=adv[k], old_logp=old_logp[k],
-                                        ref_logp=ref_logp[k], num_active_tokens=active_tokens, **loss_options)
+                                        ref_logp=ref_logp[k], num_active_tokens=active_tokens,
+                                        sampler_logp=r.out.logprobs, **loss_options)
                 if u == 0 and mu > 1:
                     old_logp[k] = logp.detach()  # the sampling policy's: nothing was updated yet
                 loss = loss * share
@@ -304,7 +313,7 @@ def run_grpo_phase(cfg: TrainConfig, files: RunFiles, device: str, dp: DataParal
         # ---- 7. log: one JSON line per rollout batch (= per optimiser step when mu = 1)
         record = step_record(phase, step, logs, rewards.weights, loss_sum, updates, fill, temperature,
                              lr_at(step * mu, cfg), float(gnorm) if guard.streak == 0 else None,
-                             dict(timing, step=time.time() - t_step), dp, mu)
+                             dict(timing, step=time.time() - t_step), dp, mu, cfg)
         # with dynamic sampling the trained batch has no zero-spread group: the gate reads what was sampled
         zero_spread_since_eval.append(fill.dropped_frac if fill is not None else record["zero_spread"])
         record = dp.mean_over_ranks(record)  # rank 0 logs the means over ranks

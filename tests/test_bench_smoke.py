@@ -162,3 +162,25 @@ def test_gpu_sh_bad_arguments_are_one_line_with_exit_code_2(args, message, tmp_p
     assert proc.returncode == 2 and not proc.stdout and not (tmp_path / "gpu_results").exists()
     assert proc.stderr.startswith("bench/gpu.sh: ") and message in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_step_benchmark_on_the_tiny_default_reports_the_rollout_mismatch(capsys):
+    """--scale tiny: the trainer's own tiny policy; the mismatch table has one row per path,
+    the plain path's sampler equals its trainer up to rounding, the merged fp32 copy nearly."""
+    import torch
+
+    pytest.importorskip("bitsandbytes")
+    threads = torch.get_num_threads()
+    try:
+        step.main(["--scale", "tiny", "--B", "1", "--G", "2", "--max-new-tokens", "4", "--beta", "0",
+                   "--threads", "1"])
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert "merged copy dtype torch.float32" in out  # the tiny model computes in fp32 on a CPU
+    for path in ("plain", "merged"):
+        row = re.search(rf"^\s*{path}\s+([\d.e+-]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)$", out, re.M)
+        assert row, path
+        kl, mean, mx, seq_max, over = map(float, row.groups())
+        assert kl < 1e-4 and abs(mean - 1) < 1e-2 and 1 - 1e-2 < mx < 1.1 and seq_max < 1.5 and over == 0, row.group(0)
+    assert re.search(r"^summary: GRPO step \(tiny, B=1 G=2 L=4\)", out, re.M)
