@@ -39,6 +39,10 @@ from grpo.run import RunFiles, pick_device, seed_everything, set_threads
 from grpo.stop import STOP, EvalAbandoned, Stopped, StopNow, exit_code, signal_name, stop_message
 
 
+ROLLOUT_KEYS = ("sampling.rollout", "optim.rollout_correction", "optim.rollout_correction_mode",
+                "optim.rollout_correction_cap")
+
+
 def phase_config(phase: str, preset: str, overrides: dict[str, str], requested: str) -> TrainConfig:
     """The resolved config of one phase: its preset, then --preset, then the CLI overrides.
 
@@ -48,7 +52,8 @@ def phase_config(phase: str, preset: str, overrides: dict[str, str], requested: 
     cfg = phase_preset(phase)
     if phase == "warmup":  # SFT defaults of the embedded model; a --preset may override them
         apply_overrides(cfg, WARMUP_DEFAULTS)
-    apply_overrides(cfg, PRESETS[preset])
+    # the warm-up samples no rollouts: a preset's rollout keys would only mislabel its saved config
+    apply_overrides(cfg, {k: v for k, v in PRESETS[preset].items() if phase != "warmup" or k not in ROLLOUT_KEYS})
     for key, value in overrides.items():
         head, _, tail = key.partition(".")
         if head in PHASES:  # --A.steps 10: for phase A only

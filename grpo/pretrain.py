@@ -105,12 +105,20 @@ def _machine() -> str:
     return f"{cpu}, {os.cpu_count()} logical CPUs, {platform.system()} {platform.release()}"
 
 
-def _record_wall(run_dir: Path, seconds: float) -> float:
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def _record_wall(run_dir: Path, seconds: float) -> tuple[float, float]:
+    """Add this invocation's wall time and peak memory to the run's record -> (total s, peak MB)."""
     path = run_dir / WALL_FILE
-    spans = json.loads(path.read_text())["spans_s"] if path.is_file() else []
-    spans.append(round(seconds, 1))
-    path.write_text(json.dumps({"spans_s": spans, "total_s": round(sum(spans), 1)}, indent=2))
-    return sum(spans)
+    saved = json.loads(path.read_text()) if path.is_file() else {}
+    spans = saved.get("spans_s", []) + [round(seconds, 1)]
+    peak = max(saved.get("peak_rss_mb", 0.0), round(_peak_rss_mb(), 1))
+    saved.update(spans_s=spans, total_s=round(sum(spans), 1), peak_rss_mb=peak)
+    saved.setdefault("train_code_commit", _git_commit())  # the code of the first invocation: it trained
+    path.write_text(json.dumps(saved, indent=2))
+    return sum(spans), peak
 
 
 def evaluate_base(bundle, seed: int, n_per_stage: int, max_new_tokens: int) -> dict:
@@ -132,7 +140,8 @@ def evaluate_base(bundle, seed: int, n_per_stage: int, max_new_tokens: int) -> d
     return out
 
 
-def export(run_dir: Path, out: Path, wall_s: float, test_seed: int, test_per_stage: int) -> Path:
+def export(run_dir: Path, out: Path, wall_s: float, peak_mb: float, test_seed: int, test_per_stage: int,
+           train_commit: str = "") -> Path:
     """warmup:latest of ``run_dir`` -> a verified model directory at ``out``."""
     import torch
 
@@ -175,11 +184,11 @@ def export(run_dir: Path, out: Path, wall_s: float, test_seed: int, test_per_sta
                   "examples_per_step": cfg.phase.prompts_per_step},
         "data": {"train": f"synthetic curriculum, seed {cfg.run.seed}, {cfg.run.train_per_stage} per stage",
                  "test": f"synthetic test split, seed {test_seed}, {test_per_stage} per stage"},
-        "code_commit": _git_commit(),
+        "code_commit": {"trained": train_commit or _git_commit(), "exported": _git_commit()},
         "machine": _machine(),
         "torch": torch.__version__,
         "wall_s": round(wall_s, 1),
-        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "peak_rss_mb": round(max(peak_mb, _peak_rss_mb()), 1),
         "test_metrics": metrics,
     }
     (staging / "pretrain.json").write_text(json.dumps(provenance, indent=2) + "\n")
@@ -220,10 +229,10 @@ lr {cfg['optim']['lr']}, a linear perception head on every merged visual token (
 {cfg['optim']['perception_weight']}), stage mixture {cfg['phase']['mixture']}.
 
 - training data: {p['data']['train']}
-- code: {p['code_commit']}
+- code: trained with {p['code_commit']['trained']}, exported with {p['code_commit']['exported']}
 - machine: {p['machine']}; torch {p['torch']}, one thread
-- wall time: {p['wall_s'] / 60:.1f} min; peak memory of the exporting process {p['peak_rss_mb']:.0f} MB
-  (the training process's peak is in pretrain.json when it was measured)
+- wall time: {p['wall_s'] / 60:.1f} min; peak memory (resident) {p['peak_rss_mb']:.0f} MB, most of it the
+  96,000 training examples' images held in memory
 - the full resolved config: `pretrain.json`
 
 ## Measured on the held-out test split
@@ -231,7 +240,8 @@ lr {cfg['optim']['lr']}, a linear perception head on every merged visual token (
 {p['data']['test']}; greedy, 48 new tokens, the contract prompt. EM {m['exact_match']:.3f},
 parseable {m['parseable_rate']:.3f}. The control swaps each image for another of the same
 question family (`eval/blind.py`); the blind gap is EM minus EM with shuffled images, with a
-paired 95% interval:
+paired 95% interval (the subsets are the stage filters of data/stages.py, which overlap: a
+table question counts in stages 1 and 2):
 
 | subset | n | EM | EM, images shuffled | blind gap [95%] |
 |---|---|---|---|---|
@@ -291,11 +301,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     t0 = time.time()
     code = cli.main(_argv(args.run_dir, rest), run_phase)
-    wall = _record_wall(Path(args.run_dir), time.time() - t0) if Path(args.run_dir).is_dir() else 0.0
+    wall, peak = _record_wall(Path(args.run_dir), time.time() - t0) if Path(args.run_dir).is_dir() else (0.0, 0.0)
     if code != 0:
         return code
     try:
-        export(Path(args.run_dir), Path(args.out), wall, args.test_seed, args.test_per_stage)
+        record = json.loads((Path(args.run_dir) / WALL_FILE).read_text())
+        export(Path(args.run_dir), Path(args.out), wall, peak, args.test_seed, args.test_per_stage,
+               record.get("train_code_commit", ""))
     except (shipped.ShippedModelError, ModelLoadError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
