@@ -125,8 +125,9 @@ def run_grpo_phase(cfg: TrainConfig, files: RunFiles, device: str, dp: DataParal
     dp.broadcast_parameters(params)  # all ranks start from rank 0's adapter
     opt = torch.optim.AdamW(params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
     guard = StepGuard(list(zip(lora_state_dict(model), params)), opt, files, cfg)  # same order: A, B per layer
-    # Rollouts through the policy's own 4-bit + LoRA layers, or from a merged bf16 copy
-    # refreshed after every batch (grpo/rollout_fast.py: ~2x fewer bytes per decode step).
+    # Rollouts through the policy's own 4-bit + LoRA layers, or from a merged copy (bf16 on a
+    # GPU, the compute dtype on a CPU) refreshed after every batch (grpo/rollout_fast.py: no
+    # NF4 dequantisation and no separate LoRA matmuls per decode step).
     rollout = MergedRollout(model) if cfg.sampling.rollout == "merged" else None
     sample_fn = rollout.sample if rollout is not None else sample
 
