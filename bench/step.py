@@ -248,7 +248,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     if scale == "7b" and device.type != "cuda":
-        raise SystemExit("--scale 7b needs a CUDA GPU (~40 GB); on a CPU use the default scaled-down config")
+        raise SystemExit("--scale 7b needs a CUDA GPU (~40 GB); on a CPU use the default scaled-down config, "
+                         "or python -m bench.qwen7b_cpu for one step at the 7B's exact shapes (NF4, layer by layer)")
 
     from data.synthetic import generate
     from grpo.rollout_fast import MergedRollout
