@@ -94,7 +94,7 @@ class RSSStages(Stages):
 
     def __init__(self, device: torch.device):
         super().__init__(device)
-        self.resettable = True
+        self.resettable = True  # False once a reset of the high-water mark failed
 
     @contextmanager
     def __call__(self, name: str):
@@ -103,6 +103,8 @@ class RSSStages(Stages):
             yield
         ms, _ = self.rows[name]
         self.rows[name] = (ms, peak_rss_bytes())
+        # progress: a run stopped by a time limit still leaves its per-stage figures so far
+        print(f"#   {name.strip()}: {ms / 1e3:.1f} s, peak RSS {self.rows[name][1] / 2**30:.2f} GiB", flush=True)
 
 
 # ----------------------------------------------------------------------------- config and counts
