@@ -269,9 +269,9 @@ def main(argv: list[str] | None = None) -> None:
                              ("--G", args.G, 2), ("--max-new-tokens", args.max_new_tokens, 1),
                              ("--image-px", args.image_px, 56)):
         if value < low:
-            raise SystemExit(f"{flag} {value}: must be >= {low}")
+            p.exit(2, f"error: {flag} {value}: must be >= {low}\n")  # a wrong request: one line, exit 2
     if args.image_px % 28:
-        raise SystemExit(f"--image-px {args.image_px}: must be a multiple of 28 (14 px patches merged 2x2)")
+        p.exit(2, f"error: --image-px {args.image_px}: must be a multiple of 28 (14 px patches merged 2x2)\n")
     if args.threads > 0:
         torch.set_num_threads(args.threads)
 

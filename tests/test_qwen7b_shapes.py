@@ -81,3 +81,13 @@ def test_one_grpo_step_at_7b_widths(capsys, monkeypatch):
     assert grad and grad.group(1) == grad.group(2) == "14" and grad.group(3) == "7" and float(grad.group(4)) > 0
     assert re.search(r"^summary: .*peak RSS [\d.]+ GiB; 1,408,540,272 base \+ 720,896 LoRA parameters; counts match$",
                      out, re.M)
+
+
+@pytest.mark.parametrize("argv, says", [(["--layers", "0"], "--layers 0: must be >= 1"),
+                                        (["--G", "1"], "--G 1: must be >= 2"),
+                                        (["--image-px", "450"], "--image-px 450: must be a multiple of 28")])
+def test_bad_arguments_one_line_exit_2(argv, says, capsys):
+    with pytest.raises(SystemExit) as e:
+        qwen7b_cpu.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("error: " + says) and err.count("\n") == 1
