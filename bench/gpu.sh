@@ -3,6 +3,7 @@
 #
 #   bash bench/gpu.sh              # on a CUDA machine: compiled-kernel tests + all benchmarks
 #   bash bench/gpu.sh --dry-run    # on a CPU: the same parts at CPU-smoke sizes (checks the script)
+#   bash bench/gpu.sh --parts step,sampler   # only these parts (e.g. to rerun one that failed)
 #
 # Results: one log per part and summary.md (exit code, seconds and the summary line of each
 # part) in $OUT/gpu_results if $OUT is set (the device tool brings $OUT back), otherwise in
@@ -27,14 +28,27 @@
 # every model is built locally (the tiny one is cached under $VLGRPO_CACHE or ~/.cache).
 set -u
 
+ALL_PARTS="env tests grpo_loss logprob step sampler"
 DRY_RUN=0
-for arg in "$@"; do
-  case "$arg" in
+PARTS=$ALL_PARTS
+while [ $# -gt 0 ]; do
+  case "$1" in
     --dry-run) DRY_RUN=1 ;;
+    --parts) [ $# -ge 2 ] || { echo "bench/gpu.sh: --parts needs a comma-separated list of: ${ALL_PARTS// /,}" >&2; exit 2; }
+             PARTS=${2//,/ }; shift ;;
+    --parts=*) PARTS=${1#--parts=}; PARTS=${PARTS//,/ } ;;
     -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
-    *) echo "bench/gpu.sh: unknown argument '$arg'; use --dry-run or nothing" >&2; exit 2 ;;
+    *) echo "bench/gpu.sh: unknown argument '$1'; use --dry-run, --parts LIST or nothing" >&2; exit 2 ;;
+  esac
+  shift
+done
+for part in $PARTS; do
+  case " $ALL_PARTS " in
+    *" $part "*) ;;
+    *) echo "bench/gpu.sh: unknown part '$part' in --parts; use some of ${ALL_PARTS// /,}" >&2; exit 2 ;;
   esac
 done
+[ -n "${PARTS// /}" ] || { echo "bench/gpu.sh: --parts is empty; use some of ${ALL_PARTS// /,}" >&2; exit 2; }
 
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -73,6 +87,7 @@ START=$SECONDS
 run() {
   local part=$1 limit=$2
   shift 2
+  case " $PARTS " in *" $part "*) ;; *) return ;; esac  # not selected by --parts
   local left=$((BUDGET - (SECONDS - START)))
   if [ "$left" -lt 10 ]; then
     echo "| $part | skipped | 0 | budget of ${BUDGET}s used up |" >> "$SUMMARY"

@@ -71,29 +71,33 @@ def eager_loss(logp, inp: dict, mode: dict) -> torch.Tensor:
         adv = inp["token_adv"]
     else:
         adv, _ = gl.grpo_advantages_reference(inp["rewards"], G)
-    loss, _ = gl.grpo_loss_reference(
-        logp, inp["mask"], adv, old_logp=inp["old"], ref_logp=inp["ref"] if mode["beta"] else None,
-        beta=mode["beta"], loss_type=mode["loss_type"], importance=mode["importance"])
+    loss, _ = gl.grpo_loss_reference(logp, inp["mask"], adv, **loss_args(mode, inp))
     return loss
 
 
+def loss_args(mode: dict, inp: dict) -> dict:
+    """grpo_loss's keyword arguments after the advantages, as the trainer passes them."""
+    return dict(old_logp=inp["old"], ref_logp=inp["ref"] if mode["beta"] else None, beta=mode["beta"],
+                eps_low=0.2, eps_high=0.2, loss_type=mode["loss_type"], importance=mode["importance"],
+                max_len=None, num_active_tokens=None, kl_bias_correction=False)
+
+
 def triton_loss(logp, inp: dict, mode: dict) -> torch.Tensor:
-    """The kernel path of grpo_loss without its input validation."""
-    src = mode["source"]
-    launch = gl._prepare_advantages_triton(
-        inp["rewards"] if src == "rewards" else None, None, None, inp.get("prefix"),
-        inp.get("token_adv"), logp.shape[1], G, "group", 1e-4)
-    launch.update(mask=inp["mask"], G=G, old_logp=inp["old"],
-                  ref_logp=inp["ref"] if mode["beta"] else None, beta=mode["beta"], eps_low=0.2,
-                  eps_high=0.2, loss_type=mode["loss_type"], importance=mode["importance"],
-                  max_len=None, num_active_tokens=None)
-    loss, _ = gl._FusedGRPOLoss.apply(logp, launch)
+    """The kernel path of grpo_loss without its input validation: advantages, then the loss."""
+    adv = gl.group_advantages(G=G, mask=inp["mask"], T=logp.shape[1], backend="triton", checked=True,
+                              **{mode["source"]: inp[mode["source"]]})
+    loss, _ = gl._FusedGRPOLoss.apply(logp, dict(mask=inp["mask"], adv=adv, **loss_args(mode, inp)))
     return loss
 
 
 def validation_only(logp, inp: dict, mode: dict) -> None:
-    gl._validate(logp, inp["mask"], inp["rewards"], G, inp["old"], inp["ref"], mode["beta"], 0.2,
-                 0.2, mode["loss_type"], "group", 1e-4, None, None, None, None, "token", None, None)
+    """What grpo_loss checks before any math: the loss's arguments and the advantage inputs
+    (shapes, then the NaN scan, the one host sync)."""
+    N, T = logp.shape
+    gl._validate(logp, inp["mask"], G, adv_eps=1e-4, **loss_args(mode, inp))
+    src = mode["source"]
+    gl.check_advantage_inputs(N, T, logp.device, inp["mask"], inp.get("rewards") if src == "rewards" else None,
+                              None, None, inp.get("prefix"), inp.get("token_adv"), "group", 1e-4, 0.0)
 
 
 def min_bytes(N: int, T: int, mode: dict) -> int:

@@ -8,9 +8,9 @@
 What it runs
 ------------
 Every run is the README's main job, ``python -m grpo.train --phase B`` with the defaults
-(warm-up -> A -> B, then the end-of-run report on the held-out test split), started as a
-subprocess (a fresh interpreter per run: no torch state, RNG or memory carried from one run
-into the next), with ``--run.seed k`` and its own run directory
+(the shipped base -> A -> B, then the end-of-run report on the held-out test split), started
+as a subprocess (a fresh interpreter per run: no torch state, RNG or memory carried from one
+run into the next), with ``--run.seed k`` and its own run directory
 
     <out>/<variant>/seed<k>/     the trainer's run directory (checkpoints, train_log.jsonl,
                                  report/), plus train.out (the trainer's console output),
@@ -19,11 +19,11 @@ into the next), with ``--run.seed k`` and its own run directory
 
 A variant is a named list of trainer options on top of the defaults (``--plan`` prints each
 one's command). The defaults are read from grpo/config.py at run time (phase_configs), never
-copied here, so when they change the variants follow. Ablations change GRPO phases only:
-their options carry an ``A.`` / ``B.`` prefix, and each one starts from the *same seed's*
-warm-up checkpoint, copied from the default run, so a variant differs from the default in
-the one setting it names and in nothing the warm-up drew (checked: the shared phases'
-resolved configs must be equal, or the plan stops before any work).
+copied here, so when they change the variants follow. Every variant starts from the same
+shipped base (grpo/tiny_model: the seed varies the GRPO phases only); its options carry an
+``A.`` / ``B.`` prefix. The frozen control starts phase B from the same seed's
+A:best_structure, copied from the default run (checked: the shared phase's resolved config
+must be equal, or the plan stops before any work).
 
 Resuming. A finished run (phase B at its last step, its report written) is never rerun; a
 run that was interrupted is continued by the trainer from its own checkpoints (an
@@ -31,7 +31,7 @@ interrupted phase A is completed with ``--phase A`` first: ``--phase B`` alone w
 B from an unfinished A). A run directory made with other settings (another variant's
 options, or changed defaults) is refused with the settings that differ, never reused.
 
-What it measures, per seed and checkpoint (warm-up base ``warmup:latest``, ``A:best_structure``,
+What it measures, per seed and checkpoint (the shipped ``base``, ``A:best_structure``,
 ``B:best_composite``, ``B:latest``) on the synthetic *test* split (the report's examples,
 ``run.test_per_stage`` per stage, never used to choose a checkpoint):
 
@@ -47,13 +47,14 @@ What it measures, per seed and checkpoint (warm-up base ``warmup:latest``, ``A:b
                  true images; and with shuffled images, and their paired gap)
 
 The greedy numbers are read from the run's own report (report/report.json): nothing is
-evaluated twice. pass@k is sampled here, once per checkpoint file (a copied warm-up is the
-same file and is not sampled again: results are cached by the sha256 of state.json).
+evaluated twice. pass@k is sampled here, once per checkpoint file (a copied phase is the
+same file and is not sampled again: results are cached by the sha256 of state.json, and the
+base by its model file's).
 
 Aggregation over seeds: mean, and the spread as min..max over the seeds (with 3 seeds an
 sd is itself a guess; the range shows every seed). With one seed the cell shows that run's
 95% interval instead. summary.md has every per-seed value with its interval, and the
-paired per-seed difference B:latest - A:best_structure (issue 13's target).
+paired per-seed difference B:latest - A:best_structure (what RL adds over phase A).
 
 The frozen-policy control (variant ``frozen``): phase B again from the same
 A:best_structure, on the same prompts and sampler seed, with ``--B.optim.lr 0`` -- the
@@ -65,8 +66,14 @@ on the test split (its policy is A's). Plots (pillow, eval/plots.py): curves_see
 frozen control; held-out val EM and blind gap at each checkpoint eval) and
 test_checkpoints.png (test EM and blind gap per checkpoint, per seed).
 
-Simplified: the runs go one after another (two cores: parallel runs would only slow each
-other down); bit-identical reruns are claimed only on the same machine and software.
+The controls a claim of learning is read against: ``frozen`` (above); ``random`` (each
+completion's rewards replaced by those of a random completion of its batch: GRPO's
+mechanics -- clipping, group normalisation, the format the base already half follows --
+without the signal); ``correctness0`` (every weight but correctness, the staged paper's
+accidental setting); and, in every row, EM with shuffled images.
+
+Simplified: bit-identical reruns are claimed only on the same machine and software, and
+with ``--jobs`` > 1 the trainers' wall times include the sharing of the cores.
 """
 
 from __future__ import annotations
@@ -88,29 +95,46 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from grpo.stop import STOP, EvalAbandoned, StopNow, exit_code
+
 DEFAULT_OUT = Path("bench/results/learning")
 QUICK_OUT = Path("bench/results/learning-quick")
-REQUESTED = "B"  # the README's main job: --phase B (warm-up -> A -> B)
-CHECKPOINTS = ("warmup:latest", "A:best_structure", "B:best_composite", "B:latest")
+REQUESTED = "B"  # the README's main job: --phase B (the shipped base -> A -> B)
+CHECKPOINTS = ("base", "A:best_structure", "B:best_composite", "B:latest")
 CHECKPOINT_TITLES = {
-    "warmup:latest": "Warm-up base (`warmup:latest`)",
+    "base": "Shipped base, before RL (`base`)",
     "A:best_structure": "After phase A (`A:best_structure`)",
     "B:best_composite": "After phase B, best composite (`B:best_composite`)",
     "B:latest": "Phase B's last step (`B:latest`)",
 }
-SHORT = {"warmup:latest": "warm-up", "A:best_structure": "A best", "B:best_composite": "B best", "B:latest": "B last"}
+SHORT = {"base": "base", "A:best_structure": "A best", "B:best_composite": "B best", "B:latest": "B last"}
 PASS_TEMPERATURE = 1.0
 PASS_BATCH = 8  # prompts per sampler call: part of the sampled protocol (each batch seeds its own generator)
 SEP = ".."  # min..max in the tables: brackets are kept for 95% intervals
 
 # A smoke configuration: every phase, eval, report, control and plot runs, in seconds; the
-# numbers mean nothing (2 warm-up steps leave the model writing garbage).
+# numbers mean nothing (2 steps of 2 prompts move nothing).
 QUICK_ARGS = [
     "--model.device", "cpu", "--run.train_per_stage", "20", "--run.eval_size", "4", "--run.eval_every", "1",
     "--run.test_per_stage", "2", "--sampling.G", "2", "--sampling.max_new_tokens", "8",
-    "--warmup.phase.steps", "2", "--warmup.phase.perception_steps", "2", "--warmup.phase.prompts_per_step", "4",
     "--A.phase.steps", "2", "--A.phase.prompts_per_step", "2", "--B.phase.steps", "2", "--B.phase.prompts_per_step", "2",
 ]
+
+
+_children: set[subprocess.Popen] = set()  # the running trainers: a stop is forwarded to each
+
+
+def _forward(signum: int) -> None:
+    """Hand a signal on to every running trainer (they stop after their step and save)."""
+    for proc in list(_children):
+        try:
+            proc.send_signal(signum)
+        except OSError:  # it just ended
+            pass
+
+
+class BenchStopped(Exception):
+    """A run ended by a stop request (its trainer saved its checkpoint)."""
 
 
 class BenchError(Exception):
@@ -165,7 +189,7 @@ class Variant:
 
 
 def _both(key: str, value: Callable[[Any], Any]) -> Callable[[dict], list[str]]:
-    """The option for phases A and B, each with its own value (a prefix keeps the warm-up untouched)."""
+    """The option for phases A and B, each with its own value (the prefix names the phase)."""
     return lambda cfgs: [a for p in ("A", "B") for a in (f"--{p}.{key}", str(value(cfgs[p])))]
 
 
@@ -175,23 +199,25 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in [
     Variant("correctness0", "the staged paper's accidental setting: correctness weight 0 in phases A and B "
             "(its gold answers were empty), every other weight as in the phase preset",
             lambda cfgs: [a for p in ("A", "B") for a in (f"--{p}.rewards.weights",
-                                                          _weights(cfgs[p].rewards.weights, correctness=0.0))],
-            shares=("warmup",)),
+                                                          _weights(cfgs[p].rewards.weights, correctness=0.0))]),
+    Variant("random", "random-reward control: in A and B each completion's rewards are those of a random completion "
+            "of its batch (drawn with replacement): GRPO's mechanics without the signal",
+            _both("rewards.random_reward", lambda c: "true")),
     Variant("mu2", "two optimiser steps per rollout batch in A and B (the clip binds from the 2nd)",
-            _both("optim.updates_per_batch", lambda c: 2), shares=("warmup",)),
+            _both("optim.updates_per_batch", lambda c: 2)),
     Variant("dynamic", "DAPO dynamic sampling in A and B (zero-spread groups dropped, batch refilled)",
-            _both("sampling.dynamic_sampling", lambda c: "true"), shares=("warmup",)),
+            _both("sampling.dynamic_sampling", lambda c: "true")),
     Variant("components", "per-component advantages in A and B (each reward term z-scored alone, GDPO)",
-            _both("optim.adv_mode", lambda c: "components"), shares=("warmup",)),
+            _both("optim.adv_mode", lambda c: "components")),
     Variant("std_floor", "advantage std floor in A and B = w_correctness / sqrt(G) of the phase, the std of one "
-            "right answer in a group (see std_floor())", _both("optim.adv_std_floor", std_floor), shares=("warmup",)),
+            "right answer in a group (see std_floor())", _both("optim.adv_std_floor", std_floor)),
     Variant("kl", "KL anchor beta = 0.04 in A and B (k3 against the LoRA-off reference)",
-            _both("optim.beta", lambda c: 0.04), shares=("warmup",)),
+            _both("optim.beta", lambda c: 0.04)),
     Variant("fp32", "phases A and B over the float32 base instead of NF4 (what the 4-bit base costs in EM and time)",
-            _both("model.load_in_4bit", lambda c: "false"), shares=("warmup",)),
+            _both("model.load_in_4bit", lambda c: "false")),
     Variant("frozen", "frozen-policy control: phase B from the same A:best_structure with --B.optim.lr 0 "
             "(sampled, scored and logged like training; curves only)",
-            lambda cfgs: ["--B.optim.lr", "0", "--B.run.test_per_stage", "0"], shares=("warmup", "A"), control=True),
+            lambda cfgs: ["--B.optim.lr", "0", "--B.run.test_per_stage", "0"], shares=("A",), control=True),
 ]}
 
 
@@ -311,8 +337,12 @@ def _report(run: Run) -> dict | None:
 
 
 def finished(run: Run) -> bool:
-    """Phase B at its last step and, unless the run makes no report, its report written."""
-    if not (run.dir / "B" / "registry.json").is_file() or _latest(run.dir, "B") != _b_steps(run):
+    """Phase B at its last step (evaluated: not a stop's save) and, unless the run makes no
+    report, its report written."""
+    from grpo.checkpoint import phase_finished
+
+    if not (run.dir / "B" / "registry.json").is_file() or _latest(run.dir, "B") != _b_steps(run) \
+            or not phase_finished(run.dir, "B"):
         return False
     return run.configs["B"].run.test_per_stage == 0 or _report(run) is not None
 
@@ -381,11 +411,23 @@ def _train(run: Run, argv: list[str], label: str) -> None:
     with out.open("a") as f:
         f.write(f"\n$ {shlex.join(['python', *argv[1:]])}\n")
         f.flush()
-        rc = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, env=env, check=False).returncode
+        if STOP.requested:  # stopping: start no trainer
+            raise BenchStopped(run.name)
+        # its own session: a Ctrl-C at the terminal reaches this script only, which forwards it
+        # once (the terminal's copy and ours would be two: the trainer would stop at once)
+        proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        _children.add(proc)
+        try:
+            rc = proc.wait()
+        finally:
+            _children.discard(proc)
     meta_path = run.dir / "bench_run.json"  # wall time of this run's trainer calls (a resume adds up)
     meta = json.loads(meta_path.read_text())
     meta["train_seconds"] = meta.get("train_seconds", 0.0) + time.time() - t0
     meta_path.write_text(json.dumps(meta, indent=2))
+    if rc in (130, 143) and STOP.requested:  # it saved the step it stopped at: the next bench run resumes it
+        print(f"[bench] {run.name}: stopped, checkpoint saved ({out})", flush=True)
+        raise BenchStopped(run.name)
     if rc != 0:
         lines = [ln for ln in out.read_text().splitlines() if ln.strip()]
         last = next((ln for ln in reversed(lines) if ln.startswith("error:")), lines[-1] if lines else "")
@@ -454,6 +496,13 @@ def _digest(checkpoint: Path) -> str:
     return hashlib.sha256((checkpoint / "state.json").read_bytes()).hexdigest()
 
 
+def _base_digest() -> str:
+    """The shipped model's weights digest (its manifest's entry: checked on every load)."""
+    from grpo import shipped
+
+    return shipped.read_manifest(shipped.SHIPPED_DIR)["model.safetensors"]
+
+
 def sampled_metrics(run: Run, selector: str, k: int, cache_dir: Path) -> dict[str, dict[str, float]]:
     """pass@k (k samples at temperature 1) with true and with shuffled images, and their
     paired gap; cached by the checkpoint's state.json digest and the protocol."""
@@ -463,24 +512,25 @@ def sampled_metrics(run: Run, selector: str, k: int, cache_dir: Path) -> dict[st
     from grpo.checkpoint import resolve
 
     cfg = run.configs["B"]
-    path = resolve(run.dir, selector)
+    path = resolve(run.dir, selector) if selector != "base" else None
     protocol = EvalProtocol(samples_per_prompt=k, max_new_tokens=cfg.sampling.max_new_tokens,
                             temperature=PASS_TEMPERATURE, seed=cfg.run.seed, batch_size=PASS_BATCH, image_control=False)
     key = {"protocol": protocol.__dict__, "test_per_stage": cfg.run.test_per_stage,
            "image_size": cfg.model.image_size}
-    cache = cache_dir / f"{_digest(path)}.json"
+    cache = cache_dir / f"{_digest(path) if path is not None else 'base-' + _base_digest()}.json"
     if cache.is_file():
         saved = json.loads(cache.read_text())
         if saved.get("key") == json.loads(json.dumps(key)):
             return saved["metrics"]
     from data.synthetic import generate
-    from grpo.policy import load_policy
+    from grpo.policy import build_policy, load_policy
     from grpo.train import pick_device
 
     t0 = time.time()
     examples = [ex for s in (1, 2, 3) for ex in generate("test", s, cfg.run.test_per_stage, cfg.run.seed,
                                                           cfg.model.image_size)]
-    bundle = load_policy(path, run_dir=run.dir, device=pick_device(cfg.model.device))
+    device = pick_device(cfg.model.device)
+    bundle = build_policy(cfg, device, verbose=False) if path is None else load_policy(path, run_dir=run.dir, device=device)
     true = evaluate_model(bundle, examples, protocol)
     shuffled = evaluate_model(bundle, shuffle_images(examples), protocol)
     gap = blind_gap(true.records, shuffled.records, per_prompt="any")
@@ -495,7 +545,7 @@ def sampled_metrics(run: Run, selector: str, k: int, cache_dir: Path) -> dict[st
     }
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = cache_dir / f".tmp-{uuid.uuid4().hex[:8]}"
-    tmp.write_text(json.dumps({"key": key, "checkpoint": str(path), "metrics": metrics}, indent=2))
+    tmp.write_text(json.dumps({"key": key, "checkpoint": str(path or "base"), "metrics": metrics}, indent=2))
     os.replace(tmp, cache)
     print(f"[bench] {run.name}: pass@{k} of {selector}: {tm['pass_at_k']:.3f} (shuffled images "
           f"{sm['pass_at_k']:.3f}) in {time.time() - t0:.0f}s", flush=True)
@@ -667,15 +717,14 @@ def main_table(summary: dict, k: int) -> list[str]:
 
 
 def phase_tables(summary: dict, k: int) -> list[str]:
-    """One table per checkpoint of the comparison, one row per variant (the warm-up is shared)."""
+    """One table per checkpoint of the comparison, one row per variant (the base is shared)."""
     cols, out = columns(k), []
     evaluated = [n for n, e in summary["variants"].items() if "checkpoints" in e]
     for sel in CHECKPOINTS:
-        names = ["default"] if sel == "warmup:latest" else evaluated
+        names = ["default"] if sel == "base" else evaluated
         rows = [[f"`{n}`"] + [_cell(summary["variants"][n]["checkpoints"][sel].get(key), fmt) for key, _, fmt in cols]
                 for n in names if n in summary["variants"]]
-        note = " (every variant starts from this warm-up, copied from the default run of its seed)" \
-            if sel == "warmup:latest" else ""
+        note = " (every variant starts from this model: the one shipped in grpo/tiny_model)" if sel == "base" else ""
         out += [f"### {CHECKPOINT_TITLES[sel]}{note}", ""] + _table(["variant"] + [h for _, h, _ in cols], rows) + [""]
     return out
 
@@ -733,15 +782,15 @@ def render(summary: dict, runs: Sequence[Run], k: int, failures: list[str]) -> s
     out += ["## Main run (defaults)", ""] + main_table(summary, k) + [""]
     out += ["## Phase B's last step minus phase A (`B:latest` - `A:best_structure` test EM, paired per seed)", ""]
     out += b_minus_a_lines(summary) + [""]
-    out += ["## Ablations (same seeds, same warm-up, same budget)", ""]
+    out += ["## Controls and ablations (same seeds, same base, same budget)", ""]
     out += [f"- `{r.variant.name}`: {r.variant.what}" for r in runs if r.seed == seeds[0]] + [""]
     out += phase_tables(summary, k)
     out += ["## Training curves: phase B's last quarter of steps, against the frozen-policy control", "",
             ("Means over the last 25% of phase B's training steps (sampled at the training temperature; the weighted "
              "reward uses each run's own controller weights, correctness is the raw 0/1 term; with dynamic sampling, "
              "over the groups it kept). `frozen` is the same phase on the same prompts with the policy never updated. "
-             "Trainer wall s: the run's `grpo.train` time, report included (ablations: without the warm-up they copy; "
-             "on a shared machine it varies with the load)."),
+             "Trainer wall s: the run's `grpo.train` time, report included (the frozen control: phase B only, it copies "
+             "A; on a shared machine it varies with the load)."),
             ""] + training_table(summary) + [""]
     out += ["## Per-seed values (95% intervals: Wilson for rates, paired normal for gaps, normal for tokens)", ""]
     out += per_seed_lines(summary, k)
@@ -884,7 +933,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m bench.learning",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Run the README's main job (python -m grpo.train --phase B, defaults from grpo/config.py) for "
-                    "several seeds, ablate the GRPO levers on the same warm-up, and print test EM, the blind gap, "
+                    "several seeds with controls and GRPO levers from the same shipped base, and print test EM, the blind gap, "
                     "parseable, tokens and pass@k per phase with 95% intervals, aggregated over seeds.",
         epilog=f"""variants (each a list of trainer options; --plan prints every command line):
 {variants}
@@ -904,9 +953,9 @@ curves_seed<k>.png, test_checkpoints.png. Finished runs are reused, interrupted 
     p.add_argument("--seeds", type=int, default=3, help="number of seeds, run as --run.seed 0 .. N-1 (default 3)")
     p.add_argument("--variants", default="all",
                    help="comma-separated variants to run, or 'all' (default); 'default' is always run, since "
-                        "every ablation is compared with it and starts from its warm-up")
+                        "every ablation is compared with it (the frozen control starts from its phase A)")
     p.add_argument("--quick", action="store_true",
-                   help="smoke configuration: 2 warm-up steps, 2 steps of A and B, 2 test prompts per stage "
+                   help="smoke configuration: 2 steps of A and B, 2 test prompts per stage "
                         "(seconds per run; for tests, the numbers mean nothing); default --out becomes "
                         f"{QUICK_OUT}")
     p.add_argument("--out", default=None, help=f"results directory (default {DEFAULT_OUT}, git-ignored)")
@@ -961,14 +1010,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.time()
     evals: dict[str, dict[int, dict]] = {}
     failures: list[str] = []
+    STOP.install()
+    STOP.listeners.append(_forward)
     try:
         _run_all(runs, args, evals, failures)
-    except KeyboardInterrupt:
-        print("\ninterrupted: rerun the same command to resume (finished runs are reused)", file=sys.stderr)
-        return 130
+    except StopNow as now:  # a second signal, forwarded too: the trainers stop at once
+        print(f"stopped at once on a second {now}; the trainers lose their current step; the same command "
+              "resumes (finished runs are reused)", file=sys.stderr)
+        return exit_code(now.signum)
     except BenchError as err:
         print(f"error: {err}", file=sys.stderr)
         return err.code
+    finally:
+        STOP.listeners.remove(_forward)
+    if STOP.requested:
+        code = exit_code(STOP.signum)
+        print(f"stopped on {STOP.name}: every running trainer saved its checkpoint; the same command resumes "
+              "(finished runs are reused)", file=sys.stderr)
+        STOP.uninstall()
+        return code
+    STOP.uninstall()
     summary = summarize(runs, evals, args.pass_k, list(range(args.seeds)))
     summary["failures"] = failures
     md = render(summary, runs, args.pass_k, failures)
@@ -1009,6 +1070,8 @@ def _run_all(runs: Sequence[Run], args: argparse.Namespace, evals: dict, failure
         try:
             fut.result()
             return True
+        except (BenchStopped, EvalAbandoned):  # a stop: neither a result nor a failure
+            return False
         except BenchError as err:
             if err.code != 1:
                 raise
@@ -1019,7 +1082,10 @@ def _run_all(runs: Sequence[Run], args: argparse.Namespace, evals: dict, failure
     def evaluate(run: Run) -> None:
         evals.setdefault(run.variant.name, {})[run.seed] = evaluate_run(run, args.pass_k, args.out / "eval_cache")
 
-    def fill() -> None:  # start ready runs in the free slots
+    def fill() -> None:  # start ready runs in the free slots (none once a stop was requested)
+        if STOP.requested:
+            pending.clear()
+            return
         for run in [r for r in pending if ready(r)][:max(0, args.jobs - len(running))]:
             pending.remove(run)
             if finished(run):

@@ -152,7 +152,7 @@ def run_probe(args) -> None:
 
     def evaluate(tag: str) -> None:
         model.eval()
-        exs = [make() for _ in range(256)]
+        exs = [make() for _ in range(args.n_eval)]
         print(f"  {tag}: perceived digit accuracy {perceived_digit_accuracy(bundle, exs):.3f} true images, "
               f"{perceived_digit_accuracy(bundle, _shuffled(exs)):.3f} shuffled", flush=True)
         model.train()
@@ -249,15 +249,16 @@ def main(argv: list[str] | None = None) -> int:
     probe.add_argument("--task", default="select", choices=("count", "select", "table"))
     probe.add_argument("--layout", default="aligned", choices=("aligned", "spread"), help="table layout")
     probe.add_argument("--eval-every", type=int, default=0)
+    probe.add_argument("--n-eval", type=int, default=256, help="examples per evaluation")
     cur = sub.choices["curriculum"]
     cur.add_argument("--mix", default="1:0.6,2:0.25,3:0.15", help="stage:probability,...")
     cur.add_argument("--families", default="", help="comma list: train on these families only")
     cur.add_argument("--train-per-stage", type=int, default=8000)
     cur.add_argument("--n-eval", type=int, default=100, help="test examples per stage")
     args = ap.parse_args(argv)
-    for name in ("steps", "captions", "B"):
-        if getattr(args, name) < (1 if name == "B" else 0):
-            print(f"error: --{name} {getattr(args, name)} is out of range", file=sys.stderr)
+    for name in ("steps", "captions", "B", "n_eval"):
+        if getattr(args, name) < (1 if name in ("B", "n_eval") else 0):
+            print(f"error: --{name.replace('_', '-')} {getattr(args, name)} is out of range", file=sys.stderr)
             return 2
     torch.set_num_threads(1)
     (run_probe if args.mode == "probe" else run_curriculum)(args)

@@ -260,6 +260,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-new-tokens", type=int, default=4)
     p.add_argument("--image-px", type=int, default=448, help="image side (448 -> 32x32 patches)")
     p.add_argument("--beta", type=float, default=0.0, help="KL coefficient (> 0 adds the reference pass)")
+    p.add_argument("--cap", type=float, default=3.0,
+                   help="rollout-correction cap C of the loss (bench.step's grpo_step: sequence level)")
     p.add_argument("--no-checkpointing", action="store_true", help="keep every layer's activations")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (0 = torch's default)")
     args = p.parse_args(argv)

@@ -4,8 +4,20 @@
     python -m bench.step --rollout merged        # only the merged-bf16 rollout path (default: both)
     python -m bench.step                         # on a CPU: a scaled-down config (it says so), < 2 min on 2 cores
     python -m bench.step --smoke                 # seconds: the smallest config, for tests
+    python -m bench.step --scale tiny --beta 0   # the embedded default's GRPO phases: tiny model, 4 x G=8, 48 tokens
 
-The model is a randomly initialised Qwen2_5_VLForConditionalGeneration built from the 7B's
+``--scale tiny`` is the trainer's own policy of the embedded default instead (grpo/policy.py
+build_policy with the tiny preset: the embedded model, NF4 base, rank-8 LoRA, fp32 compute)
+at the GRPO phases' shape, random weights (no warm-up checkpoint), so every row decodes
+the full budget.
+
+Rollout mismatch table: the sampler's per-token log-probs (SampleOutput.logprobs) against
+the trainer's, as the trainer logs them every step (kernels/grpo_loss.py's is_* stats):
+the k3 estimate of KL(sampler || trainer) per token, the mean and max token ratio
+pi_train / pi_sampler, the sequence ratios' max, and the fraction of sequences above
+--cap (what the sequence-level mask would drop).
+
+The other scales: a randomly initialised Qwen2_5_VLForConditionalGeneration built from the 7B's
 config (numbers below, from Qwen/Qwen2.5-VL-7B-Instruct's config.json): speed does not
 depend on weight values, so no hub is needed. It is instantiated directly on the GPU in
 bf16 (16.6 GB, no CPU copy), quantised to NF4 (vision tower and lm_head kept in bf16, as
@@ -67,6 +79,7 @@ SMOKE_TEXT = dict(CPU_TEXT, hidden_size=64, intermediate_size=128, num_hidden_la
 SMOKE_VISION = dict(CPU_VISION, depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
                     fullatt_block_indexes=[0])
 SCALES = {  # name -> (text, vision, dtype, B, G, max_new_tokens, image px)
+    "tiny": (None, None, torch.float32, 4, 8, 48, 112),  # the trainer's own tiny policy (see build_bundle)
     "7b": (QWEN7B_TEXT, QWEN7B_VISION, torch.bfloat16, 8, 8, 256, 448),
     "cpu": (CPU_TEXT, CPU_VISION, torch.float32, 2, 4, 32, 112),
     "smoke": (SMOKE_TEXT, SMOKE_VISION, torch.float32, 1, 2, 4, 56),
@@ -86,7 +99,15 @@ class WrappedBundle(ModelBundle):
 
 
 def build_bundle(scale: str, device: str, four_bit: bool, checkpointing: bool) -> WrappedBundle:
-    """Random Qwen2.5-VL of the scale's config, built on ``device`` in its dtype, NF4 + LoRA."""
+    """Random Qwen2.5-VL of the scale's config, built on ``device`` in its dtype, NF4 + LoRA;
+    scale "tiny": the trainer's policy of the embedded default (its preset and LoRA)."""
+    if scale == "tiny":
+        from grpo.cli import phase_config
+        from grpo.policy import build_policy
+
+        cfg = phase_config("A", "tiny", {"model.load_in_4bit": str(four_bit).lower()}, "A")
+        b = build_policy(cfg, device, verbose=False)
+        return WrappedBundle(model=b.model, tokenizer=b.tokenizer, image_processor=b.image_processor, source="tiny")
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     from grpo.model import load_bundle, tiny_image_processor
@@ -213,7 +234,10 @@ def grpo_step(bundle, examples, args, rollout_path: str, merged, stages: Stages)
     with stages("logp (grad)"):
         logp = completion_logprobs(model, out.context, ids, mask, G)
     with stages("loss"):
-        loss, _ = grpo_loss(logp, mask.float(), rb.total.to(device), G=G, ref_logp=ref, beta=args.beta, max_len=L)
+        loss, st = grpo_loss(logp, mask.float(), rb.total.to(device), G=G, ref_logp=ref, beta=args.beta, max_len=L,
+                             sampler_logp=out.logprobs, correction="sequence", correction_cap=args.cap)
+    with torch.no_grad():  # sequence ratios (the token ones are st's): the correction's unit
+        seq_ratio = torch.exp(((logp.detach() - out.logprobs) * mask).sum(1))
     with stages("backward"):
         loss.backward()
     params = lora_parameters(model)
@@ -223,7 +247,10 @@ def grpo_step(bundle, examples, args, rollout_path: str, merged, stages: Stages)
         args.opt.zero_grad(set_to_none=True)
         if merged is not None:
             merged.refresh()
-    return dict(N=ids.shape[0], steps=ids.shape[1], P=prompts.input_ids.shape[1])
+    _, tok = grpo_loss(logp.detach(), mask.float(), rb.total.to(device), G=G, sampler_logp=out.logprobs)
+    return dict(N=ids.shape[0], steps=ids.shape[1], P=prompts.input_ids.shape[1], kl=float(tok.is_kl),
+                ratio_mean=float(tok.is_ratio_mean), ratio_max=float(tok.is_ratio_max),
+                seq_ratio_max=float(seq_ratio.max()), seq_over=float(st.is_over_frac))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -240,6 +267,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no-4bit", action="store_true", help="keep the base in the compute dtype")
     p.add_argument("--repeats", type=int, default=1, help="timed steps per path; per-stage medians are shown")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (0 = torch's default)")
+    p.add_argument("--cap", type=float, default=3.0, help="rollout correction cap C of the mismatch table")
     args = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     scale = "smoke" if args.smoke else args.scale or ("7b" if device.type == "cuda" else "cpu")
@@ -247,6 +275,8 @@ def main(argv: list[str] | None = None) -> None:
     args.B, args.G, args.max_new_tokens = args.B or B, args.G or G, args.max_new_tokens or T
     if args.threads > 0:
         torch.set_num_threads(args.threads)
+    if args.cap <= 1:
+        raise SystemExit(f"--cap {args.cap}: must be > 1 (the largest pi_train / pi_sampler ratio kept)")
     if scale == "7b" and device.type != "cuda":
         raise SystemExit("--scale 7b needs a CUDA GPU (~40 GB); on a CPU use the default scaled-down config, "
                          "or python -m bench.qwen7b_cpu for one step at the 7B's exact shapes (NF4, layer by layer)")
@@ -268,6 +298,8 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     merged = MergedRollout(model) if args.rollout in ("merged", "both") else None
     merge_s = time.perf_counter() - t0
+    if merged is not None:
+        print(f"# merged copy dtype {merged.weights[0]['q_proj'][0].dtype} (the model's compute dtype)")
     print(f"# model built in {build_s:.1f} s ({n_params / 1e6:,.1f}M parameters); merged {dtype} copy "
           + (f"{fmt_bytes(merged.nbytes)} built in {merge_s:.2f} s" if merged else "not built"))
     args.opt = torch.optim.AdamW(lora_parameters(model), lr=1e-5)
@@ -324,6 +356,11 @@ def main(argv: list[str] | None = None) -> None:
     print()
     print_table(drows, ["path", "rows", "steps", "decode ms", "ms/step", "tok/s", "weights/step", "KV/step",
                         "bound tok/s", "% of bound"])
+    print()
+    print_table([{"path": path, "KL(sampler||trainer)/token": f"{f['kl']:.3g}", "mean ratio": f"{f['ratio_mean']:.6f}",
+                  "max ratio": f"{f['ratio_max']:.6f}", "max seq ratio": f"{f['seq_ratio_max']:.6f}",
+                  f"seqs > {args.cap:g}": f"{f['seq_over']:.3f}"} for path, (_, f) in results.items()],
+                ["path", "KL(sampler||trainer)/token", "mean ratio", "max ratio", "max seq ratio", f"seqs > {args.cap:g}"])
     if device.type == "cuda":
         peak = f"peak CUDA memory {fmt_bytes(torch.cuda.max_memory_allocated(device))}"
     else:

@@ -14,7 +14,9 @@ exactly this; unknown keys are ignored, so it can add more):
         update's values); with optim.updates_per_batch > 1 an "updates" list, one entry
         per optimiser step: {"update", "loss", "clip_low", "clip_high", "kl_old",
         "grad_norm", "lr"}; with sampling.dynamic_sampling a "dynamic" object:
-        {"refills", "sampled_groups", "kept_groups", "dropped_frac", "fill"}.
+        {"refills", "sampled_groups", "kept_groups", "dropped_frac", "fill"}; a "rollout"
+        object, the sampler against the trainer: {"path", "correction", "mode", "cap",
+        "level", "kl", "ratio_mean", "ratio_max", "over_frac"} (grpo/run.py step_record).
     gate line, one per controller rule that fired after a checkpoint eval:
         {"event": "gate", "phase": "A", "step": 20, "rule": "parseable_floor",
          "changes": {"parseable": [0.5, 0.75]}}                  # optional

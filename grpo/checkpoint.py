@@ -45,6 +45,11 @@ of format 1 (sizes, no digests) still load, with the size check only.
 No pickle: tensors go to safetensors, everything else to JSON. torch.load of a pickle can
 run arbitrary code, and a checkpoint directory is the kind of file people share.
 
+Periodic saves (``periodic=True``: between evaluations, on a timer, a step count or a stop)
+are registry entries marked "periodic": they move `latest` only, the next save removes them
+unless an alias holds them, and a phase whose latest is one is not finished
+(``phase_finished``), so the next command resumes it instead of starting the next phase.
+
 Simplified: a single writer per run directory is assumed (no file locking), and steps in a
 phase must increase (resuming from an older checkpoint of the same phase into the same
 run directory is refused rather than branching the history).
@@ -361,6 +366,16 @@ def _prune(reg: dict[str, Any], keep_last: int | None) -> list[str]:
     return [c["dir"] for c in doomed]
 
 
+def _prune_periodic(reg: dict[str, Any]) -> list[str]:
+    """Drop every periodic checkpoint but the newest one when no alias holds it; returns their dirs."""
+    held = set(reg["aliases"].values())
+    newest = reg["checkpoints"][-1]["step"] if reg["checkpoints"] else None
+    doomed = [c for c in reg["checkpoints"] if c.get("periodic") and c["step"] not in held and c["step"] != newest]
+    gone = {c["step"] for c in doomed}
+    reg["checkpoints"] = [c for c in reg["checkpoints"] if c["step"] not in gone]
+    return [c["dir"] for c in doomed]
+
+
 def _clean_leftovers(phase_dir: Path, reg: dict[str, Any]) -> None:
     """Remove what killed saves left: temporary dirs/files, and step dirs the registry never took."""
     known = {c["dir"] for c in reg["checkpoints"]}
@@ -430,19 +445,25 @@ def save_checkpoint(
     extra: dict | None = None,
     rng: dict | None = None,
     keep_last: int | None = None,
+    periodic: bool = False,
 ) -> Path:
     """Write one checkpoint atomically, register it, move its aliases; returns its directory.
 
     scores: {"structure", "correctness", "composite"} (any subset; a missing score leaves
     its alias alone). rng: capture_rng() is taken now unless given. keep_last: keep at
     most this many checkpoints that no alias points to (None = keep all).
+    periodic: a save between evaluations (timer, step count or a stop): it moves `latest`
+    only, and the next save removes it unless an alias still holds it, so periodic saves
+    cost the disk one checkpoint. The next save may be of the same step (the evaluation a
+    stop abandoned, redone on resume): it then replaces the periodic one.
     """
     config = _check_save_args(phase, step, tensors, scores, config_json, keep_last)
     check_base_ref((extra or {}).get("base"), "save_checkpoint")
     phase_dir = Path(run_dir) / phase
     phase_dir.mkdir(parents=True, exist_ok=True)
     reg = read_registry(run_dir, phase)
-    if reg["checkpoints"] and step <= reg["aliases"]["latest"]:
+    replaces = bool(reg["checkpoints"]) and step == reg["aliases"]["latest"] and reg["checkpoints"][-1].get("periodic")
+    if reg["checkpoints"] and step <= reg["aliases"]["latest"] and not replaces:
         raise CheckpointError(
             f"{phase_dir} already holds step {reg['aliases']['latest']} (latest) and step {step} is not after it: "
             f"continue from {phase}:latest, or use a new run_dir to branch from an older checkpoint")
@@ -491,6 +512,8 @@ def save_checkpoint(
         for fname, data in files.items():
             _write_bytes(tmp / fname, data)
         _fsync_dir(tmp)
+        if replaces:  # the periodic checkpoint of this step steps aside (a .tmp- name: a leftover if killed here)
+            os.rename(final, phase_dir / f".tmp-replaced-{name}-{uuid.uuid4().hex[:8]}")
         os.rename(tmp, final)
         _fsync_dir(phase_dir)
     except OSError as e:
@@ -501,11 +524,15 @@ def save_checkpoint(
             f"are intact. Free space (or pass keep_last to prune) and save again.") from e
 
     # The directory is complete: now make it exist, in one atomic registry replace.
-    reg["checkpoints"].append({"step": step, "dir": name, "scores": dict(scores),
-                               "state_sha256": _sha256(files[STATE_FILE])})  # closes the digest chain
+    if replaces:
+        reg["checkpoints"].pop()
+    entry = {"step": step, "dir": name, "scores": dict(scores), "state_sha256": _sha256(files[STATE_FILE])}
+    if periodic:
+        entry["periodic"] = True
+    reg["checkpoints"].append(entry)  # the digest closes the chain
     reg["format_version"] = FORMAT_VERSION
     _move_aliases(reg, step, scores)
-    doomed = _prune(reg, keep_last)
+    doomed = _prune(reg, keep_last) + _prune_periodic(reg)
     try:
         _replace_json(phase_dir / REGISTRY, reg)
     except OSError as e:
@@ -514,6 +541,8 @@ def save_checkpoint(
             f"the registry still lists only the earlier checkpoints. Free space and save again.") from e
     for d in doomed:  # after the registry forgot them: a kill here leaves only leftovers
         shutil.rmtree(phase_dir / d, ignore_errors=True)
+    for p in phase_dir.glob(f".tmp-replaced-{name}-*"):
+        shutil.rmtree(p, ignore_errors=True)
     return final
 
 
@@ -755,6 +784,43 @@ def resume_point(run_dir: str | Path, phase: str, set_aside: bool = False
     return found, damaged
 
 
+def planned_steps(config: dict[str, Any]) -> int:
+    """The optimiser steps a phase's config asks for (a saved state's "config"): the warm-up
+    of a model trained from scratch counts its caption steps too."""
+    from grpo.config import trains_from_scratch
+
+    phase = config.get("phase") or {}
+    steps = int(phase.get("steps", 0))
+    if phase.get("name") == "warmup" and trains_from_scratch(str((config.get("model") or {}).get("name", ""))):
+        steps += int(phase.get("perception_steps", 0))
+    return steps
+
+
+def phase_finished(run_dir: str | Path, phase: str) -> bool:
+    """Whether ``phase`` ran all the steps it was started with: its latest checkpoint is an
+    evaluated one (not a periodic or stop save) at its own config's last step. A phase that
+    was stopped or crashed mid-way is not finished, so the next command resumes it instead
+    of starting the next phase from it. A damaged latest counts as unfinished (the resume
+    deals with it)."""
+    reg = read_registry(run_dir, phase)
+    if not reg["checkpoints"]:
+        return False
+    last = reg["checkpoints"][-1]
+    if last.get("periodic"):
+        return False
+    try:
+        state = _read_state(Path(run_dir) / phase / last["dir"])
+    except CheckpointError:
+        return False
+    return last["step"] >= planned_steps(state["config"])
+
+
+def is_periodic(path: str | Path) -> bool:
+    """Whether a checkpoint directory is a periodic (between-evaluations) save of its phase."""
+    entry = _registry_entry(Path(path))
+    return bool(entry and entry.get("periodic"))
+
+
 # ----------------------------------------------------------------------------- selectors
 
 
@@ -874,14 +940,19 @@ def check_init_compatible(path: str | Path, config: TrainConfig) -> None:
 RESUME_FIXED_FIELDS = ("sampling.G", "sampling.max_new_tokens", "phase.prompts_per_step", "optim.accumulation",
                        "optim.updates_per_batch", "sampling.dynamic_sampling",
                        "phase.mixture", "run.seed", "run.data", "run.train_per_stage")
+# The warm-up's step: B examples from its mixture, the caption stage first (its length moves
+# where the reasoning stage, and the style draws, begin).
+WARMUP_FIXED_FIELDS = ("phase.prompts_per_step", "phase.perception_steps", "phase.mixture", "run.seed", "run.data",
+                       "run.train_per_stage")
 
 
 def check_resumable(run_dir: str | Path, config: TrainConfig) -> None:
     """Refuse to resume config's phase under settings that change what its steps mean."""
     run_dir, phase = Path(run_dir), config.phase.name
-    if phase == "warmup":  # saved once, at its end: a warm-up is never resumed
-        return
+    fixed = WARMUP_FIXED_FIELDS if phase == "warmup" else RESUME_FIXED_FIELDS
     reg = read_registry(run_dir, phase)
+    if phase == "warmup" and phase_finished(run_dir, phase):  # done: the next phases only read it
+        return
     saved = _saved_config(run_dir, phase, reg) if reg["checkpoints"] else None
     if saved is None:
         return
@@ -890,7 +961,7 @@ def check_resumable(run_dir: str | Path, config: TrainConfig) -> None:
 
     def pick(cfg: dict) -> dict[str, Any]:
         out = {}
-        for key in RESUME_FIXED_FIELDS:
+        for key in fixed:
             sec, name = key.split(".")
             value = (cfg.get(sec) or {}).get(name, defaults[sec][name])
             out[key] = {str(k): v for k, v in value.items()} if isinstance(value, dict) else value

@@ -2,9 +2,10 @@
 loads, and errors as one line. ``python -m grpo.train`` calls ``main`` here with the
 trainer's phase runner (kept as a parameter, so this module needs nothing from the loop).
 
-Phase planning: ``--phase B`` on an empty run directory runs the warm-up, A and B, because
-B starts from A:best_structure and A from warmup:latest (grpo/config.py PHASE_INIT); a
-phase whose start checkpoint exists, or an explicit ``--init``, runs alone. Every phase's
+Phase planning: ``--phase B`` on an empty run directory runs A and B, because B starts from
+A:best_structure and A from the pretrained base (grpo/config.py phase_init; on tiny-random,
+which trains from scratch, A starts from warmup:latest, so the warm-up runs first); a phase
+whose start checkpoint exists, or an explicit ``--init``, runs alone. Every phase's
 config is built and validated before anything runs, so a bad ``--A.optim.lr`` on
 ``--phase B`` fails in a second, not after the warm-up.
 """
@@ -23,11 +24,11 @@ from pathlib import Path
 from transformers.utils import logging as hf_logging
 
 from grpo.checkpoint import (CheckpointError, SelectorError, check_compatible, check_init_compatible,
-                             check_resumable, load_checkpoint, read_registry, resume_point)
-from grpo.config import (PERCEPTION_DEFAULTS, PHASE_INIT, PHASES, PRESETS, WARMUP_DEFAULTS, ConfigError,
-                         TrainConfig, apply_overrides, describe_fields, parse_override_args, phase_preset,
-                         trains_from_scratch)
-from grpo.distributed import DataParallel, init_distributed
+                             check_resumable, load_checkpoint, phase_finished, read_registry, resume_point)
+from grpo.config import (PERCEPTION_DEFAULTS, PHASES, PRESETS, WARMUP_DEFAULTS, ConfigError,
+                         TrainConfig, apply_overrides, describe_fields, parse_override_args, phase_init,
+                         phase_preset, trains_from_scratch)
+from grpo.distributed import DataParallel, init_distributed, peer_lost
 from grpo.errors import NoRewardSpread, TrainingDiverged, inside, one_line
 from grpo.final_report import write_final_report
 from grpo.model import ModelLoadError
@@ -35,6 +36,11 @@ from grpo.phase_data import load_training_data
 from grpo.policy import check_policy_config
 from grpo.resume import resolve_init
 from grpo.run import RunFiles, pick_device, seed_everything, set_threads
+from grpo.stop import STOP, EvalAbandoned, Stopped, StopNow, exit_code, signal_name, stop_message
+
+
+ROLLOUT_KEYS = ("sampling.rollout", "optim.rollout_correction", "optim.rollout_correction_mode",
+                "optim.rollout_correction_cap")
 
 
 def phase_config(phase: str, preset: str, overrides: dict[str, str], requested: str) -> TrainConfig:
@@ -46,7 +52,8 @@ def phase_config(phase: str, preset: str, overrides: dict[str, str], requested: 
     cfg = phase_preset(phase)
     if phase == "warmup":  # SFT defaults of the embedded model; a --preset may override them
         apply_overrides(cfg, WARMUP_DEFAULTS)
-    apply_overrides(cfg, PRESETS[preset])
+    # the warm-up samples no rollouts: a preset's rollout keys would only mislabel its saved config
+    apply_overrides(cfg, {k: v for k, v in PRESETS[preset].items() if phase != "warmup" or k not in ROLLOUT_KEYS})
     for key, value in overrides.items():
         head, _, tail = key.partition(".")
         if head in PHASES:  # --A.steps 10: for phase A only
@@ -118,6 +125,12 @@ def preflight(configs: dict[str, TrainConfig], plan: list[str], files: RunFiles)
             load_training_data(configs[phase])
 
 
+def _stop_between(where: str, saved: str) -> None:
+    """A stop requested between phases (or before the report) ends the run there: nothing is in progress."""
+    if STOP.requested:
+        raise Stopped(stop_message(where, saved=saved), STOP.signum)
+
+
 def _phase_local(key: str) -> bool:
     """Keys that describe one phase (its length, batch, mixture, start, reward weights)."""
     key = key.replace("-", "_")
@@ -125,15 +138,16 @@ def _phase_local(key: str) -> bool:
                                                    "mixture", "init", "controller")
 
 
-def phases_to_run(requested: str, files: RunFiles, init: str) -> list[str]:
+def phases_to_run(requested: str, files: RunFiles, init: str, model_name: str) -> list[str]:
     """The requested phase, preceded by every earlier phase whose checkpoint is missing."""
     order = list(PHASES[: PHASES.index(requested) + 1])
     if init != "auto" or read_registry(files.root, requested).get("aliases"):  # explicit start, or a resume
         return [requested]
     plan = [requested]
     for phase in reversed(order[:-1]):
-        need = PHASE_INIT[plan[0]].split(":")[0]
-        if need != phase or read_registry(files.root, phase).get("aliases"):
+        need = phase_init(plan[0], model_name).split(":")[0]
+        # a phase stopped mid-way (its latest a periodic or stop save, or short of its steps) runs again: it resumes
+        if need != phase or phase_finished(files.root, phase):
             break
         plan.insert(0, phase)
     return plan
@@ -143,9 +157,11 @@ HELP = """\
 python -m grpo.train --phase {warmup,A,B,C} [--preset tiny|qwen7b] [--init base|SELECTOR|PATH] [--key value ...]
 
 Phases (the staged, metric-gated curriculum):
-  warmup  R1-VL policy warm-up: SFT on worked reasoning (for the embedded tiny model it also
-          teaches perception and leaves an imperfect, partly-compliant base on purpose)
-  A       GRPO on stage 1, structure-heavy weights; starts from warmup:latest
+  warmup  R1-VL policy warm-up: SFT on worked reasoning (a LoRA on a pretrained model; on
+          tiny-random it trains every weight, teaches perception and leaves an imperfect,
+          partly-compliant base on purpose: python -m grpo.pretrain runs it to build 'tiny')
+  A       GRPO on stage 1, structure-heavy weights; starts from the pretrained base
+          (from warmup:latest when the model trains from scratch: --model.name tiny-random)
   B       GRPO on stage 1 (.7) + stage 2 (.3), correctness-heavy; starts from A:best_structure
   C       GRPO on stage 2 (.6) + stage 3 (.4), tolerance on; starts from B:best_composite
 A phase whose starting checkpoint is missing from the run directory runs the earlier phases
@@ -169,6 +185,14 @@ def main(argv: list[str] | None, run_phase: Callable[[TrainConfig, RunFiles, str
     checkpoint, divergence, the run directory's disk). Anything else is a bug and keeps its
     traceback."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    STOP.install()  # from here a signal never ends the run with a traceback (grpo/stop.py)
+    try:
+        return _main(argv, run_phase)
+    finally:
+        STOP.uninstall()
+
+
+def _main(argv: list[str], run_phase: Callable[[TrainConfig, RunFiles, str, DataParallel], None]) -> int:
     hf_logging.disable_progress_bar()  # one "Loading weights" bar per model load is noise in a training log
     if "-h" in argv or "--help" in argv:
         print(HELP + describe_fields())
@@ -178,7 +202,7 @@ def main(argv: list[str] | None, run_phase: Callable[[TrainConfig, RunFiles, str
     ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     ap.add_argument("--init", default="auto")
     known, rest = ap.parse_known_args(argv)
-    dp, root = None, None
+    dp, root, files = None, None, None
     try:
         overrides = parse_override_args(rest)
         configs = phase_configs(known.phase, known.preset, overrides, known.init)
@@ -189,13 +213,14 @@ def main(argv: list[str] | None, run_phase: Callable[[TrainConfig, RunFiles, str
         prepare_run_dir(files.root)
         dp = init_distributed(device)  # torchrun: this rank's process group and device; else one process
         device, files.writer = dp.device, dp.is_main
-        plan = phases_to_run(known.phase, files, cfg.phase.init) if cfg.run.run_prior_phases else [known.phase]
+        plan = phases_to_run(known.phase, files, cfg.phase.init, cfg.model.name) if cfg.run.run_prior_phases else [known.phase]
         preflight(configs, plan, files)
         if len(plan) > 1:
-            print(f"phase {known.phase} starts from {PHASE_INIT[known.phase]}, which {files.root} does not have "
+            print(f"phase {known.phase} starts from {phase_init(known.phase, cfg.model.name)}, which {files.root} does not have "
                   f"yet: running {' -> '.join(plan)}")
         t_run = time.time()
         for phase in plan:
+            _stop_between(f"the start of phase {phase}", "everything before it is saved")
             pcfg = configs[phase]
             dp.barrier()  # every rank has read the run directory (and rank 0 finished writing it)
             print(f"\n===== phase {phase} =====\nresolved config:\n{pcfg.to_json()}", flush=True)
@@ -203,17 +228,37 @@ def main(argv: list[str] | None, run_phase: Callable[[TrainConfig, RunFiles, str
                 (files.root / f"config_{phase}.json").write_text(pcfg.to_json())
             seed_everything(pcfg.run.seed)
             set_threads(pcfg.run.cpu_threads)
+            files.tensorboard = pcfg.run.tensorboard
             t_phase = time.time()
             run_phase(pcfg, files, device, dp)
             print(f"phase {phase} took {time.time() - t_phase:.0f}s", flush=True)
         if dp.is_main and known.phase != "warmup" and cfg.run.test_per_stage > 0 and cfg.run.data == "synthetic":
-            write_final_report(files.root, known.phase, cfg, device)
+            _stop_between("the final report", "every checkpoint is saved")
+            try:
+                write_final_report(files.root, known.phase, cfg, device)
+            except EvalAbandoned:
+                raise Stopped(stop_message("the final report (abandoned)", saved="every checkpoint is saved"),
+                              STOP.signum) from None
         print(f"done in {time.time() - t_run:.0f}s; checkpoints and train_log.jsonl in {files.root}")
+    except Stopped as stop:  # a loop saved the step it stopped at (under torchrun every rank stops there)
+        if dp is None or dp.is_main:
+            print(stop, file=sys.stderr, flush=True)
+        return exit_code(stop.signum)
+    except StopNow as now:  # a second signal: the step in progress is lost, every checkpoint is intact
+        print(f"stopped at once on a second {signal_name(now.signum)}; the step in progress is lost; "
+              "the same command resumes from the last checkpoint", file=sys.stderr, flush=True)
+        return exit_code(now.signum)
     except (ConfigError, SelectorError, ModelLoadError) as err:  # the command asks for something wrong: say what
         print(f"error: {one_line(err)}", file=sys.stderr)
         return 2
     except (CheckpointError, TrainingDiverged, NoRewardSpread) as err:  # the run failed; its earlier checkpoints are intact
         print(f"error: {one_line(err)}", file=sys.stderr)
+        return 1
+    except RuntimeError as err:
+        if dp is None or not dp.enabled or not peer_lost(err):
+            raise  # not a lost rank: a bug, keep the traceback
+        print(f"error: {dp.lost_rank_message(err)}", file=sys.stderr, flush=True)
+        dp.owns_group = False  # destroying a group whose peer died can block; the process is ending anyway
         return 1
     except OSError as err:
         if root is None or not inside(err.filename, root):
@@ -223,6 +268,8 @@ def main(argv: list[str] | None, run_phase: Callable[[TrainConfig, RunFiles, str
               "fix its permissions or free space, or use another --run.run_dir", file=sys.stderr)
         return 1
     finally:
+        if files is not None:
+            files.close()
         if dp is not None:
             dp.close()
     return 0

@@ -22,6 +22,7 @@ dicts (``name=value,name=value``).
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import math
 import re
@@ -32,7 +33,7 @@ from typing import Any
 import torch
 
 from kernels.grpo_advantages import SCALES
-from kernels.grpo_loss import IMPORTANCE, LOSS_TYPES
+from kernels.grpo_loss import CORRECTION_MODES, CORRECTIONS, IMPORTANCE, LOSS_TYPES
 from lora.inject import LoRAConfig
 
 PHASES = ("warmup", "A", "B", "C")
@@ -53,7 +54,15 @@ PHASE_MIXTURE: dict[str, dict[int, float]] = {
 # GRPO learning rates: phase A (format) at 2e-3 fixes the contract within 60 steps; B at 2e-3
 # drifted (val EM 0.165 -> 0.095 over its 60 steps) where 5e-4 held (bench/EXPERIMENTS.md).
 PHASE_LR: dict[str, float] = {"A": 2e-3, "B": 5e-4, "C": 5e-4}
-PHASE_INIT: dict[str, str] = {"warmup": "base", "A": "warmup:latest", "B": "A:best_structure", "C": "B:best_composite"}
+# The GRPO budget of each phase on the embedded default: rollout batches x prompts (each
+# sampled G times), and the checkpoint-eval cadence. The main command spends its ten CPU
+# minutes here: the model arrives pretrained (grpo/tiny_model), so no warm-up runs.
+PHASE_BUDGET: dict[str, dict[str, Any]] = {
+    "A": {"phase.steps": 80, "phase.prompts_per_step": 8, "run.eval_every": 20},
+    "B": {"phase.steps": 160, "phase.prompts_per_step": 8, "run.eval_every": 40},
+    "C": {"phase.steps": 160, "phase.prompts_per_step": 8, "run.eval_every": 40},
+}
+PHASE_INIT: dict[str, str] = {"warmup": "base", "A": "base", "B": "A:best_structure", "C": "B:best_composite"}
 # The warm-up's own defaults (SFT of the embedded model from random weights): the caption
 # stage first, then worked reasoning, 32 examples a step. lr 5e-4 learned to read faster than
 # 1e-3 or 2e-3 on every perception probe we ran (bench/EXPERIMENTS.md).
@@ -108,7 +117,7 @@ def check_weights(weights: Any, tolerance: bool) -> dict[str, float]:
 @dataclass
 class ModelConfig:
     name: str = "tiny"
-    """'tiny' (the embedded model, built on first use), a local directory, or a hub id."""
+    """'tiny' (the shipped pretrained model), 'tiny-random' (its architecture, random weights), a local directory, or a hub id."""
     dtype: str = "float32"
     """Compute dtype of the base: float32 (CPU default) or bfloat16 (GPU)."""
     load_in_4bit: bool = False
@@ -156,7 +165,7 @@ class SamplingConfig:
     top_p: float = 1.0
     """Nucleus sampling mass (1.0 = off)."""
     rollout: str = "plain"
-    """Decode path of the rollouts: plain (the policy's 4-bit + LoRA layers) or merged (bf16 copy, LoRA merged, CUDA graph)."""
+    """Decode path of the rollouts: plain (the policy's 4-bit + LoRA layers) or merged (a copy in the compute dtype with LoRA merged, CUDA graph on GPUs; the tiny preset's)."""
     dynamic_sampling: bool = False
     """DAPO dynamic sampling: drop groups whose G rewards are all equal, refill from the stream (grpo/dynamic_sampling.py)."""
     max_refills: int = 4
@@ -201,6 +210,12 @@ class OptimConfig:
     """Advantage source: total (z-score of the weighted reward) or components (sum_k w_k/sum(w) z(r_k), each term alone)."""
     adv_std_floor: float = 0.0
     """Divide by max(std, floor) instead of std, so a tiny tie-breaker spread is not stretched to a full advantage (0 = off)."""
+    rollout_correction: str = "off"
+    """Weight the policy term by pi_train / pi_sampler of the sampled tokens: off, token (low variance, biased) or sequence (unbiased, variance grows with length); kernels/grpo_loss.py."""
+    rollout_correction_mode: str = "mask"
+    """Above the cap: truncate (TIS, weight min(ratio, C): keeps every sample, biased) or mask (MIS, weight 0: drops samples a large mismatch made untrustworthy)."""
+    rollout_correction_cap: float = 3.0
+    """C, the largest rollout ratio kept (> 1; TRL's default: sequence level, mask, 3)."""
 
 
 @dataclass
@@ -213,6 +228,8 @@ class RewardConfig:
     """V-Rubrics credit: 'sequence' (one scalar) or 'prefix' (token-level, up to the evidence)."""
     prefix_answer_weight: float = 0.5
     """'a' in A_t = a*z(R_ans) + (1-a)*sum_j rho_j z(s_j) 1[t <= t_end_j] (prefix mode)."""
+    random_reward: bool = False
+    """Control, not training: each completion's rewards are replaced by those of a random completion of its batch."""
 
 
 @dataclass
@@ -247,6 +264,10 @@ class RunConfig:
     """Held-out examples for the checkpoint-side eval that feeds the controller gates."""
     eval_every: int = 20
     """Evaluate + checkpoint every this many steps (and at the end of the phase)."""
+    save_every: int = 0
+    """Also save a `latest`-only checkpoint every this many steps between evaluations (0 = off)."""
+    save_every_minutes: float = 30.0
+    """Also save a `latest`-only checkpoint when this many minutes passed since the last save (0 = off)."""
     log_every: int = 10
     """Print a one-line human summary every this many steps."""
     run_prior_phases: bool = True
@@ -256,6 +277,8 @@ class RunConfig:
     cpu_threads: int = 1
     """torch CPU threads (0 = torch's default). The tiny model's matmuls gain nothing from
     more, and OpenMP spin-waits collapse (10x slower, measured) when the cores are shared."""
+    tensorboard: bool = False
+    """Also write every number of train_log.jsonl as a TensorBoard scalar, in <run_dir>/tensorboard/ (tensorboard extra)."""
 
 
 @dataclass
@@ -318,11 +341,19 @@ class TrainConfig:
             # The perception labels exist only to teach a tower that trains from scratch.
             (not (p.name == "warmup" and (o.perception_weight > 0 or p.perception_steps > 0)) or trains_from_scratch(m.name),
              f"model.name={m.name!r} is a pretrained model, which already sees: the perception loss and caption "
-             f"stage apply only to the embedded tiny model; set --warmup.optim.perception_weight 0 and "
+             f"stage apply only to a model trained from scratch (tiny-random, what python -m grpo.pretrain uses); set --warmup.optim.perception_weight 0 and "
              f"--warmup.phase.perception_steps 0"),
             (not (p.name == "warmup" and o.perception_weight > 0 and o.vision_lr_scale == 0),
              f"optim.perception_weight={o.perception_weight} trains the vision tower through its labels, but "
              f"optim.vision_lr_scale=0 freezes the tower: set a vision_lr_scale > 0 or perception_weight 0"),
+            # The random-reward control draws whole rows; a dropped zero-spread group would be
+            # refilled with draws that have spread by chance, and prefix credit is per token.
+            (not (ru.random_reward and s.dynamic_sampling),
+             "rewards.random_reward with sampling.dynamic_sampling: the control's random draws give spread to "
+             "groups that had none, so dynamic sampling would select on noise; turn one of them off"),
+            (not (ru.random_reward and ru.rubric_mode == "prefix"),
+             "rewards.random_reward with rewards.rubric_mode prefix: the control replaces scalar rewards; "
+             "use rubric_mode sequence"),
             (o.accumulation >= 1, f"optim.accumulation={o.accumulation}: must be >= 1"),
             (o.beta >= 0, f"optim.beta={o.beta}: must be >= 0"),
             (0 <= o.eps_low < 1, f"optim.eps_low={o.eps_low}: must be in [0, 1) (the ratio's lower clip is 1 - eps_low)"),
@@ -333,6 +364,13 @@ class TrainConfig:
             (o.importance in IMPORTANCE, f"optim.importance={o.importance!r}: use {_one_of(IMPORTANCE)}"),
             (o.updates_per_batch >= 1, f"optim.updates_per_batch={o.updates_per_batch}: must be >= 1 (1 = one update per rollout batch)"),
             (o.adv_mode in ("total", "components"), f"optim.adv_mode={o.adv_mode!r}: use total or components"),
+            (o.rollout_correction in CORRECTIONS,
+             f"optim.rollout_correction={o.rollout_correction!r}: use {_one_of(CORRECTIONS)}"),
+            (o.rollout_correction_mode in CORRECTION_MODES,
+             f"optim.rollout_correction_mode={o.rollout_correction_mode!r}: use {_one_of(CORRECTION_MODES)}"),
+            (o.rollout_correction_cap > 1,
+             f"optim.rollout_correction_cap={o.rollout_correction_cap}: must be > 1 (the largest pi_train / pi_sampler "
+             "ratio kept; TRL uses 3)"),
             (o.adv_std_floor >= 0, f"optim.adv_std_floor={o.adv_std_floor}: must be a finite number >= 0 (0 = off)"),
             (not (o.adv_std_floor > 0 and o.adv_scale == "none"),
              f"optim.adv_std_floor={o.adv_std_floor} floors the std, but optim.adv_scale='none' divides by no std: "
@@ -365,8 +403,14 @@ class TrainConfig:
             (r.eval_size >= 1, f"run.eval_size={r.eval_size}: must be >= 1"),
             (r.eval_every >= 1, f"run.eval_every={r.eval_every}: must be >= 1 (it is also the checkpoint cadence)"),
             (r.log_every >= 1, f"run.log_every={r.log_every}: must be >= 1"),
+            (r.save_every >= 0, f"run.save_every={r.save_every}: must be >= 0 (0 = no step-count saves)"),
+            (r.save_every_minutes >= 0, f"run.save_every_minutes={r.save_every_minutes}: must be >= 0 (0 = no timed saves)"),
             (r.test_per_stage >= 0, f"run.test_per_stage={r.test_per_stage}: must be >= 0 (0 = no report)"),
             (r.cpu_threads >= 0, f"run.cpu_threads={r.cpu_threads}: must be >= 0 (0 = torch's default)"),
+            # checked here, before a model loads, so a missing package is not found after the warm-up
+            (not r.tensorboard or importlib.util.find_spec("tensorboard") is not None,
+             "run.tensorboard=true needs the tensorboard package: pip install 'vlgrpo[tensorboard]' "
+             "(or pip install tensorboard), or drop --run.tensorboard"),
         ]
         for ok, msg in checks:
             if not ok:
@@ -424,20 +468,35 @@ def phase_preset(phase: str) -> TrainConfig:
         cfg.optim.lr = PHASE_LR[phase]
         cfg.rewards.weights = dict(PHASE_WEIGHTS[phase])
         cfg.rewards.tolerance = phase == "C"
+        apply_overrides(cfg, PHASE_BUDGET[phase])
     return cfg
 
 
 def trains_from_scratch(name: str) -> bool:
-    """The embedded tiny model, or a directory build_tiny_model wrote: random weights to start."""
+    """'tiny-random', or a directory build_tiny_model wrote: random weights to start (the
+    shipped 'tiny' is pretrained and trains like any pretrained model)."""
     from pathlib import Path
 
-    return name in ("tiny", "tiny-random") or (Path(name) / "vlgrpo_build.json").is_file()
+    return name == "tiny-random" or (Path(name) / "vlgrpo_build.json").is_file()
+
+
+def phase_init(phase: str, model_name: str) -> str:
+    """The checkpoint a phase starts from by default. Phase A starts from the pretrained
+    base as loaded (the staged paper starts from Qwen2.5-VL-7B-Instruct); only a model
+    trained from scratch starts A from its own warm-up, since RL on random weights learns
+    nothing. ``--init warmup:latest`` starts A from a warm-up on any model."""
+    if phase == "A" and trains_from_scratch(model_name):
+        return "warmup:latest"
+    return PHASE_INIT[phase]
 
 
 PRESETS = {
     # The embedded default: tiny model, synthetic curriculum, CPU. (Phase-specific values
     # are applied by phase_preset.)
-    "tiny": {"model.load_in_4bit": True},
+    # Rollouts from the merged copy: on this CPU 2.3x the plain path's decode tokens/s and a
+    # 26% shorter GRPO step, its log-probs within 1e-3 of the trainer's (bench/RESULTS.md);
+    # the sequence-level mask at C = 3 drops whatever a larger mismatch would make off-policy.
+    "tiny": {"model.load_in_4bit": True, "sampling.rollout": "merged", "optim.rollout_correction": "sequence"},
     # Qwen2.5-VL-7B-Instruct on one GPU, as in the staged paper: 4-bit base, rank-8 LoRA.
     "qwen7b": {
         "model.name": "Qwen/Qwen2.5-VL-7B-Instruct", "model.dtype": "bfloat16", "model.load_in_4bit": True,

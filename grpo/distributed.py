@@ -69,6 +69,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -316,6 +317,40 @@ class DataParallel:
         dist.all_gather_object(out, obj)
         return out
 
+    def agree(self, signum: int, due: bool) -> tuple[int, bool]:
+        """(stop signal, periodic save due) combined over ranks at a step boundary: the largest
+        signal number (0 = none) and whether any rank's clock is due -- one all-reduce MAX of
+        two numbers per step, so a signal to any one rank stops every rank at the same step."""
+        if not self.enabled:
+            return signum, due
+        flags = torch.tensor([float(signum), float(due)], dtype=torch.float64, device=self.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        return int(flags[0]), bool(flags[1])
+
+    def lost_rank_message(self, err: BaseException, grace: float = 3.0) -> str:
+        """One line for a collective that failed because a peer went away, naming the rank(s).
+
+        gloo and NCCL name a peer's address, not its rank: every surviving rank answers a
+        roll call in the process group's store (the torchrun agent's, which outlives the
+        workers) and, after ``grace`` seconds, the ranks that did not answer are named.
+        Without a reachable store the line says it could not tell which rank it was.
+        """
+        lost = None
+        try:  # a private accessor: the process group keeps its store nowhere public
+            from torch.distributed.distributed_c10d import _get_default_store
+
+            store = _get_default_store()
+            store.set(f"vlgrpo/alive/{self.rank}", "1")
+            time.sleep(grace)
+            lost = [r for r in range(self.world) if not store.check([f"vlgrpo/alive/{r}"])]
+        except Exception:  # noqa: BLE001 -- the store went with the dead rank: say so below
+            pass
+        who = (f"rank {', '.join(map(str, lost))} of {self.world}" if lost
+               else f"another rank of {self.world} (which one could not be told)")
+        cause = str(err).strip().splitlines()[0][:160] if str(err).strip() else type(err).__name__
+        return (f"{who} died or stopped responding ({cause}); rank {self.rank} stopped too. Checkpoints up to the "
+                "last one saved are intact: the same command resumes from it")
+
     def barrier(self) -> None:
         if self.enabled:
             dist.barrier()
@@ -368,6 +403,15 @@ class DataParallel:
         if self.owns_group and dist.is_initialized():
             dist.destroy_process_group()
             self.owns_group = False
+
+
+def peer_lost(err: BaseException) -> bool:
+    """Whether a collective failed because another rank went away (its connection closed)."""
+    if isinstance(err, getattr(dist, "DistBackendError", ())):
+        return True
+    text = str(err).lower()
+    return any(s in text for s in ("connection closed by peer", "connection reset by peer", "broken pipe",
+                                   "connection refused", "socket closed", "nccl communicator was aborted"))
 
 
 def _deep_copy_dicts(d: dict) -> dict:

@@ -43,6 +43,7 @@ from grpo.checkpoint import CheckpointError
 from grpo.errors import inside, one_line
 from grpo.config import TrainConfig
 from grpo.model import ModelLoadError
+from grpo.stop import check_eval
 
 # ----------------------------------------------------------------------------- model -> EvalResult
 
@@ -58,6 +59,7 @@ def sample_completions(bundle: Any, examples: Sequence[Example], protocol: EvalP
     completions: list[list[str]] = [[] for _ in examples]
     token_counts: list[list[int]] = [[] for _ in examples]
     for start in range(0, len(examples), protocol.batch_size):
+        check_eval()  # a stop abandons the evaluation between batches (grpo/stop.py)
         batch = list(examples[start : start + protocol.batch_size])
         try:
             prompts = grpo.model.encode_prompts(bundle, batch, on_bad_image="skip").to(bundle.device)

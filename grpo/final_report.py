@@ -19,10 +19,11 @@ REPORT_ALIAS = {"warmup": "latest", "A": "best_structure", "B": "best_composite"
 
 
 def report_selectors(run_dir: Path, last_phase: str) -> list[str]:
-    """'warmup:latest' (the base the RL phases start from), then each GRPO phase run so far."""
+    """The model the RL phases started from -- 'base' (the configured model as loaded), or
+    'warmup:latest' where the run holds a warm-up -- then each GRPO phase run so far."""
     from grpo.checkpoint import read_registry
 
-    out = []
+    out = [] if read_registry(run_dir, "warmup").get("aliases") else ["base"]
     for phase in PHASES[: PHASES.index(last_phase) + 1]:
         if read_registry(run_dir, phase).get("aliases"):
             out.append(f"{phase}:{REPORT_ALIAS[phase]}")
@@ -38,7 +39,7 @@ def write_final_report(run_dir: str | Path, last_phase: str, cfg: TrainConfig, d
     from eval.plots import plot_run
     from eval.report import write_report
     from grpo.checkpoint import resolve
-    from grpo.policy import load_policy
+    from grpo.policy import build_policy, load_policy
     from eval.report import control_summary
 
     run_dir = Path(run_dir)
@@ -51,11 +52,13 @@ def write_final_report(run_dir: str | Path, last_phase: str, cfg: TrainConfig, d
     results, by_path = {}, {}
     for selector in report_selectors(run_dir, last_phase):
         t0 = time.time()
-        path = resolve(run_dir, selector).resolve()
+        path = resolve(run_dir, selector).resolve() if selector != "base" else "base"
         if path in by_path:  # two aliases of one checkpoint (A:latest is often A:best_structure): greedy, same result
             results[selector] = results[by_path[path]]
         else:
-            bundle = load_policy(path, run_dir=run_dir, device=device)
+            # the base as phase A starts from it: 4-bit if configured, LoRA injected at B = 0
+            bundle = (build_policy(cfg, device, verbose=False) if selector == "base"
+                      else load_policy(path, run_dir=run_dir, device=device))
             results[selector] = evaluate_model(bundle, examples, protocol)
             by_path[path] = selector
         m = results[selector].metrics

@@ -1,17 +1,21 @@
 """The policy model: the embedded tiny Qwen2.5-VL, or a real one, plus prompt encoding.
 
-Two sources, one loader (``load_bundle``):
+Three sources, one loader (``load_bundle``):
 
-- ``"tiny"`` (default): a ~2M-parameter ``Qwen2_5_VLForConditionalGeneration`` -- the very
+- ``"tiny"`` (default): a ~1.4M-parameter ``Qwen2_5_VLForConditionalGeneration`` -- the very
   class of the 7B, so the vision tower, the 2x2 patch merger and the multimodal rotary
-  positions (M-RoPE) are the real code paths -- built from a small config with a
-  tokenizer trained here (grpo/tokenizer.py). It is built deterministically on first use
-  into a cache directory ($VLGRPO_CACHE, else ~/.cache/vlgrpo) as an ordinary
-  ``save_pretrained`` directory (config.json, model.safetensors, tokenizer.json,
-  tokenizer_config.json with the chat template, preprocessor_config.json), so it reloads
-  offline and any transformers code can open it. Weights are random: the trainer's SFT
-  warm-up teaches it the task (a model this size learns to count shapes in 112 px
-  images in minutes on 2 CPU cores).
+  positions (M-RoPE) are the real code paths -- pretrained once by ``python -m
+  grpo.pretrain`` (perception labels, captions, worked reasoning; about an hour on 2 CPU
+  cores) and shipped in ``grpo/tiny_model/`` with a model card and a sha256 manifest that
+  every load checks (grpo/shipped.py). GRPO starts from it as a real run starts from
+  Qwen2.5-VL-7B-Instruct: a model that reads its images and follows the answer contract
+  only part of the time.
+- ``"tiny-random"``: the same architecture with random weights and a tokenizer trained here
+  (grpo/tokenizer.py), built deterministically on first use into a cache directory
+  ($VLGRPO_CACHE, else ~/.cache/vlgrpo) as an ordinary ``save_pretrained`` directory
+  (config.json, model.safetensors, tokenizer.json, tokenizer_config.json with the chat
+  template, preprocessor_config.json). It is what the pretraining starts from, and what
+  tests use when they need a model in seconds; its weights depend on ``seed``.
 - a local directory or hub id of Qwen2.5-VL-*-Instruct (e.g. Qwen/Qwen2.5-VL-7B-Instruct),
   on machines that have it. Without hub access a hub id fails with one clear message.
 
@@ -46,6 +50,7 @@ from typing import Any
 import torch
 
 from data.contract import format_prompt, format_response
+from grpo import shipped
 
 TINY_NAME = "tiny"
 TINY_RANDOM_NAME = "tiny-random"  # the same architecture, random weights: what pretraining starts from
@@ -279,7 +284,12 @@ def _first_line(e: BaseException) -> str:
 
 def _resolve_source(name_or_path: str, seed: int) -> tuple[str, bool]:
     """(path or hub id, is_local)."""
-    if name_or_path in (TINY_NAME, TINY_RANDOM_NAME):
+    if name_or_path == TINY_NAME:  # the pretrained model shipped in the package, checked file by file
+        try:
+            return str(shipped.verify()), True
+        except shipped.ShippedModelError as err:
+            raise ModelLoadError(str(err)) from None
+    if name_or_path == TINY_RANDOM_NAME:
         return str(default_model_dir(seed)), True
     path = Path(name_or_path).expanduser()
     if path.is_dir():
@@ -299,7 +309,7 @@ def _resolve_source(name_or_path: str, seed: int) -> tuple[str, bool]:
 
 def check_model_source(name_or_path: str) -> None:
     """A ModelLoadError now if the name can mean no model; loads and builds nothing."""
-    if str(name_or_path) not in (TINY_NAME, TINY_RANDOM_NAME):
+    if str(name_or_path) != TINY_RANDOM_NAME:  # built on first use: nothing to check before
         _resolve_source(str(name_or_path), 0)
 
 

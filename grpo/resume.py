@@ -15,18 +15,23 @@ from pathlib import Path
 
 import torch
 
-from grpo.checkpoint import LoadedCheckpoint, load_checkpoint, resolve, restore_rng, resume_point
-from grpo.config import PHASE_INIT, TrainConfig
+from grpo.checkpoint import LoadedCheckpoint, is_periodic, load_checkpoint, resolve, restore_rng, resume_point
+from grpo.config import ConfigError, TrainConfig, phase_init
 from grpo.policy import adapter_tensors, base_checkpoint_of
 from grpo.run import RunFiles
 
 
 def resolve_init(cfg: TrainConfig, files: RunFiles) -> tuple[Path | None, str]:
     """The checkpoint a phase starts from (None = the configured model as is)."""
-    init = PHASE_INIT[cfg.phase.name] if cfg.phase.init == "auto" else cfg.phase.init
+    init = phase_init(cfg.phase.name, cfg.model.name) if cfg.phase.init == "auto" else cfg.phase.init
     if init == "base":
         return None, init
-    return resolve(files.root, init), init
+    path = resolve(files.root, init)
+    if path.parent.name == "warmup" and is_periodic(path):  # a stopped warm-up's weights are no warm-up
+        raise ConfigError(f"phase {cfg.phase.name} would start from {init} = {path}, a warm-up stopped mid-way "
+                          f"(a periodic save); finish it first with --phase warmup and the same options (it "
+                          f"resumes), or name another start with --init")
+    return path, init
 
 
 @dataclass
@@ -77,7 +82,7 @@ def find_start(cfg: TrainConfig, files: RunFiles, set_aside: bool) -> StartPoint
     for bad_step, why in damaged:
         print(f"phase {phase}: checkpoint step {bad_step} is damaged, skipped and set aside ({why})")
         files.write_log(dict(event="damaged_checkpoint", phase=phase, step=bad_step, error=why))
-    if resume is not None and resume.step >= cfg.phase.steps:
+    if resume is not None and resume.step >= cfg.phase.steps and not resume.scheduler_state.get("eval_pending"):
         print(f"phase {phase} already finished at step {resume.step} in {files.root}; "
               f"raise --phase.steps to continue it, or use a new --run.run_dir")
         return None

@@ -40,19 +40,23 @@ head's "query rows" ([N, H_kv, g, D] against K [N, H_kv, S, D]), so attention re
 head once; ``enable_gqa`` would fall back to repeating K/V g times on kernels that take a
 mask.
 
-Numerics. Sampling from W' instead of (W_nf4, B, A) changes the logits by bf16 rounding
-(the policy rounds W x and B A x separately). The trainer's loss does not use the sampler's
-log-probs (old is the policy's own pass of update 1, also with mu > 1), so this only makes
-rollouts off-policy by rounding, as in every setup that samples with a separate inference
-engine. On the tiny
-fp32 model the two paths give the same greedy tokens (tests/test_rollout_fast.py).
+Numerics. The copy is kept in the model's compute dtype: bf16 for the 7B on a GPU, fp32
+for the tiny model on a CPU (its weights and activations are fp32; a bf16 copy there would
+add rounding and gain nothing, CPU bf16 matmuls being no faster). Sampling from W' instead
+of (W_nf4, B, A) changes the logits by that dtype's rounding (the policy computes W x and
+B A x separately): in fp32 ratios pi_train / pi_sampler within ~1e-3 of 1 on the tiny
+model, in bf16 a few percent (bench/RESULTS.md, tests/test_rollout_fast.py). The rollouts
+are then slightly off-policy, as in every setup that samples with a separate inference
+engine; the trainer passes the sampler's log-probs to the loss, logs the mismatch every
+step and corrects for it with optim.rollout_correction (kernels/grpo_loss.py). On the
+tiny fp32 model the two paths give the same greedy tokens.
 
 Simplified / left out: no batch compaction (finished rows keep decoding: shapes must stay
 fixed for the graph, and at decode batch sizes a step costs the weight reads, not the rows);
 no torch.compile (the graph removes the launch overhead, the matmuls are cuBLAS already);
 one graph per ``sample`` call, recaptured each time (~3 steps' worth of work out of 256),
 so the KV cache is freed between rollouts; the plain path (grpo/sampler.py) stays the
-default and the reference.
+reference and the dataclass default (the tiny preset samples from this copy).
 """
 
 from __future__ import annotations
@@ -86,7 +90,8 @@ def _needs_copy(module: nn.Module) -> bool:
 
 
 class MergedRollout:
-    """A bf16 (the model's compute dtype) merged copy of the LM projections + a graph-captured decode step."""
+    """A merged copy of the LM projections in the model's compute dtype (bf16 on a GPU, fp32 for the tiny
+    CPU model) + a graph-captured decode step on CUDA."""
 
     def __init__(self, model: nn.Module, graphs: str | bool = "auto"):
         if not fast_decode.supports(model):

@@ -13,8 +13,9 @@ import sys
 import threading
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -76,6 +77,27 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return o.lr
 
 
+# ----------------------------------------------------------------------------- periodic saves
+
+
+class SaveClock:
+    """When a phase saves a `latest`-only checkpoint between evaluations: every
+    run.save_every steps, or once run.save_every_minutes passed since the last save of any
+    kind (so a crash loses at most that much work even when evaluations are rare)."""
+
+    def __init__(self, cfg: TrainConfig):
+        self.every, self.seconds = cfg.run.save_every, 60.0 * cfg.run.save_every_minutes
+        self.last = time.monotonic()
+
+    def due(self, done: int) -> bool:
+        """Whether a periodic save is due after ``done`` steps (not counting evaluation saves)."""
+        by_steps = self.every > 0 and done % self.every == 0
+        return by_steps or (self.seconds > 0 and time.monotonic() - self.last >= self.seconds)
+
+    def saved(self) -> None:
+        self.last = time.monotonic()
+
+
 # ----------------------------------------------------------------------------- files, progress
 
 
@@ -120,16 +142,22 @@ def prefetch(items: Iterable, depth: int = 2) -> Iterator:
             if item is done:
                 return
             yield item
-    finally:  # the consumer stopped early (an error, a break): let the producer end
+    finally:  # the consumer stopped early (an error, a break, a stop): let the producer end
         stop.set()
+        # and wait for it: a daemon thread still inside torch when the interpreter exits
+        # aborts the process (SIGABRT) instead of letting it exit with its own code
+        worker.join(timeout=60)
 
 
 @dataclass
 class RunFiles:
-    """Where a run writes: <run_dir>/config_<phase>.json, train_log.jsonl, <phase>/step_N."""
+    """Where a run writes: <run_dir>/config_<phase>.json, train_log.jsonl, <phase>/step_N,
+    and with run.tensorboard the log's numbers as TensorBoard events in tensorboard/<phase>/."""
 
     root: Path
     writer: bool = True  # False on ranks > 0 of a data-parallel run: rank 0 writes the log
+    tensorboard: bool = False  # run.tensorboard of the phase being run
+    _events: dict = field(default_factory=dict, repr=False)  # phase -> SummaryWriter, opened at its first numbers
 
     @property
     def log(self) -> Path:
@@ -140,6 +168,58 @@ class RunFiles:
             return
         with self.log.open("a") as f:
             f.write(json.dumps(record) + "\n")
+        if self.tensorboard:
+            self._write_events(record)
+
+    def _write_events(self, record: dict) -> None:
+        """Every number of the record as a scalar at its step, one TensorBoard run per phase
+        (each phase counts its steps from 1); tags from record_scalars.
+
+        The first numbers of a phase in this process come from the step it starts at: 1, or
+        the one after the checkpoint it resumes. The writer purges from that step on
+        (purge_step), so the steps an interrupted run logged after its last checkpoint, which
+        this run logs again, are not shown twice."""
+        scalars = list(record_scalars(record))
+        if not scalars:
+            return
+        phase, step = str(record.get("phase", "run")), int(record.get("step", 0))
+        events = self._events.get(phase)
+        if events is None:
+            from torch.utils.tensorboard import SummaryWriter  # optional package: imported only when asked for
+
+            events = self._events[phase] = SummaryWriter(str(self.root / "tensorboard" / phase), purge_step=step)
+        for tag, value in scalars:
+            events.add_scalar(tag, value, global_step=step)
+        # one flush per record (a step takes seconds): a killed run's events are as complete as its JSONL
+        events.flush()
+
+    def close(self) -> None:
+        for events in self._events.values():
+            events.close()
+        self._events.clear()
+
+
+NAME_KEYS = ("phase", "event", "rule")  # what names a record rather than measures it
+
+
+def record_scalars(record: dict) -> Iterator[tuple[str, float]]:
+    """(tag, number) for every number of one log record, tagged [<event>/][<rule>/]<key>[/<sub key>...]
+    (the phase is the TensorBoard run). The rule keeps apart the gate records of one step."""
+    prefix = "/".join(str(record[k]) for k in NAME_KEYS[1:] if k in record)
+    return log_scalars({k: v for k, v in record.items() if k not in (*NAME_KEYS, "step")}, prefix)
+
+
+def log_scalars(value: Any, tag: str) -> Iterator[tuple[str, float]]:
+    """(tag, number) for every int or float in a log record; dict keys and list indices extend
+    the tag as tag/key. Strings, booleans and None are not measurements and are left out."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from log_scalars(v, f"{tag}/{k}" if tag else str(k))
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            yield from log_scalars(v, f"{tag}/{i}" if tag else str(i))
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        yield tag, float(value)
 
 
 class Progress:
@@ -151,12 +231,16 @@ class Progress:
         self.tty = sys.stderr.isatty()
         self.shown = False
 
+    def eta(self, done: int) -> float:
+        """Seconds left at the rate of this process's steps so far (NaN before the first)."""
+        rate = (done - self.start) / max(1e-9, time.time() - self.t0)
+        return (self.total - done) / rate if rate > 0 else float("nan")
+
     def update(self, done: int, info: str = "") -> None:
         if not self.tty:
             return
         frac = done / self.total
-        rate = (done - self.start) / max(1e-9, time.time() - self.t0)
-        eta = (self.total - done) / rate if rate > 0 else float("nan")
+        eta = self.eta(done)
         bar = "#" * int(24 * frac) + "." * (24 - int(24 * frac))
         sys.stderr.write(f"\r{self.label} [{bar}] {done}/{self.total} eta {eta:4.0f}s {info}   ")
         sys.stderr.flush()
@@ -253,9 +337,13 @@ def update_record(u: int, loss_sum: float, gnorm: torch.Tensor, lr: float, stats
 
 def step_record(phase: str, step: int, logs: list, weights: dict, loss_sum: float, updates: list, fill,
                 temperature: float, lr: float, grad_norm: float | None, timing: dict, dp,
-                mu: int) -> dict:
+                mu: int, cfg: TrainConfig | None = None) -> dict:
     """The log line of one rollout batch (keys: eval/plots.py). Rewards, lengths and the
-    loss's diagnostics are those of update 1, the on-policy one."""
+    loss's diagnostics are those of update 1, the on-policy one. "rollout": the sampler
+    against the trainer (kernels/grpo_loss.py's is_* stats): kl = mean k3 estimate of
+    KL(sampler || trainer) per token, ratio_mean / ratio_max of pi_train / pi_sampler and
+    over_frac = ratios above the cap, at the correction's level (token when off); the max
+    is over micro-batches, then averaged over ranks like every float."""
     rb0 = logs[0][0]
     comps = {k: float(torch.cat([r.components[k] for r, _, _ in logs]).mean()) for k in rb0.components}
     totals = torch.cat([r.total for r, _, _ in logs])
@@ -271,6 +359,15 @@ def step_record(phase: str, step: int, logs: list, weights: dict, loss_sum: floa
                   zero_spread=st["zero_spread_frac"], adv_abs=st["adv_abs_mean"],
                   completion_len=float(lengths.mean()), truncation=float(trunc.mean()), lr=lr,
                   temperature=temperature, grad_norm=grad_norm, time=timing)
+    if cfg is not None:
+        o = cfg.optim
+        record["rollout"] = dict(
+            path=cfg.sampling.rollout, correction=o.rollout_correction, mode=o.rollout_correction_mode,
+            cap=float(o.rollout_correction_cap), level="sequence" if o.rollout_correction == "sequence" else "token",
+            kl=float(sum(float(s.is_kl) for _, s, _ in logs) / len(logs)),
+            ratio_mean=float(sum(float(s.is_ratio_mean) for _, s, _ in logs) / len(logs)),
+            ratio_max=max(float(s.is_ratio_max) for _, s, _ in logs),
+            over_frac=float(sum(float(s.is_over_frac) for _, s, _ in logs) / len(logs)))
     if mu > 1:  # the first update's loss and stats above (on-policy); every update here
         record["loss"] = updates[0]["loss"] if updates else loss_sum
         record["updates"] = updates

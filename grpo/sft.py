@@ -53,15 +53,16 @@ import torch.nn.functional as F
 from data.contract import format_response
 from data.mixture import MixtureStream
 from data.schema import Example
-from grpo.checkpoint import save_checkpoint
+from grpo.checkpoint import CheckpointError, read_registry, restore_rng, resume_point, save_checkpoint
 from grpo.config import ConfigError, TrainConfig, trains_from_scratch
 from grpo.evaluate import checkpoint_eval, print_eval
 from grpo.model import encode_prompts, load_bundle
 from grpo.perception import PerceptionHead, capture_visual_tokens, token_labels
 from grpo.phase_data import eval_subset, load_training_data
-from grpo.policy import adapter_tensors, base_tensors, build_policy
-from grpo.run import Progress, RunFiles, StepGuard, lr_at, prefetch
-from lora import lora_state_dict
+from grpo.policy import adapter_tensors, base_tensors, build_policy, load_base_weights
+from grpo.run import Progress, RunFiles, SaveClock, StepGuard, lr_at, prefetch
+from grpo.stop import STOP, EvalAbandoned, Stopped, stop_message
+from lora import load_lora_state_dict, lora_state_dict
 
 # Families whose warm-up targets mostly follow the contract. The rest mostly answer in
 # free form. (Counting scenes, line plots, cylinders and region sums are "sloppy".)
@@ -163,6 +164,46 @@ def warmup_losses(model, batch: dict[str, torch.Tensor], examples: Sequence[Exam
 
 # ----------------------------------------------------------------------------- the warm-up phase
 
+HEAD_PREFIX = "perception_head."  # the head's tensors in a periodic warm-up checkpoint (the final one has none)
+
+
+def _latest_is_periodic_at(files: RunFiles, step: int) -> bool:
+    reg = read_registry(files.root, "warmup")
+    return bool(reg["checkpoints"]) and reg["checkpoints"][-1]["step"] == step and bool(reg["checkpoints"][-1].get("periodic"))
+
+
+def _resume_warmup(files: RunFiles, model, head, opt, stream: MixtureStream, rng: random.Random, tiny: bool) -> int:
+    """Put a stopped warm-up's state back; -> the step to continue at (0: nothing to resume).
+
+    Restores what the next step reads: every trained weight (the model's, or its LoRA), the
+    perception head, AdamW's moments (all parameter groups), the stream position and the
+    style rng where the batch after the saved step begins, and the global RNGs. Called
+    after everything that draws from the global RNGs was built.
+    """
+    r, damaged = resume_point(files.root, "warmup", set_aside=True)
+    for bad_step, why in damaged:
+        print(f"phase warmup: checkpoint step {bad_step} is damaged, skipped and set aside ({why})")
+        files.write_log(dict(event="damaged_checkpoint", phase="warmup", step=bad_step, error=why))
+    if r is None:
+        return 0
+    data = r.scheduler_state.get("data")
+    if data is None or r.optimizer_state is None:
+        raise CheckpointError(f"{r.path} is a finished warm-up's checkpoint, not a resumable one; "
+                              "use a new --run.run_dir to warm up again")
+    if tiny:
+        load_base_weights(model, r.tensors)
+    else:
+        load_lora_state_dict(model, adapter_tensors(r.tensors))
+    if head is not None:
+        head.load_state_dict({k.removeprefix(HEAD_PREFIX): v for k, v in r.tensors.items() if k.startswith(HEAD_PREFIX)})
+    r.restore_optimizer(opt)
+    stream.load_state_dict(data["stream"])
+    version, internal, gauss = data["style_rng"]
+    rng.setstate((version, tuple(internal), gauss))
+    restore_rng(r.rng)
+    print(f"resuming phase warmup at step {r.step} from {r.path}", flush=True)
+    return r.step
+
 
 def run_warmup(cfg: TrainConfig, files: RunFiles, device: str) -> None:
     """R1-VL policy warm-up. For the tiny model: all weights, a perception (caption) stage
@@ -195,15 +236,37 @@ def run_warmup(cfg: TrainConfig, files: RunFiles, device: str) -> None:
     rng = random.Random(cfg.run.seed)
     stream = MixtureStream(train, cfg.phase.mixture, cfg.run.seed)  # the warm-up's own stage mixture
     B, n_caption = cfg.phase.prompts_per_step, cfg.phase.perception_steps if tiny else 0  # B as in GRPO: examples a step
+    total = n_caption + cfg.phase.steps
     print(f"warm-up: {n_caption} perception steps on image captions, then {cfg.phase.steps} SFT steps on worked "
           f"reasoning, x {B} examples ({'all weights, perception labels ' + ('on' if head else 'off') + ', imperfect contract on purpose' if tiny else 'LoRA'})",
           flush=True)
     guard = StepGuard([(n, p) for n, p in model.named_parameters() if p.requires_grad], opt, files, cfg)
     model.train()
+
+    def data_state() -> dict:
+        """Where the stream and the style rng stand: the next batch is made from here."""
+        version, internal, gauss = rng.getstate()
+        return {"stream": stream.state_dict(), "style_rng": [version, list(internal), gauss]}
+
+    first = _resume_warmup(files, model, head, opt, stream, rng, tiny)  # 0: a new warm-up
+    data = data_state()
+    clock = SaveClock(cfg)
+
+    def save_progress(done: int) -> None:
+        """A `latest`-only checkpoint of everything the next step reads (a resume continues bit for bit)."""
+        tensors = base_tensors(model) if tiny else adapter_tensors(lora_state_dict(model))
+        if head is not None:
+            tensors.update({HEAD_PREFIX + k: v for k, v in head.state_dict().items()})
+        save_checkpoint(files.root, "warmup", done, tensors=tensors, optimizer=opt,
+                        scheduler_state={"step": done, "data": data}, controller_state={},
+                        data_position=data["stream"]["position"], metrics={}, scores={}, config_json=cfg.to_json(),
+                        extra={"kind": "base" if tiny else "adapter", "base": None}, periodic=True)
+        clock.saved()
+
     # Two stages, one loop: step k < n_caption is a caption step (lr warm-up, then constant), the
     # rest are worked-reasoning steps on their own schedule (lr_at: warm-up, then linear decay).
     def batches():  # every step's data, in order (prefetch runs this one step ahead)
-        for k in range(n_caption + cfg.phase.steps):
+        for k in range(first, total):
             stage, step = ("perception", k) if k < n_caption else ("sft", k - n_caption)
             examples = stream.next_batch(B)
             if stage == "perception":
@@ -213,10 +276,11 @@ def run_warmup(cfg: TrainConfig, files: RunFiles, device: str) -> None:
                 batch = build_sft_batch(bundle, examples, [warmup_target(e, rng, style) for e in examples])
                 lr = lr_at(step, cfg)
             labels = token_labels(examples, batch["image_grid_thw"]) if head is not None else None
-            yield k, stage, lr, examples, batch, labels
+            # the producer runs ahead: the state after THIS batch travels with it, for a save after its step
+            yield k, stage, lr, examples, batch, labels, data_state()
 
-    bar = Progress(n_caption + cfg.phase.steps, "warmup")
-    for k, stage, lr, examples, batch, labels in prefetch(batches()):
+    bar = Progress(total, "warmup", first)
+    for k, stage, lr, examples, batch, labels, data in prefetch(batches()):
         t0 = time.time()
         batch = {key: v.to(device) for key, v in batch.items()}
         for g in opt.param_groups:
@@ -241,11 +305,23 @@ def run_warmup(cfg: TrainConfig, files: RunFiles, device: str) -> None:
                 + (f", perception loss {perc_loss.item():.3f}" if perc_loss is not None else ""))
         bar.update(k + 1, info)
         if (k + 1) % cfg.run.log_every == 0 and not bar.tty:
-            print(f"[warmup {k + 1}/{n_caption + cfg.phase.steps}] {info}", flush=True)
+            eta = bar.eta(k + 1)  # a log read without a terminal still says how long is left
+            print(f"[warmup {k + 1}/{total}] {info}  eta {eta / 60:.0f} min" if eta == eta
+                  else f"[warmup {k + 1}/{total}] {info}", flush=True)
+        if STOP.requested or (k + 1 < total and clock.due(k + 1)):  # the last step is saved with its eval below
+            save_progress(k + 1)
+            if STOP.requested:
+                bar.close()
+                raise Stopped(stop_message(f"warmup step {k + 1}"), STOP.signum)
     bar.close()
     model.eval()
-    done = n_caption + cfg.phase.steps  # the checkpoint's step counts every optimiser step, captions included
-    result = checkpoint_eval(bundle, eval_subset(cfg, val), cfg)
+    done = total  # the checkpoint's step counts every optimiser step, captions included
+    try:
+        result = checkpoint_eval(bundle, eval_subset(cfg, val), cfg)
+    except EvalAbandoned:  # saved as a periodic checkpoint of the last step: a resume redoes the evaluation
+        if not _latest_is_periodic_at(files, done):
+            save_progress(done)
+        raise Stopped(stop_message(f"warmup step {done} (its evaluation abandoned)"), STOP.signum) from None
     print_eval("warmup", done, result)
     files.write_log(dict(event="eval", phase="warmup", step=done, metrics=result.flat()))
     tensors = base_tensors(model) if tiny else adapter_tensors(lora_state_dict(model))

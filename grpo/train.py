@@ -7,14 +7,16 @@ vision-language policy = frozen base (optionally NF4 4-bit) + rank-8 LoRA, run a
 staged, metric-gated curriculum of the staged-GRPO paper (docs/design.md):
 
     warmup  R1-VL's policy warm-up: SFT on worked reasoning (grpo/sft.py)
-    A       stage 1 only, structure-heavy reward weights, from warmup:latest
+    A       stage 1 only, structure-heavy reward weights, from the pretrained base
+            (a model trained from scratch, tiny-random, starts A from warmup:latest)
     B       stage 1 .7 + stage 2 .3, correctness-heavy, from A:best_structure
     C       stage 2 .6 + stage 3 .4, tolerance on, from B:best_composite
 
 One GRPO step (one rollout batch of B prompts), as ``run_grpo_phase`` below runs it:
 
     1. sample     G completions per prompt; each prompt (and its image) is encoded once and
-                  its KV cache copied G times (grpo/sampler.py)
+                  its KV cache copied G times (grpo/sampler.py; the tiny preset decodes
+                  from a merged copy of the policy, grpo/rollout_fast.py)
     2. reward     the verifier components (+ step / detail / rubric terms), weighted by the
                   controller's current weights (grpo/rewards)
     3. advantage  A = (r - mean_g) / (std_g + 1e-4) within each prompt's group of G
@@ -54,8 +56,11 @@ Simplified, on purpose:
     ratio of update 1 is exactly 1;
   - the reference policy is the base with LoRA off, not a separate frozen copy (the same
     weights, no second model in memory);
-  - rollouts and the loss use the same temperature-scaled distribution, no importance
-    correction between a sampler and a trainer engine (there is one engine);
+  - rollouts and the loss use the same temperature-scaled distribution; with
+    sampling.rollout=merged the sampler is a merged copy of the policy, whose log-probs
+    differ from the trainer's by rounding: the log line's "rollout" entry measures that
+    mismatch every step and optim.rollout_correction weights the policy term by
+    pi_train / pi_sampler (kernels/grpo_loss.py);
   - evaluation is greedy with one sample per prompt (the staged paper's final protocol);
   - the warm-up is not data-parallel (rank 0 runs it, the others wait);
   - a non-finite loss skips the update and a non-finite update is undone; three in a row
@@ -64,6 +69,7 @@ Simplified, on purpose:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import time
@@ -74,7 +80,7 @@ import torch
 
 from data.mixture import MixtureStream
 from grpo import cli
-from grpo.checkpoint import read_registry, save_checkpoint
+from grpo.checkpoint import phase_finished, save_checkpoint
 from grpo.cli import _phase_local, phase_configs  # noqa: F401 (bench/learning.py imports them from here)
 from grpo.config import TrainConfig
 from grpo.controller import Controller
@@ -89,10 +95,11 @@ from grpo.policy import adapter_tensors, build_policy
 from grpo.resume import find_start
 from grpo.rewards import RewardModel
 from grpo.rollout_fast import MergedRollout
-from grpo.run import (GEN_KEY, Progress, RunFiles, StepGuard, lr_at, pick_device,  # noqa: F401 (pick_device: bench)
-                      progress_line, step_record, update_record)
+from grpo.run import (GEN_KEY, Progress, RunFiles, SaveClock, StepGuard, lr_at,  # noqa: F401 (pick_device: bench)
+                      pick_device, progress_line, step_record, update_record)
 from grpo.sampler import content_tokens, sample
 from grpo.sft import run_warmup
+from grpo.stop import STOP, EvalAbandoned, Stopped, evals_run_to_the_end, stop_message
 from kernels.grpo_advantages import group_advantages
 from kernels.grpo_loss import grpo_loss
 from lora import disable_adapters, load_lora_state_dict, lora_parameters, lora_state_dict
@@ -139,7 +146,9 @@ def run_grpo_phase(cfg: TrainConfig, files: RunFiles, device: str, dp: DataParal
     rewards.set_weights(controller.weights)
     loss_options = dict(beta=cfg.optim.beta, eps_low=cfg.optim.eps_low, eps_high=cfg.optim.eps_high,
                         loss_type=cfg.optim.loss_type, importance=cfg.optim.importance, max_len=L,
-                        kl_bias_correction=cfg.optim.kl_bias_correction)
+                        kl_bias_correction=cfg.optim.kl_bias_correction,
+                        correction=cfg.optim.rollout_correction, correction_mode=cfg.optim.rollout_correction_mode,
+                        correction_cap=cfg.optim.rollout_correction_cap)
     zero_spread_since_eval: list[float] = []  # what the controller's zero-spread gate reads
     bar = Progress(cfg.phase.steps, f"phase {phase}", first)
 
@@ -155,6 +164,10 @@ def run_grpo_phase(cfg: TrainConfig, files: RunFiles, device: str, dp: DataParal
         examples = [examples[i] for i in prompts.kept]  # a prompt whose image failed to encode is dropped
         rb = rewards([examples[row // G] for row in range(len(out.texts))], out.texts,
                      num_tokens=content_tokens(out), completion_ids=out.completion_ids)
+        if cfg.rewards.random_reward:  # the random-reward control (bench/learning.py): rewards cut loose
+            # keyed by the data position, so a resumed run draws what a straight run draws
+            key = (cfg.run.seed * 1_000_003 + stream.position) * 64 + dp.rank
+            rb = rb.random_draw(torch.Generator().manual_seed(key))
         timing["rewards"] += time.time() - t0
         return Rollout(examples, out, rb)
 
@@ -162,6 +175,52 @@ def run_grpo_phase(cfg: TrainConfig, files: RunFiles, device: str, dp: DataParal
         """The groups of a rollout whose advantages are not all zero (dynamic sampling keeps those)."""
         values, valid = spread_columns(r.rb, cfg)
         return groups_with_spread(values, G, valid=valid)
+
+    clock = SaveClock(cfg)
+
+    def save(done: int, result=None, pending: bool = False) -> None:
+        """The checkpoint after ``done`` steps: with its evaluation (metrics, scores, every alias),
+        or periodic (``latest`` only; with what the next evaluation's gates read, and whether
+        this step's evaluation was abandoned: a resume redoes it)."""
+        dp.check_replicas(params)  # every rank must hold the adapter rank 0 is about to save
+        tensors = dict(adapter_tensors(lora_state_dict(model)), **dp.generator_states(GEN_KEY, gen))
+        if dp.is_main:
+            base = str(start.base.relative_to(files.root)) if start.base else None
+            sched = {"step": done} if result is not None else {
+                "step": done, "zero_spread_since_eval": list(zero_spread_since_eval), "eval_pending": pending}
+            save_checkpoint(files.root, phase, done, tensors=tensors, optimizer=opt,
+                            scheduler_state=sched, controller_state=controller.state_dict(),
+                            data_position=stream.position, metrics=result.flat() if result is not None else {},
+                            scores=result.scores if result is not None else {},
+                            config_json=cfg.to_json(), extra={"kind": "adapter", "base": base},
+                            periodic=result is None)
+        clock.saved()
+
+    def evaluate_and_save(done: int) -> None:
+        """8-10: eval -> gates -> checkpoint. A stop abandons the eval (one process; ranks
+        finish it together) and saves the step as periodic, its eval pending."""
+        try:
+            with evals_run_to_the_end() if dp.enabled else contextlib.nullcontext():
+                result = checkpoint_eval(bundle, eval_examples, cfg, dp)
+        except EvalAbandoned:
+            save(done, pending=True)
+            raise Stopped(stop_message(f"{phase} step {done} (its evaluation abandoned)"), STOP.signum) from None
+        print_eval(phase, done, result)
+        files.write_log(dict(event="eval", phase=phase, step=done, metrics=result.flat()))
+        if cfg.phase.controller:
+            metrics = dict(result.metrics, zero_spread=float(np.mean(zero_spread_since_eval)))
+            for d in controller.update(metrics, result.overall.intervals, n=result.overall.n_prompts):
+                print(f"  gate: {d}")
+                files.write_log(dict(event="gate", phase=phase, step=done, rule=d.rule,
+                                     changes={d.target: [d.old, d.new]}, decision=d.to_dict()))
+            rewards.set_weights(controller.weights)
+        zero_spread_since_eval.clear()
+        save(done, result)
+
+    if start.resume is not None:  # a periodic checkpoint: what the gates read since the last eval
+        zero_spread_since_eval.extend(start.resume.scheduler_state.get("zero_spread_since_eval", []))
+        if start.resume.scheduler_state.get("eval_pending"):  # stopped during this step's eval: redo it
+            evaluate_and_save(first)
 
     for step in range(first, cfg.phase.steps):
         t_step, timing = time.time(), dict(sampling=0.0, rewards=0.0, logprobs=0.0, backward=0.0)
@@ -208,8 +267,11 @@ def run_grpo_phase(cfg: TrainConfig, files: RunFiles, device: str, dp: DataParal
 
                 # ---- 5. loss: ratio against old, clip, k3 KL to ref, aggregation; backward
                 t0 = time.time()
+                # The sampler's own log-probs: the mismatch stats every step, and the rollout
+                # correction's weights (a merged copy samples from other weights than the trainer's)
                 loss, stats = grpo_loss(logp, mask.float(), G=G, advantages=adv[k], old_logp=old_logp[k],
-                                        ref_logp=ref_logp[k], num_active_tokens=active_tokens, **loss_options)
+                                        ref_logp=ref_logp[k], num_active_tokens=active_tokens,
+                                        sampler_logp=r.out.logprobs, **loss_options)
                 if u == 0 and mu > 1:
                     old_logp[k] = logp.detach()  # the sampling policy's: nothing was updated yet
                 loss = loss * share
@@ -251,7 +313,7 @@ def run_grpo_phase(cfg: TrainConfig, files: RunFiles, device: str, dp: DataParal
         # ---- 7. log: one JSON line per rollout batch (= per optimiser step when mu = 1)
         record = step_record(phase, step, logs, rewards.weights, loss_sum, updates, fill, temperature,
                              lr_at(step * mu, cfg), float(gnorm) if guard.streak == 0 else None,
-                             dict(timing, step=time.time() - t_step), dp, mu)
+                             dict(timing, step=time.time() - t_step), dp, mu, cfg)
         # with dynamic sampling the trained batch has no zero-spread group: the gate reads what was sampled
         zero_spread_since_eval.append(fill.dropped_frac if fill is not None else record["zero_spread"])
         record = dp.mean_over_ranks(record)  # rank 0 logs the means over ranks
@@ -261,27 +323,17 @@ def run_grpo_phase(cfg: TrainConfig, files: RunFiles, device: str, dp: DataParal
             bar.write(progress_line(phase, step, cfg.phase.steps, record, fill, updates, mu))
 
         # ---- 8-10. eval -> gates -> checkpoint, every run.eval_every steps and at the end
-        if (step + 1) % cfg.run.eval_every == 0 or step + 1 == cfg.phase.steps:
+        evaluated = (step + 1) % cfg.run.eval_every == 0 or step + 1 == cfg.phase.steps
+        if evaluated:
             bar.close()
-            result = checkpoint_eval(bundle, eval_examples, cfg, dp)
-            print_eval(phase, step + 1, result)
-            files.write_log(dict(event="eval", phase=phase, step=step + 1, metrics=result.flat()))
-            if cfg.phase.controller:
-                metrics = dict(result.metrics, zero_spread=float(np.mean(zero_spread_since_eval)))
-                for d in controller.update(metrics, result.overall.intervals, n=result.overall.n_prompts):
-                    print(f"  gate: {d}")
-                    files.write_log(dict(event="gate", phase=phase, step=step + 1, rule=d.rule,
-                                         changes={d.target: [d.old, d.new]}, decision=d.to_dict()))
-                rewards.set_weights(controller.weights)
-            zero_spread_since_eval = []
-            dp.check_replicas(params)  # every rank must hold the adapter rank 0 is about to save
-            tensors = dict(adapter_tensors(lora_state_dict(model)), **dp.generator_states(GEN_KEY, gen))
-            if dp.is_main:
-                base = str(start.base.relative_to(files.root)) if start.base else None
-                save_checkpoint(files.root, phase, step + 1, tensors=tensors, optimizer=opt,
-                                scheduler_state={"step": step + 1}, controller_state=controller.state_dict(),
-                                data_position=stream.position, metrics=result.flat(), scores=result.scores,
-                                config_json=cfg.to_json(), extra={"kind": "adapter", "base": base})
+            evaluate_and_save(step + 1)
+        # a stop (on any rank) or a periodic save is taken at this step boundary, by all ranks at once
+        signum, due = dp.agree(STOP.signum or 0, clock.due(step + 1))
+        if (signum or due) and not evaluated:
+            save(step + 1)
+        if signum:
+            bar.close()
+            raise Stopped(stop_message(f"{phase} step {step + 1}", signum), signum)
     bar.close()
 
 
@@ -342,7 +394,7 @@ def run_phase(cfg: TrainConfig, files: RunFiles, device: str, dp: DataParallel) 
     """One planned phase: the SFT warm-up (once per run directory, on rank 0) or GRPO."""
     if cfg.phase.name != "warmup":
         run_grpo_phase(cfg, files, device, dp)
-    elif read_registry(files.root, "warmup").get("aliases"):
+    elif phase_finished(files.root, "warmup"):
         print("warm-up already done in this run directory; skipping")
     elif dp.is_main:  # the SFT warm-up is not data-parallel: rank 0 runs it, the others wait
         run_warmup(cfg, files, device)

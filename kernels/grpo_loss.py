@@ -66,6 +66,31 @@ policy that sampled the batch, detached; from the second update on the ratio dif
 mean_t (ratio_t - 1) - log ratio_t with token ratios (Schulman's approximate KL; 0 when
 old_logp is None).
 
+Rollout correction (sampler_logp, correction, correction_mode, correction_cap = C). When
+the completions come from another engine than the one computing logp (the merged bf16 copy
+of grpo/rollout_fast.py against the NF4 + LoRA trainer; vLLM in TRL), the tokens were drawn
+from pi_sampler, not from the trainer's pi_old, and the ratio against old alone ignores
+that. Per token w_t = pi_old(y_t) / pi_sampler(y_t) = exp(old_t - sampler_t) (old = the
+detached current log-probs when old_logp is None: the trainer at sampling time), per
+sequence w_i = exp(sum_t (old_t - sampler_t)), the likelihood ratio of the whole
+completion. The policy term becomes w * pg_t (the KL term is left alone), w a constant:
+no gradient flows through it. Two ways to bound it at C:
+
+    truncate (TIS)   w = min(ratio, C)                 every sample kept, big ratios capped
+    mask     (MIS)   w = ratio if ratio <= C, else 0   samples the trainer finds far likelier than the sampler dropped
+
+Trade-off. Token level keeps variance low (each factor is near 1) but is biased: the
+product of per-token corrections is not the sequence's likelihood ratio. Sequence level is
+the unbiased correction of a sequence-level reward, but its ratio is a product of T factors
+and its variance grows with the length, so a cap binds more often. Truncating keeps every
+sample and trades variance for bias (the capped part of the weight is lost); masking
+throws away the samples a big mismatch has made untrustworthy (more bias on the kept set's
+size, no bias from the kept samples' weights, and stabler with a large mismatch). TRL's
+default is sequence level, mask, C = 3. Diagnostics (always, when sampler_logp is given):
+is_kl, the k3 estimate (w - 1) - log w over tokens of KL(sampler || trainer) (unbiased for
+tokens drawn from the sampler, never negative), the mean and max ratio and the fraction
+above C at the correction's level (tokens when off).
+
 Gradient: only logp gets one. old_logp, ref_logp and all advantage inputs are constants
 (exactly as in GRPO). At a tie of the two min() branches the gradient is -A (torch.minimum
 gives half to each branch and both carry -A inside the clip range); a token whose clipped
@@ -88,13 +113,15 @@ Gradient accumulation: grpo/bnpo/dr_grpo are per-micro-batch means (average the
 micro-batch losses, i.e. divide by the number of steps); dapo with num_active_tokens =
 active tokens of the whole accumulated batch is already normalised (sum the losses).
 
-Simplified: no "GSPO-token" variant, no entropy masking, no top-entropy token selection.
+Simplified: the rollout correction caps the ratio from above only (IcePop also masks
+ratios below 1 / C); no "GSPO-token" variant, no entropy masking, no top-entropy token selection.
 Masked positions may hold anything (padding -inf, NaN); they are replaced by 0 before any
 arithmetic, so they never poison a sum (TRL multiplies by the mask, where inf * 0 = NaN).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
 import torch
@@ -111,6 +138,8 @@ from kernels.grpo_advantages import (ADV_PREFIX, ADV_ROW, ADV_TOKEN, SCALES, Adv
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")  # the one list: grpo/config.py and grpo/distributed.py read it
 IMPORTANCE = ("token", "sequence")
+CORRECTIONS = ("off", "token", "sequence")  # rollout correction level (sampler vs trainer)
+CORRECTION_MODES = ("truncate", "mask")
 
 # The finalisation kernel's LOSS_TYPE codes, one per name of LOSS_TYPES.
 LOSS_GRPO = tl.constexpr(0)
@@ -118,6 +147,11 @@ LOSS_BNPO = tl.constexpr(1)
 LOSS_DR_GRPO = tl.constexpr(2)
 LOSS_DAPO = tl.constexpr(3)
 _LOSS_CODE = {"grpo": LOSS_GRPO, "bnpo": LOSS_BNPO, "dr_grpo": LOSS_DR_GRPO, "dapo": LOSS_DAPO}
+# The forward kernel's CORR codes, one per name of CORRECTIONS.
+CORR_OFF = tl.constexpr(0)
+CORR_TOKEN = tl.constexpr(1)
+CORR_SEQ = tl.constexpr(2)
+_CORR_CODE = {"off": CORR_OFF, "token": CORR_TOKEN, "sequence": CORR_SEQ}
 # dapo's divisor (NORM_MODE): this micro-batch's active tokens, a number, or a 1-element tensor.
 NORM_BATCH_TOKENS = tl.constexpr(0)
 NORM_VALUE = tl.constexpr(1)  # also dr_grpo's N * max_len
@@ -132,7 +166,12 @@ SLOT_CLIP_HIGH = tl.constexpr(4)  # tokens clipped above (ratio > 1 + eps_high, 
 SLOT_ADV_ABS = tl.constexpr(5)  # sum_t |A_t|
 SLOT_ADV_MAX = tl.constexpr(6)  # max_t |A_t| (token_adv: an all-zero group has zero spread)
 SLOT_KL_OLD = tl.constexpr(7)  # sum_t (r_t - 1) - log r_t against old_logp
-N_SLOTS = tl.constexpr(8)
+SLOT_IS_KL = tl.constexpr(8)  # sum_t (w_t - 1) - log w_t, w_t = pi_train / pi_sampler per token
+SLOT_IS_SUM = tl.constexpr(9)  # sum of the rollout ratios at the correction's level (tokens or this row)
+SLOT_IS_MAX = tl.constexpr(10)  # their max (0 for a fully masked row)
+SLOT_IS_OVER = tl.constexpr(11)  # how many of them exceed the cap (truncated or masked)
+SLOT_IS_UNITS = tl.constexpr(12)  # how many there are: n_i (token level) or 1 if n_i > 0 (sequence)
+N_SLOTS = tl.constexpr(13)
 # The finalisation's outputs: stats[STAT_*] (GRPOStats' order) and extra[EXTRA_*].
 STAT_KL = tl.constexpr(0)
 STAT_CLIP_LOW = tl.constexpr(1)
@@ -140,7 +179,11 @@ STAT_CLIP_HIGH = tl.constexpr(2)
 STAT_ZERO_SPREAD = tl.constexpr(3)
 STAT_ADV_ABS = tl.constexpr(4)
 STAT_KL_OLD = tl.constexpr(5)
-N_STATS = tl.constexpr(6)
+STAT_IS_KL = tl.constexpr(6)
+STAT_IS_RATIO_MEAN = tl.constexpr(7)
+STAT_IS_RATIO_MAX = tl.constexpr(8)
+STAT_IS_OVER = tl.constexpr(9)
+N_STATS = tl.constexpr(10)
 EXTRA_SCALE = tl.constexpr(0)  # the aggregation's normaliser, which backward multiplies in
 EXTRA_TOKENS = tl.constexpr(1)  # M, this micro-batch's active tokens
 N_EXTRA = tl.constexpr(2)
@@ -156,6 +199,11 @@ class GRPOStats:
     zero_spread_frac: torch.Tensor  # groups with constant rewards (token_adv: all-zero A)
     adv_abs_mean: torch.Tensor  # mean |A_t| over active tokens
     kl_old_mean: torch.Tensor  # mean k3 of the current policy vs old_logp: (ratio - 1) - log ratio
+    # Rollout mismatch (0, 1, 1, 0 without sampler_logp: the trainer is taken as the sampler).
+    is_kl: torch.Tensor  # mean k3 (w - 1) - log w of w = pi_train / pi_sampler per token: KL(sampler || trainer)
+    is_ratio_mean: torch.Tensor  # mean rollout ratio at the correction's level (token when off)
+    is_ratio_max: torch.Tensor  # max rollout ratio at that level
+    is_over_frac: torch.Tensor  # tokens / sequences whose ratio exceeds the cap (truncated or masked; off: would be)
 
     def to_dict(self) -> dict[str, torch.Tensor]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -172,6 +220,8 @@ def grpo_loss_reference(
     beta: float = 0.0, eps_low: float = 0.2, eps_high: float = 0.2, loss_type: str = "grpo",
     importance: str = "token", max_len: int | None = None,
     num_active_tokens: float | torch.Tensor | None = None, kl_bias_correction: bool = False,
+    sampler_logp: torch.Tensor | None = None, correction: str = "off", correction_mode: str = "mask",
+    correction_cap: float = 3.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Loss from given advantages adv [N] or [N, T]; stats without zero_spread_frac."""
     N, T = logp.shape
@@ -191,6 +241,23 @@ def grpo_loss_reference(
     pg_loss1 = ratio * A
     pg_loss2 = torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * A
     per_token = -torch.minimum(pg_loss1, pg_loss2)
+
+    # Rollout correction: w = pi_train / pi_sampler of the sampled tokens, a constant weight
+    # on the policy term. pi_train is the trainer at sampling time: old (detached current
+    # when old_logp is None), so every update of a batch gets the same weight.
+    is_lr = torch.zeros_like(lp)
+    if sampler_logp is not None:
+        is_lr = torch.where(m, old.detach() - sampler_logp.float(), 0.0)
+    unit_lr = is_lr.sum(-1) if correction == "sequence" else is_lr  # [N] or [N, T]
+    units = (mf.sum(-1) > 0) if correction == "sequence" else m
+    log_cap = math.log(correction_cap)
+    over = (unit_lr > log_cap) & units
+    if correction != "off":
+        if correction_mode == "truncate":  # min(ratio, C), in logs: no inf for a long sequence
+            w = torch.exp(torch.clamp(unit_lr, max=log_cap))
+        else:
+            w = torch.where(unit_lr > log_cap, 0.0, torch.exp(torch.clamp(unit_lr, max=log_cap)))
+        per_token = per_token * (w[:, None] if correction == "sequence" else w)
 
     kl = torch.zeros_like(lp)
     if ref_logp is not None:
@@ -224,6 +291,15 @@ def grpo_loss_reference(
             "adv_abs_mean": (A.abs() * mf).sum() / M,
             "kl_old_mean": ((torch.exp(token_log_ratio) - 1 - token_log_ratio) * mf).sum() / M,
         }
+        n_units = units.sum().clamp(min=1)
+        unit_ratio = torch.exp(unit_lr)
+        stats.update(
+            is_kl=((torch.exp(is_lr) - 1 - is_lr) * mf).sum() / M,
+            is_ratio_mean=torch.where(units, unit_ratio, 0.0).sum() / n_units if units.any()
+            else torch.ones((), device=lp.device),
+            is_ratio_max=torch.where(units, unit_ratio, 0.0).max() if units.any()
+            else torch.ones((), device=lp.device),
+            is_over_frac=over.sum() / n_units)
     return loss, stats
 
 
@@ -235,13 +311,13 @@ def grpo_loss_reference(
 @triton.jit
 def _grpo_loss_fwd_kernel(
     # pointers: [N, T] inputs, the advantage source, outputs grad [N, T] and part [N, N_SLOTS]
-    logp_ptr, old_ptr, ref_ptr, mask_ptr, adv_ptr, coef_ptr, tend_ptr, grad_ptr, part_ptr,
+    logp_ptr, old_ptr, ref_ptr, mask_ptr, adv_ptr, coef_ptr, tend_ptr, grad_ptr, part_ptr, samp_ptr,
     # dimensions: T tokens per row, C reward columns of coef / tend
     T, C,
     # strides: rows only, every last dimension is contiguous (the launcher makes it so)
-    stride_lp, stride_old, stride_ref, stride_m, stride_adv, stride_coef, stride_tend,
+    stride_lp, stride_old, stride_ref, stride_m, stride_adv, stride_coef, stride_tend, stride_samp,
     # scalars
-    beta, eps_low, eps_high,
+    beta, eps_low, eps_high, log_cap,
     # meta-parameters: each combination is its own compiled kernel
     ADV_MODE: tl.constexpr,  # ADV_ROW | ADV_PREFIX | ADV_TOKEN: which advantage pointers are read
     HAS_OLD: tl.constexpr, HAS_REF: tl.constexpr, KL_IN_LOSS: tl.constexpr,
@@ -249,6 +325,9 @@ def _grpo_loss_fwd_kernel(
     ROW_MEAN: tl.constexpr,  # grpo aggregation: each row's tokens weigh 1 / n_i
     BLOCK_T: tl.constexpr, C_PAD: tl.constexpr,
     BIAS_KL: tl.constexpr,  # kl_t = ratio_t * k3_t (TRL's use_bias_correction_kl)
+    HAS_SAMP: tl.constexpr,  # sampler log-probs given: rollout ratios and the mismatch stats
+    CORR: tl.constexpr,  # rollout correction: CORR_OFF | CORR_TOKEN | CORR_SEQ
+    CORR_MASK: tl.constexpr,  # mask (weight 0) above the cap instead of truncating to it
 ):
     """One program per completion row i. Writes grad[i, :] and the row's N_SLOTS partials."""
     i = tl.program_id(0).to(tl.int64)
@@ -256,12 +335,16 @@ def _grpo_loss_fwd_kernel(
     lp_row = logp_ptr + i * stride_lp
     old_row = old_ptr + i * stride_old
     m_row = mask_ptr + i * stride_m
+    samp_row = samp_ptr + i * stride_samp
     grad_row = grad_ptr + i * T
+    SEQ_IS: tl.constexpr = HAS_SAMP and CORR == CORR_SEQ
 
-    # Pass 1: active-token count n (and the GSPO sequence log-ratio). Reads 1 B/token.
+    # Pass 1: active-token count n (and the GSPO sequence log-ratio, and the sequence-level
+    # rollout log-ratio). Reads 1 B/token, more for the sums.
     n = 0.0
     seq_lr = 0.0
-    if ROW_MEAN or SEQ:
+    seq_is_lr = 0.0  # sum_t (old_t - sampler_t): log of the row's pi_train / pi_sampler
+    if ROW_MEAN or SEQ or SEQ_IS:
         for start in range(0, T, BLOCK_T):
             t = start + offs
             m = tl.load(m_row + t, mask=t < T, other=0) != 0
@@ -270,7 +353,20 @@ def _grpo_loss_fwd_kernel(
                 lp = tl.load(lp_row + t, mask=t < T, other=0.0).to(tl.float32)
                 old = tl.load(old_row + t, mask=t < T, other=0.0).to(tl.float32)
                 seq_lr += tl.sum(tl.where(m, lp - old, 0.0))
+            if SEQ_IS:
+                src = old_row if HAS_OLD else lp_row
+                old = tl.load(src + t, mask=t < T, other=0.0).to(tl.float32)
+                smp = tl.load(samp_row + t, mask=t < T, other=0.0).to(tl.float32)
+                seq_is_lr += tl.sum(tl.where(m, old - smp, 0.0))
     n_safe = tl.maximum(n, 1.0)
+    # The row's rollout weight (sequence level): min(ratio, C), or ratio masked to 0 above C,
+    # taken in logs so that a long row's exp(sum) cannot overflow into inf * 0.
+    w_seq = 1.0
+    if SEQ_IS:
+        if CORR_MASK:
+            w_seq = tl.where(seq_is_lr > log_cap, 0.0, tl.exp(tl.minimum(seq_is_lr, log_cap)))
+        else:
+            w_seq = tl.exp(tl.minimum(seq_is_lr, log_cap))
     row_w = 1.0
     if ROW_MEAN:
         row_w = 1.0 / n_safe
@@ -296,6 +392,10 @@ def _grpo_loss_fwd_kernel(
     acc_max = 0.0
     acc_dratio = 0.0  # sum_t d (pg_t + beta kl_t) / d ratio_seq (sequence importance only)
     acc_kl_old = 0.0  # sum_t k3(current vs old) = (r_t - 1) - log r_t, token ratios
+    acc_is_kl = 0.0  # sum_t k3 of the token rollout ratios
+    acc_is_sum = 0.0  # token level: sum_t of the rollout ratios (sequence level: set after the loop)
+    acc_is_max = 0.0
+    acc_is_over = 0.0
     for start in range(0, T, BLOCK_T):
         t = start + offs
         inb = t < T
@@ -325,6 +425,26 @@ def _grpo_loss_fwd_kernel(
         in_range = (ratio >= 1.0 - eps_low) & (ratio <= 1.0 + eps_high)
         # d pg / d ratio: -A unless the clipped branch wins while the clip is active.
         dpg = tl.where((pg_loss2 < pg_loss1) & (~in_range), 0.0, -A)
+
+        if HAS_SAMP:  # rollout ratio of each token: pi_train (= old) / pi_sampler
+            smp = tl.where(m, tl.load(samp_row + t, mask=inb, other=0.0).to(tl.float32), 0.0)
+            is_lr = old - smp
+            is_r = tl.exp(is_lr)
+            acc_is_kl += tl.sum(tl.where(m, is_r - 1.0 - is_lr, 0.0))
+            if not SEQ_IS:
+                acc_is_sum += tl.sum(tl.where(m, is_r, 0.0))
+                acc_is_max = tl.maximum(acc_is_max, tl.max(tl.where(m, is_r, 0.0)))
+                acc_is_over += tl.sum((m & (is_lr > log_cap)).to(tl.float32))
+            if CORR == CORR_TOKEN:  # a constant weight on the policy term, like the row's below
+                if CORR_MASK:
+                    w_tok = tl.where(is_lr > log_cap, 0.0, tl.exp(tl.minimum(is_lr, log_cap)))
+                else:
+                    w_tok = tl.exp(tl.minimum(is_lr, log_cap))
+                per_token = per_token * w_tok
+                dpg = dpg * w_tok
+        if SEQ_IS:
+            per_token = per_token * w_seq
+            dpg = dpg * w_seq
 
         dkl = tl.zeros([BLOCK_T], dtype=tl.float32)
         dkl_dratio = tl.zeros([BLOCK_T], dtype=tl.float32)  # d(beta * kl) / d ratio (BIAS_KL)
@@ -375,7 +495,18 @@ def _grpo_loss_fwd_kernel(
             grad = tl.load(grad_row + t, mask=t < T, other=0.0)
             tl.store(grad_row + t, grad + tl.where(m, k, 0.0), mask=t < T)
 
+    acc_units = acc_n
+    if SEQ_IS:
+        acc_units = (n > 0.0).to(tl.float32)
+        acc_is_sum = tl.exp(seq_is_lr) * acc_units
+        acc_is_max = acc_is_sum
+        acc_is_over = ((seq_is_lr > log_cap) & (n > 0.0)).to(tl.float32)
     part = part_ptr + i * N_SLOTS
+    tl.store(part + SLOT_IS_KL, acc_is_kl)
+    tl.store(part + SLOT_IS_SUM, acc_is_sum)
+    tl.store(part + SLOT_IS_MAX, acc_is_max)
+    tl.store(part + SLOT_IS_OVER, acc_is_over)
+    tl.store(part + SLOT_IS_UNITS, acc_units)
     tl.store(part + SLOT_LOSS, acc_loss * row_w)
     tl.store(part + SLOT_TOKENS, acc_n)
     tl.store(part + SLOT_KL, acc_kl)
@@ -401,6 +532,7 @@ def _grpo_finalize_kernel(
     NORM_MODE: tl.constexpr,  # dapo's divisor: NORM_BATCH_TOKENS | NORM_VALUE | NORM_TENSOR
     TOKEN_ADV: tl.constexpr,  # no reward columns: zero spread from the rows' max |A|
     BLOCK_N: tl.constexpr, G_PAD: tl.constexpr, C_PAD: tl.constexpr,
+    HAS_SAMP: tl.constexpr,  # the rows hold rollout ratios (else the mismatch stats are 1 / 0)
 ):
     """Row partials [N, N_SLOTS] -> loss, stats [N_STATS] (STAT_*), extra [scale, M]."""
     loss = 0.0
@@ -410,6 +542,11 @@ def _grpo_finalize_kernel(
     hi = 0.0
     ab = 0.0
     klo = 0.0
+    is_kl = 0.0
+    is_sum = 0.0
+    is_max = 0.0
+    is_over = 0.0
+    is_units = 0.0
     for start in range(0, N, BLOCK_N):
         rows = start + tl.arange(0, BLOCK_N)
         ok = rows < N
@@ -420,6 +557,11 @@ def _grpo_finalize_kernel(
         hi += tl.sum(tl.load(part_ptr + rows * N_SLOTS + SLOT_CLIP_HIGH, mask=ok, other=0.0))
         ab += tl.sum(tl.load(part_ptr + rows * N_SLOTS + SLOT_ADV_ABS, mask=ok, other=0.0))
         klo += tl.sum(tl.load(part_ptr + rows * N_SLOTS + SLOT_KL_OLD, mask=ok, other=0.0))
+        is_kl += tl.sum(tl.load(part_ptr + rows * N_SLOTS + SLOT_IS_KL, mask=ok, other=0.0))
+        is_sum += tl.sum(tl.load(part_ptr + rows * N_SLOTS + SLOT_IS_SUM, mask=ok, other=0.0))
+        is_max = tl.maximum(is_max, tl.max(tl.load(part_ptr + rows * N_SLOTS + SLOT_IS_MAX, mask=ok, other=0.0)))
+        is_over += tl.sum(tl.load(part_ptr + rows * N_SLOTS + SLOT_IS_OVER, mask=ok, other=0.0))
+        is_units += tl.sum(tl.load(part_ptr + rows * N_SLOTS + SLOT_IS_UNITS, mask=ok, other=0.0))
     M_safe = tl.maximum(M, 1.0)
     if LOSS_TYPE == LOSS_GRPO:  # the row partials already hold sum_t / n_i
         scale = 1.0 / N
@@ -453,6 +595,16 @@ def _grpo_finalize_kernel(
     tl.store(stats_ptr + STAT_ZERO_SPREAD, zero / B)
     tl.store(stats_ptr + STAT_ADV_ABS, ab / M_safe)
     tl.store(stats_ptr + STAT_KL_OLD, klo / M_safe)
+    tl.store(stats_ptr + STAT_IS_KL, is_kl / M_safe)
+    if HAS_SAMP:
+        units_safe = tl.maximum(is_units, 1.0)
+        tl.store(stats_ptr + STAT_IS_RATIO_MEAN, tl.where(is_units > 0.0, is_sum / units_safe, 1.0))
+        tl.store(stats_ptr + STAT_IS_RATIO_MAX, tl.where(is_units > 0.0, is_max, 1.0))
+        tl.store(stats_ptr + STAT_IS_OVER, is_over / units_safe)
+    else:  # no sampler log-probs: the trainer is the sampler
+        tl.store(stats_ptr + STAT_IS_RATIO_MEAN, 1.0)
+        tl.store(stats_ptr + STAT_IS_RATIO_MAX, 1.0)
+        tl.store(stats_ptr + STAT_IS_OVER, 0.0)
     tl.store(extra_ptr + EXTRA_SCALE, scale)
     tl.store(extra_ptr + EXTRA_TOKENS, M)
 
@@ -479,7 +631,8 @@ def _grpo_loss_fwd_triton(
     logp: torch.Tensor, mask: torch.Tensor, adv: Advantages, old_logp: torch.Tensor | None,
     ref_logp: torch.Tensor | None, beta: float, eps_low: float, eps_high: float, loss_type: str,
     importance: str, max_len: int | None, num_active_tokens: float | torch.Tensor | None,
-    kl_bias_correction: bool,
+    kl_bias_correction: bool, sampler_logp: torch.Tensor | None = None, correction: str = "off",
+    correction_mode: str = "mask", correction_cap: float = 3.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (loss 0-d, stats [N_STATS], extra [N_EXTRA], grad [N, T] fp32 without the normaliser)."""
     N, T = logp.shape
@@ -492,6 +645,7 @@ def _grpo_loss_fwd_triton(
     token_mode, prefix_mode = adv.mode == "token", adv.mode == "prefix"
     old = last_dim_contiguous(old_logp) if old_logp is not None else logp
     ref = last_dim_contiguous(ref_logp) if ref_logp is not None else logp
+    samp = last_dim_contiguous(sampler_logp) if sampler_logp is not None else logp
     token_adv = last_dim_contiguous(adv.adv) if token_mode else logp
     coef = adv.coef if not token_mode else logp
     t_end = adv.t_end if prefix_mode else mask
@@ -503,14 +657,15 @@ def _grpo_loss_fwd_triton(
     # holds a [BLOCK_T, C_PAD] tile, so it gets smaller tiles.
     BLOCK_T = min(4096 if not prefix_mode else 1024, next_pow2(T, 16))
     _grpo_loss_fwd_kernel[(N,)](
-        logp, old, ref, mask, token_adv, coef, t_end, grad, part,
+        logp, old, ref, mask, token_adv, coef, t_end, grad, part, samp,
         T, C,
         logp.stride(0), old.stride(0), ref.stride(0), mask.stride(0), token_adv.stride(0),
-        coef.stride(0), t_end.stride(0),
-        beta, eps_low, eps_high,
+        coef.stride(0), t_end.stride(0), samp.stride(0),
+        beta, eps_low, eps_high, math.log(correction_cap),
         ADV_MODE=_ADV_CODE[adv.mode].value, HAS_OLD=old_logp is not None, HAS_REF=ref_logp is not None,
         KL_IN_LOSS=beta != 0.0, SEQ=importance == "sequence", ROW_MEAN=loss_type == "grpo",
         BLOCK_T=BLOCK_T, C_PAD=next_pow2(C), BIAS_KL=bool(kl_bias_correction) and ref_logp is not None,
+        HAS_SAMP=sampler_logp is not None, CORR=_CORR_CODE[correction].value, CORR_MASK=correction_mode == "mask",
         num_warps=max(4, min(16, BLOCK_T // 256)),
     )
     norm_is_tensor = isinstance(num_active_tokens, torch.Tensor)
@@ -532,7 +687,7 @@ def _grpo_loss_fwd_triton(
         norm_value,
         LOSS_TYPE=_LOSS_CODE[loss_type].value, NORM_MODE=norm_mode.value,
         TOKEN_ADV=token_mode, BLOCK_N=min(1024, next_pow2(N, 16)), G_PAD=next_pow2(G),
-        C_PAD=next_pow2(const.shape[1]),
+        C_PAD=next_pow2(const.shape[1]), HAS_SAMP=sampler_logp is not None,
     )
     return loss, stats, extra, grad
 
@@ -601,6 +756,18 @@ def _validate(
         raise ValueError(f"num_active_tokens must be > 0, got {num_active_tokens}")
 
 
+def _validate_correction(logp, sampler_logp, correction, correction_mode, correction_cap) -> None:
+    """The rollout correction's arguments."""
+    if sampler_logp is not None:
+        check_tensor("sampler_logp", sampler_logp, tuple(logp.shape), logp.device, floating=True)
+    if correction not in CORRECTIONS:
+        raise ValueError(f"correction must be one of {CORRECTIONS}, got {correction!r}")
+    if correction_mode not in CORRECTION_MODES:
+        raise ValueError(f"correction_mode must be one of {CORRECTION_MODES}, got {correction_mode!r}")
+    if not (isinstance(correction_cap, (int, float)) and math.isfinite(correction_cap) and correction_cap > 1):
+        raise ValueError(f"correction_cap must be a finite number > 1 (the largest ratio kept), got {correction_cap!r}")
+
+
 def _check_prepared(adv: object, N: int, G: int, backend: str) -> None:
     # Duck-typed like prefix: a test's reloaded (interpreted) module has its own class.
     missing = [f for f in ("G", "backend", "mode", "adv", "zero_spread", "coef", "t_end", "constant")
@@ -625,7 +792,8 @@ def grpo_loss(
     component_weights: torch.Tensor | None = None, prefix: PrefixRubrics | None = None,
     importance: str = "token", max_len: int | None = None,
     num_active_tokens: float | torch.Tensor | None = None, adv_std_floor: float = 0.0,
-    kl_bias_correction: bool = False, backend: str = "auto",
+    kl_bias_correction: bool = False, sampler_logp: torch.Tensor | None = None, correction: str = "off",
+    correction_mode: str = "mask", correction_cap: float = 3.0, backend: str = "auto",
 ) -> tuple[torch.Tensor, GRPOStats]:
     """GRPO loss (0-d fp32, differentiable w.r.t. logp) and detached diagnostics.
 
@@ -638,12 +806,16 @@ def grpo_loss(
     loss_type: "grpo" | "bnpo" | "dr_grpo" (divides by N * max_len, default T) | "dapo"
     (divides by num_active_tokens, default this micro-batch's count) - formulas in the module
     docstring. mask: nonzero = active. kl_bias_correction: kl_t = ratio_t * k3_t (TRL's
-    use_bias_correction_kl). backend: "auto" (CUDA -> Triton, else the reference), "torch",
+    use_bias_correction_kl). sampler_logp [N, T]: the rollout engine's log-probs of the same
+    tokens (the mismatch stats; None = the trainer sampled); correction "off" | "token" |
+    "sequence", correction_mode "truncate" | "mask", correction_cap C > 1: the rollout
+    correction of the module docstring. backend: "auto" (CUDA -> Triton, else the reference), "torch",
     or "triton" (on a CPU only under TRITON_INTERPRET=1). Host syncs: the NaN checks of the
     reward inputs (none when ``advantages`` is given).
     """
     _validate(logp, mask, G, old_logp, ref_logp, beta, eps_low, eps_high, loss_type, adv_eps,
               importance, max_len, num_active_tokens, kl_bias_correction)
+    _validate_correction(logp, sampler_logp, correction, correction_mode, correction_cap)
     N, T = logp.shape
     backend = resolve_backend(backend, logp.device)
     if advantages is None:
@@ -662,7 +834,8 @@ def grpo_loss(
     loss_args = dict(old_logp=old_logp, ref_logp=ref_logp, beta=float(beta),
                      eps_low=float(eps_low), eps_high=float(eps_high), loss_type=loss_type,
                      importance=importance, max_len=max_len, num_active_tokens=num_active_tokens,
-                     kl_bias_correction=bool(kl_bias_correction))
+                     kl_bias_correction=bool(kl_bias_correction), sampler_logp=sampler_logp,
+                     correction=correction, correction_mode=correction_mode, correction_cap=float(correction_cap))
 
     if backend == "torch":
         loss, st = grpo_loss_reference(logp, mask, advantages.adv, **loss_args)
@@ -672,4 +845,6 @@ def grpo_loss(
     loss, s = _FusedGRPOLoss.apply(logp, dict(mask=mask, adv=advantages, **loss_args))
     return loss, GRPOStats(kl_mean=s[STAT_KL.value], clip_low_frac=s[STAT_CLIP_LOW.value],
                            clip_high_frac=s[STAT_CLIP_HIGH.value], zero_spread_frac=s[STAT_ZERO_SPREAD.value],
-                           adv_abs_mean=s[STAT_ADV_ABS.value], kl_old_mean=s[STAT_KL_OLD.value])
+                           adv_abs_mean=s[STAT_ADV_ABS.value], kl_old_mean=s[STAT_KL_OLD.value],
+                           is_kl=s[STAT_IS_KL.value], is_ratio_mean=s[STAT_IS_RATIO_MEAN.value],
+                           is_ratio_max=s[STAT_IS_RATIO_MAX.value], is_over_frac=s[STAT_IS_OVER.value])

@@ -243,6 +243,10 @@ OPTION_CASES = [
     (["--sampling.max_new_tokens", "0"], "sampling.max_new_tokens=0: must be >= 1"),
     (["--sampling.top_k", "-1"], "sampling.top_k=-1: must be >= 0"),
     (["--sampling.rollout", "fast"], "sampling.rollout='fast': use plain or merged"),
+    (["--optim.rollout_correction", "row"], "optim.rollout_correction='row': use "),
+    (["--optim.rollout_correction_mode", "clip"], "optim.rollout_correction_mode='clip': use "),
+    (["--optim.rollout_correction_cap", "1"], "optim.rollout_correction_cap=1.0: must be > 1"),
+    (["--optim.rollout_correction_cap", "inf"], "optim.rollout_correction_cap=inf: must be a finite number"),
     # phase
     (["--phase.steps", "-1"], "phase.steps=-1: must be >= 0"),
     (["--phase.prompts_per_step", "0"], "phase.prompts_per_step=0: must be >= 1"),

@@ -1,7 +1,8 @@
-"""bench/learning.py end to end in its --quick configuration (about 30 s on 2 shared cores):
-one seed, the default run plus two variants -- the correctness-0 ablation (shares the
-default's warm-up) and the frozen-policy control (shares its warm-up and phase A) -- through
-training subprocesses, the reports, pass@8 with shuffled images, the summary and the plots.
+"""bench/learning.py end to end in its --quick configuration (about 40 s on 2 shared cores),
+through its command line (python -m bench.learning): one seed, the default run plus three
+variants -- the correctness-0 ablation and the random-reward control (both from the shipped
+base) and the frozen-policy control (shares the default's phase A) -- through training
+subprocesses, the reports, pass@8 with shuffled images, the summary and the plots.
 Then: a rerun trains and samples nothing, changed settings refuse the old run directories,
 bad arguments are one line with exit code 2. The numbers of a 2-step run mean nothing: only
 the structure is asserted (the benchmark itself carries the numbers)."""
@@ -9,7 +10,11 @@ the structure is asserted (the benchmark itself carries the numbers)."""
 import contextlib
 import io
 import json
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +23,7 @@ from bench import learning
 from grpo.config import PHASE_WEIGHTS, parse_override_args
 from grpo.cli import phase_configs
 
-VARIANTS = "correctness0,frozen"
+VARIANTS = "correctness0,random,frozen"
 CELL = r"[+-]?\d+\.\d+ \[[+-]?\d+\.\d+, [+-]?\d+\.\d+\]"  # one seed: the value and its 95% interval
 
 
@@ -36,10 +41,14 @@ def bench(*args: str) -> tuple[int, str, str]:
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
     out = tmp_path_factory.mktemp("learning")
+    root = Path(__file__).resolve().parents[1]
     # two trainers at a time: both ablations start together once the default run is done
-    rc, stdout, stderr = bench("--quick", "--seeds", "1", "--variants", VARIANTS, "--out", str(out), "--jobs", "2")
-    assert rc == 0, stderr + stdout
-    return out, stdout
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.learning", "--quick", "--seeds", "1", "--variants", VARIANTS, "--out", str(out),
+         "--jobs", "2"], cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True, text=True,
+        timeout=900)
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    return out, proc.stdout
 
 
 def table(md: str, heading: str) -> list[list[str]]:
@@ -62,28 +71,30 @@ def test_quick_run_writes_the_tables_json_and_plots(quick):
     for sel in learning.CHECKPOINTS:  # one table per checkpoint; the control is not a row
         rows = table(md, f"### {learning.CHECKPOINT_TITLES[sel]}")
         assert rows[0] == ["variant"] + cols
-        assert [r[0] for r in rows[1:]] == (["`default`"] if sel == "warmup:latest" else ["`default`", "`correctness0`"])
+        assert [r[0] for r in rows[1:]] == (["`default`"] if sel == "base" else ["`default`", "`correctness0`", "`random`"])
     curves = table(md, "## Training curves")
-    assert [r[0] for r in curves[1:]] == ["`default`", "`correctness0`", "`frozen`"]
+    assert [r[0] for r in curves[1:]] == ["`default`", "`correctness0`", "`random`", "`frozen`"]
     assert "--B.optim.lr 0" in md and "--A.rewards.weights" in md  # every variant's command line
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["seeds"] == [0] and list(summary["variants"]) == ["default", "correctness0", "frozen"]
+    assert summary["seeds"] == [0] and list(summary["variants"]) == ["default", "correctness0", "random", "frozen"]
     em = summary["variants"]["default"]["checkpoints"]["B:latest"]["exact_match"]
     assert em["n"] == 1 and em["per_seed"][0]["seed"] == 0 and em["per_seed"][0]["lo"] <= em["mean"] + 1e-9
     assert "checkpoints" not in summary["variants"]["frozen"]
     for png in ("curves_seed0.png", "test_checkpoints.png"):
         assert (out / png).stat().st_size > 10_000
-    assert stdout.strip().splitlines()[-1].startswith("summary: 1 seed(s); default test EM warm-up ")
-    assert "| Warm-up base (`warmup:latest`) |" in stdout  # the tables are printed too
+    assert stdout.strip().splitlines()[-1].startswith("summary: 1 seed(s); default test EM base ")
+    assert "| Shipped base, before RL (`base`) |" in stdout  # the tables are printed too
 
 
-def test_ablations_start_from_the_default_runs_phases(quick):
+def test_ablations_start_from_the_base_and_the_control_from_phase_A(quick):
     out, _ = quick
-    default, ablation, frozen = (out / v / "seed0" for v in ("default", "correctness0", "frozen"))
-    for run, phases in ((ablation, ("warmup",)), (frozen, ("warmup", "A"))):
-        for phase in phases:  # byte copies: the same checkpoint, the same digests
-            assert (run / phase / "registry.json").read_bytes() == (default / phase / "registry.json").read_bytes()
-    assert (ablation / "A" / "registry.json").read_bytes() != (default / "A" / "registry.json").read_bytes()
+    default, ablation, random, frozen = (out / v / "seed0" for v in ("default", "correctness0", "random", "frozen"))
+    # byte copies: the same checkpoint, the same digests
+    assert (frozen / "A" / "registry.json").read_bytes() == (default / "A" / "registry.json").read_bytes()
+    for run in (ablation, random):  # their own phase A, from the shipped base; no warm-up anywhere
+        assert (run / "A" / "registry.json").read_bytes() != (default / "A" / "registry.json").read_bytes()
+        assert "phase A: starting from base" in (run / "train.out").read_text()
+    assert not any((out / v / "seed0" / "warmup").exists() for v in ("default", "correctness0", "random", "frozen"))
 
     def b_steps(run):
         return learning.b_steps_of([json.loads(line) for line in (run / "train_log.jsonl").read_text().splitlines()])
@@ -100,7 +111,7 @@ def test_a_rerun_trains_and_samples_nothing(quick):
     before = (out / "summary.md").read_text()
     rc, stdout, stderr = bench("--quick", "--seeds", "1", "--variants", VARIANTS, "--out", str(out))  # --jobs 1
     assert rc == 0, stderr
-    assert stdout.count("finished earlier, reused") == 3
+    assert stdout.count("finished earlier, reused") == 4
     assert ": training" not in stdout and "pass@8 of" not in stdout  # no trainer, no sampling
     assert {p: p.read_bytes() for p in logs} == logs
     assert (out / "summary.md").read_text() == before

@@ -1,24 +1,89 @@
-"""bench/step.py end to end at its smallest size (seconds): every stage runs on both rollout
-paths and the tables and the summary line come out. Speed is not asserted (benchmarks
-report it); bench/gpu.sh --dry-run covers the other benchmarks' CPU paths."""
+"""Every bench/ command through its real command line (``python -m bench.X``) at its smallest
+size, seconds each: it exits 0 and prints its table and summary line. Speed is not asserted
+(the benchmarks report it). The kernel and step benchmarks run exactly the command lines of
+bench/gpu.sh --dry-run, read from the script, so the GPU script cannot drift from what is
+tested; gpu.sh itself runs its env part (the rest of its parts are these commands and the
+kernel test files the suite runs anyway). bench/learning.py's CLI runs in
+tests/test_bench_learning.py."""
 
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from bench import step
+ROOT = Path(__file__).resolve().parents[1]
+GPU_SH = ROOT / "bench" / "gpu.sh"
 
 
-def test_step_benchmark_smoke(capsys):
-    import torch
+def cli(module: str, *args: str, interpret: bool = False, timeout: int = 300) -> str:
+    """Run ``python -m <module> args`` as a user would, on the CPU with one thread; its stdout."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "KERNELS_BACKEND")}
+    # CUDA hidden: on a GPU machine the benchmarks would otherwise pick their full GPU sizes.
+    env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(ROOT))
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    proc = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{module} {' '.join(args)} exited {proc.returncode}:\n{proc.stderr[-3000:]}"
+    return proc.stdout
 
+
+def dry_run_commands() -> dict[str, list[str]]:
+    """bench/gpu.sh --dry-run's benchmark parts: part -> [module, args...]."""
+    text = GPU_SH.read_text()
+    block = text[text.index('if [ "$DRY_RUN" = 1 ]; then\n  run env'):]
+    block = block[: block.index("\nelse\n")]
+    found = re.findall(r'^\s*run (\w+)\s+\d+\s+"\$PY" -m (bench\.\w+)(.*)$', block, re.M)
+    return {part: [module, *rest.split()] for part, module, rest in found}
+
+
+DRY_RUN = dry_run_commands()
+
+
+def test_gpu_sh_dry_run_lists_every_kernel_and_step_benchmark():
+    assert set(DRY_RUN) == {"grpo_loss", "logprob", "step", "sampler"}
+    assert all(cmd[0] == f"bench.{part}" for part, cmd in DRY_RUN.items())
+
+
+def table_rows(out: str, *cells: str) -> list[str]:
+    """Lines of a printed table whose whitespace-separated cells start with ``cells``."""
+    return [ln for ln in out.splitlines() if ln.split()[: len(cells)] == list(cells)]
+
+
+def test_grpo_loss():
+    out = cli(*DRY_RUN["grpo_loss"])
+    for provider in ("eager", "(validation)"):
+        assert table_rows(out, "N=8", "T=64", "grpo/token/kl", provider), provider
+    assert re.search(r"^summary: grpo_loss fwd\+bwd N=8 T=64 on CPU: eager [\d.]+ ms", out, re.M)
+
+
+@pytest.mark.parametrize("module, args, rows", [
+    ("bench.grpo_loss", ["--shape", "8", "16"],
+     [["N=8", "T=16", mode, "triton"] for mode in ("grpo/token/kl", "dapo/sequence", "bnpo/prefix", "dr_grpo/token_adv")]),
+    ("bench.logprob", ["--quick", "--shape", "2", "8", "--vocab", "500", "--hidden", "64"],
+     [["N=2", "T=8", "V=500", "triton", p] for p in ("fwd", "fwd+bwd")] + [["N=2", "T=8", "V=500", "d=64", p, "fwd+bwd"] for p in ("eager", "triton-chunked")]),
+])
+def test_triton_providers_under_the_interpreter(module, args, rows):
+    # The providers a CPU run skips: the kernel path of each benchmark, which gpu.sh times on a GPU.
+    out = cli(module, "--force-triton", "--reps", "1", "--warmup", "0", *args, interpret=True)
+    for cells in rows:
+        assert table_rows(out, *cells), cells
+    assert re.search(r"^summary: .* on CPU: eager [\d.]+ ms", out, re.M)
+
+
+def test_logprob():
+    out = cli(*DRY_RUN["logprob"])
+    for provider, pass_ in (("eager", "fwd"), ("eager", "fwd+bwd")):
+        assert table_rows(out, "N=2", "T=8", "V=1000", provider, pass_), (provider, pass_)
+    assert re.search(r"^summary: logprob fwd\+bwd 16 tokens x V=1000 on CPU: eager [\d.]+ ms", out, re.M)
+
+
+def test_step():
     pytest.importorskip("bitsandbytes")
-    threads = torch.get_num_threads()
-    try:
-        step.main(["--smoke", "--threads", "1"])
-    finally:
-        torch.set_num_threads(threads)  # the benchmark sets the process-wide count
-    out = capsys.readouterr().out
+    out = cli(*DRY_RUN["step"])
     assert "SCALED DOWN" in out  # a CPU run says it is not the 7B
     for stage in ("prompts", "sampling", "rewards", "ref logp (no grad)", "logp (grad)", "loss", "backward",
                   "optimizer", "step total"):
@@ -32,7 +97,90 @@ def test_step_benchmark_smoke(capsys):
 def test_step_benchmark_refuses_7b_without_a_gpu():
     import torch
 
+    from bench import step
+
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
         step.main(["--scale", "7b"])
+
+
+def test_sampler():
+    out = cli(*DRY_RUN["sampler"])
+    row = re.search(r"^\s*tiny\s.*\| generate\s+\d+ ms\s+([\d.]+) tok/s \| ours\s+\d+ ms\s+([\d.]+) tok/s "
+                    r"\| speed-up\s+[\d.]+x", out, re.M)
+    assert row and float(row.group(1)) > 0 and float(row.group(2)) > 0
+    assert re.search(r"^summary: ours vs generate on repeated prompts, G=2: tiny [\d.]+x$", out, re.M)
+
+
+def test_perception_probe():
+    out = cli("bench.perception_probe", "probe", "--task", "table", "--steps", "2", "--captions", "1",
+              "--B", "2", "--n-eval", "4", "--eval-every", "1")
+    assert re.search(r"^caption 0 lm loss [\d.]+", out, re.M) and re.search(r"^qa 0 lm loss [\d.]+", out, re.M)
+    acc = r"perceived digit accuracy (\d\.\d{3}) true images, (\d\.\d{3}) shuffled"
+    assert re.search(rf"^  @ 1: {acc}$", out, re.M)  # the learning curve
+    final = re.search(rf"^  final \(2 steps, \d+s\): {acc}$", out, re.M)
+    assert final and all(float(final.group(i)) in (0.0, 0.25, 0.5, 0.75, 1.0) for i in (1, 2))  # of 4 examples
+
+
+def test_perception_curriculum():
+    out = cli("bench.perception_probe", "curriculum", "--steps", "2", "--captions", "1", "--B", "2",
+              "--train-per-stage", "4", "--n-eval", "2")
+    for stage in (1, 2, 3):
+        assert re.search(rf"^stage {stage}: EM [\d.]+, shuffled images [\d.]+, blind gap [+-][\d.]+ .*"
+                         r"by family \(true/shuffled\): \w+ [\d.]+/[\d.]+", out, re.M), stage
+    assert re.search(r"^overall blind gap [+-][\d.]+ \(mean of the stages\); training took \d+s$", out, re.M)
+
+
+def gpu_sh(*args: str, out_dir: Path | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
+    if out_dir is not None:
+        env["OUT"] = str(out_dir)
+    return subprocess.run(["bash", str(GPU_SH), *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_gpu_sh_dry_run(tmp_path):
+    proc = gpu_sh("--dry-run", "--parts", "env", out_dir=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    summary = (tmp_path / "gpu_results" / "summary.md").read_text()
+    assert summary.startswith("# bench/gpu.sh --dry-run (CPU-smoke sizes")
+    rows = [ln for ln in summary.splitlines() if ln.startswith("| ") and not ln.startswith("| part ")]
+    assert len(rows) == 1 and re.fullmatch(r"\| env \| 0 \| \d+ \| summary: environment recorded \|", rows[0]), rows
+    env_log = (tmp_path / "gpu_results" / "env.log").read_text()
+    assert re.search(r"^python \S+ torch \S+ cuda \S+ device cpu$", env_log, re.M)  # --dry-run hides the GPU
+    assert re.search(r"^total: \d+ s of a 470 s budget$", summary, re.M)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--parts", "env,nosuch"], "unknown part 'nosuch' in --parts; use some of env,tests,grpo_loss,logprob,step,sampler"),
+    (["--parts"], "--parts needs a comma-separated list of: env,tests,"),
+    (["--frobnicate"], "unknown argument '--frobnicate'"),
+])
+def test_gpu_sh_bad_arguments_are_one_line_with_exit_code_2(args, message, tmp_path):
+    proc = gpu_sh("--dry-run", *args, out_dir=tmp_path)
+    assert proc.returncode == 2 and not proc.stdout and not (tmp_path / "gpu_results").exists()
+    assert proc.stderr.startswith("bench/gpu.sh: ") and message in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_step_benchmark_on_the_tiny_default_reports_the_rollout_mismatch(capsys):
+    """--scale tiny: the trainer's own tiny policy; the mismatch table has one row per path,
+    the plain path's sampler equals its trainer up to rounding, the merged fp32 copy nearly."""
+    import torch
+
+    pytest.importorskip("bitsandbytes")
+    threads = torch.get_num_threads()
+    try:
+        step.main(["--scale", "tiny", "--B", "1", "--G", "2", "--max-new-tokens", "4", "--beta", "0",
+                   "--threads", "1"])
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert "merged copy dtype torch.float32" in out  # the tiny model computes in fp32 on a CPU
+    for path in ("plain", "merged"):
+        row = re.search(rf"^\s*{path}\s+([\d.e+-]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)$", out, re.M)
+        assert row, path
+        kl, mean, mx, seq_max, over = map(float, row.groups())
+        assert kl < 1e-4 and abs(mean - 1) < 1e-2 and 1 - 1e-2 < mx < 1.1 and seq_max < 1.5 and over == 0, row.group(0)
+    assert re.search(r"^summary: GRPO step \(tiny, B=1 G=2 L=4\)", out, re.M)

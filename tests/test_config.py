@@ -89,21 +89,23 @@ def test_json_round_trip_and_help():
     assert "--sampling.G (default 8)" in text and "Group size" in text
 
 
-def test_perception_supervision_is_the_tiny_models_alone(tmp_path):
-    """The caption stage and the perception head teach a random tower; a pretrained model
-    (any directory without the tiny build's stamp) gets neither by default, and asking for
-    them is one clear error rather than a silently relabelled run."""
+def test_perception_supervision_is_for_models_trained_from_scratch(tmp_path):
+    """The caption stage and the perception head teach a random tower (tiny-random, what the
+    pretraining starts from); a pretrained model -- the shipped 'tiny' included -- gets
+    neither by default, and asking for them is one clear error rather than a silently
+    relabelled run."""
     from grpo.cli import phase_config
 
-    tiny = phase_config("warmup", "tiny", {}, "B")
-    assert (tiny.phase.perception_steps, tiny.optim.perception_weight) == (800, 1.0)
-    assert phase_config("A", "tiny", {}, "B").optim.perception_weight == 0.0  # GRPO phases: never
-    kept = phase_config("warmup", "tiny", {"warmup.phase.perception_steps": "7"}, "B")
+    scratch = {"model.name": "tiny-random"}
+    random_tiny = phase_config("warmup", "tiny", scratch, "B")
+    assert (random_tiny.phase.perception_steps, random_tiny.optim.perception_weight) == (800, 1.0)
+    assert phase_config("A", "tiny", scratch, "B").optim.perception_weight == 0.0  # GRPO phases: never
+    kept = phase_config("warmup", "tiny", {**scratch, "warmup.phase.perception_steps": "7"}, "B")
     assert (kept.phase.perception_steps, kept.optim.perception_weight) == (7, 1.0)
-    pretrained = str(tmp_path)
-    plain = phase_config("warmup", "tiny", {"model.name": pretrained}, "B")
-    assert (plain.phase.perception_steps, plain.optim.perception_weight) == (0, 0.0)
-    with pytest.raises(ConfigError, match="pretrained model, which already sees"):
-        phase_config("warmup", "tiny", {"model.name": pretrained, "warmup.phase.perception_steps": "5"}, "B")
+    for pretrained in ("tiny", str(tmp_path)):
+        plain = phase_config("warmup", "tiny", {"model.name": pretrained}, "B")
+        assert (plain.phase.perception_steps, plain.optim.perception_weight) == (0, 0.0)
+        with pytest.raises(ConfigError, match="pretrained model, which already sees"):
+            phase_config("warmup", "tiny", {"model.name": pretrained, "warmup.phase.perception_steps": "5"}, "B")
     with pytest.raises(ConfigError, match="vision_lr_scale=0 freezes the tower"):
-        phase_config("warmup", "tiny", {"warmup.optim.vision_lr_scale": "0"}, "B")
+        phase_config("warmup", "tiny", {**scratch, "warmup.optim.vision_lr_scale": "0"}, "B")

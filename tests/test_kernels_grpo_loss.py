@@ -163,6 +163,131 @@ def test_kernel_matches_reference_with_bias_corrected_kl_and_std_floor(case):
         assert gold[2]["kl_old_mean"] == 0
 
 
+def sampler_logp_for(inp: dict, use_old: bool, spread: float, seed: int = 3) -> torch.Tensor:
+    """A rollout engine's log-probs of the same tokens: the trainer's at sampling time (old,
+    or logp when there is no old) plus noise; NaN under the mask, which must be ignored."""
+    g = torch.Generator().manual_seed(seed)
+    base = (inp["old"] if use_old else inp["logp"]).float().cpu()
+    m = inp["mask"].cpu()
+    samp = torch.where(m, base, 0.0) + spread * torch.randn(base.shape, generator=g)
+    samp[~m] = torch.nan
+    return samp.to(DEVICE)
+
+
+# (N, T, G, loss_type, importance, use_old, correction, mode, cap, beta)
+CORRECTION_CASES = [
+    (6, 37, 3, "grpo", "token", True, "token", "truncate", 1.5, 0.04),
+    (9, 20, 3, "bnpo", "sequence", True, "token", "mask", 1.5, 0.0),
+    (8, 13, 4, "dapo", "token", False, "sequence", "mask", 3.0, 0.1),
+    (10, 19, 2, "dr_grpo", "sequence", False, "sequence", "truncate", 2.0, 0.04),
+    (12, 37, 3, "grpo", "token", True, "sequence", "mask", 1.2, 0.0),
+    (5, 11, 1, "grpo", "token", True, "off", "mask", 1.5, 0.04),  # stats only
+    (16, 70, 8, "bnpo", "token", False, "token", "mask", 1.1, 0.04),
+]
+
+
+@pytest.mark.parametrize("case", CORRECTION_CASES, ids=lambda c: f"N{c[0]}T{c[1]}-{c[3]}-{c[4]}-old{int(c[5])}"
+                                                                 f"-{c[6]}-{c[7]}-C{c[8]}")
+def test_kernel_matches_reference_with_rollout_correction(case):
+    """Rollout correction: kernel == reference (loss, d loss / d logp, the mismatch stats) on
+    awkward shapes, fully masked rows, NaN sampler padding, caps that bind."""
+    N, T, G, loss_type, importance, use_old, corr, mode, cap, beta = case
+    inp = make_inputs(N, T, G, seed=N * T + 2)
+    kw = dict(G=G, rewards=inp["rewards"], old_logp=inp["old"] if use_old else None,
+              ref_logp=inp["ref"] if beta else None, beta=beta, eps_high=0.28, loss_type=loss_type,
+              importance=importance, sampler_logp=sampler_logp_for(inp, use_old, 0.4), correction=corr,
+              correction_mode=mode, correction_cap=cap)
+    kernel, gold = run_both(inp, **kw)
+    assert_match(kernel, gold)
+    st = gold[2]
+    assert st["is_kl"] > 0 and st["is_ratio_max"] > cap and 0 < st["is_over_frac"] < 1  # the cap binds
+    off = run_both(inp, **dict(kw, correction="off"))[1]
+    if corr != "off":  # the correction changed the loss and its gradient
+        assert not torch.allclose(off[1], gold[1])
+    for name in ("is_kl", "is_ratio_mean", "is_ratio_max", "is_over_frac"):
+        if corr != "sequence":  # token level and off report the same (token) figures
+            torch.testing.assert_close(off[2][name], st[name])
+
+
+@pytest.mark.parametrize("correction", ["token", "sequence"])
+@pytest.mark.parametrize("mode", ["truncate", "mask"])
+def test_rollout_correction_against_a_plain_formula(correction, mode):
+    """Loss and gradient equal autograd through an independent formula: the policy term
+    times a constant weight w = min(r, C) (truncate) or r * [r <= C] (mask), r = exp(old -
+    sampler) per token or exp(sum_t) per row; the KL term unweighted; stats by hand."""
+    N, T, G, beta, cap = 6, 9, 3, 0.1, 1.6
+    inp = make_inputs(N, T, G, seed=33)
+    samp = sampler_logp_for(inp, True, 0.3, seed=4)
+    m = inp["mask"].cpu()
+    mf = m.float()
+    n = mf.sum(1, keepdim=True).clamp(min=1)
+    lp = torch.where(m, inp["logp"].cpu(), 0.0).clone().requires_grad_()
+    old = torch.where(m, inp["old"].cpu(), 0.0)
+    ref = torch.where(m, inp["ref"].cpu(), 0.0)
+    s = torch.where(m, samp.cpu(), 0.0)
+    A = gl.group_advantages(inp["rewards"].cpu(), G, backend="torch").adv[:, None]
+    r = torch.exp(lp - old)
+    pg = -torch.minimum(r * A, r.clamp(0.8, 1.2) * A)
+    lr_is = (old - s) * mf
+    if correction == "sequence":
+        lr_is = lr_is.sum(1, keepdim=True)
+    ratio = torch.exp(lr_is)
+    w = torch.clamp(ratio, max=cap) if mode == "truncate" else torch.where(ratio > cap, 0.0, ratio)
+    d = ref - lp
+    per_token = w * pg + beta * (torch.exp(d) - d - 1)
+    expect = ((per_token * mf).sum(1, keepdim=True) / n).mean()
+    expect.backward()
+    units = m if correction == "token" else (mf.sum(1, keepdim=True) > 0)
+    ratio_u = ratio.expand_as(units)[units]
+    for backend in ("torch", "triton"):
+        logp = inp["logp"].clone().requires_grad_()
+        loss, st = gl.grpo_loss(logp, m.to(DEVICE), inp["rewards"], G=G, old_logp=inp["old"], ref_logp=inp["ref"],
+                                beta=beta, sampler_logp=samp, correction=correction, correction_mode=mode,
+                                correction_cap=cap, backend=backend)
+        loss.backward()
+        torch.testing.assert_close(loss.detach().cpu(), expect.detach(), atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(logp.grad.cpu(), lp.grad * mf, atol=1e-7, rtol=1e-5)
+        k = torch.exp((old - s) * mf)
+        torch.testing.assert_close(st.is_kl.cpu(), ((k - 1 - (old - s)) * mf).sum() / mf.sum())
+        torch.testing.assert_close(st.is_ratio_mean.cpu(), ratio_u.mean())
+        torch.testing.assert_close(st.is_ratio_max.cpu(), ratio_u.max())
+        torch.testing.assert_close(st.is_over_frac.cpu(), (ratio_u > cap).float().mean())
+    assert (ratio_u > cap).any() and (ratio_u <= cap).any()  # both branches of the cap exercised
+
+
+def test_rollout_correction_without_a_mismatch_changes_nothing():
+    """sampler_logp = the trainer's own log-probs: every ratio is 1, the corrected loss and
+    gradient equal the uncorrected ones, and the stats read KL 0, ratio 1, nothing capped."""
+    N, T, G = 6, 15, 3
+    inp = make_inputs(N, T, G, seed=8)
+    for backend in ("torch", "triton"):
+        out = []
+        for corr in ("off", "sequence"):
+            logp = inp["logp"].clone().requires_grad_()
+            samp = torch.where(inp["mask"], inp["logp"], 0.0) if corr != "off" else None
+            loss, st = gl.grpo_loss(logp, inp["mask"], inp["rewards"], G=G, sampler_logp=samp, correction=corr,
+                                    backend=backend)
+            loss.backward()
+            out.append((loss.detach(), logp.grad, st))
+        torch.testing.assert_close(out[0][0], out[1][0])
+        torch.testing.assert_close(out[0][1], out[1][1])
+        for st in (out[0][2], out[1][2]):  # without sampler_logp: the trainer is taken as the sampler
+            assert float(st.is_kl) == 0 and float(st.is_over_frac) == 0
+            assert float(st.is_ratio_mean) == 1 and float(st.is_ratio_max) == 1
+
+
+def test_rollout_correction_inputs_are_refused_with_clear_errors():
+    inp = make_inputs(4, 5, 2)
+    base = dict(G=2, rewards=inp["rewards"], backend="torch")
+    for kw, msg in ((dict(correction="seq"), "correction must be one of"),
+                    (dict(correction_mode="clip"), "correction_mode must be one of"),
+                    (dict(correction_cap=1.0), "correction_cap must be a finite number > 1"),
+                    (dict(correction_cap=float("inf")), "correction_cap must be a finite number > 1"),
+                    (dict(sampler_logp=torch.zeros(4, 6, device=DEVICE)), "sampler_logp")):
+        with pytest.raises(ValueError, match=msg):
+            gl.grpo_loss(inp["logp"], inp["mask"], **base, **kw)
+
+
 @pytest.mark.parametrize("importance", ["token", "sequence"])
 def test_bias_corrected_kl_against_autograd_of_a_plain_formula(importance):
     """kl_bias_correction: loss and gradient equal autograd through an independent one-line
@@ -452,22 +577,24 @@ from kernels._dispatch import compile_for_gpu
 types = {"beta": "fp32", "eps_low": "fp32", "eps_high": "fp32", "eps": "fp32", "norm_value": "fp32",
          "std_floor": "fp32",
          "logp_ptr": "*bf16", "mask_ptr": "*u8", "valid_ptr": "*u8", "tend_ptr": "*i32"}
-# (ADV_MODE, SEQ, HAS_OLD, HAS_REF, KL_IN_LOSS, ROW_MEAN, BLOCK_T, BIAS_KL)
-for mode, seq, old, ref, kl, row_mean, block, bias in [(0, False, True, True, True, True, 4096, False),
-                                                       (1, True, True, True, False, False, 1024, False),
-                                                       (2, True, False, False, False, True, 4096, False),
-                                                       (0, True, True, True, True, True, 4096, True),
-                                                       (0, False, False, True, True, False, 4096, True)]:
+types["log_cap"] = "fp32"
+# (ADV_MODE, SEQ, HAS_OLD, HAS_REF, KL_IN_LOSS, ROW_MEAN, BLOCK_T, BIAS_KL, HAS_SAMP, CORR, CORR_MASK)
+for mode, seq, old, ref, kl, row_mean, block, bias, samp, corr, cmask in [
+        (0, False, True, True, True, True, 4096, False, False, 0, False),
+        (1, True, True, True, False, False, 1024, False, True, 1, True),
+        (2, True, False, False, False, True, 4096, False, True, 2, False),
+        (0, True, True, True, True, True, 4096, True, True, 0, False),
+        (0, False, False, True, True, False, 4096, True, True, 2, True)]:
     compile_for_gpu(gl._grpo_loss_fwd_kernel, dict(ADV_MODE=mode, SEQ=seq, HAS_OLD=old, HAS_REF=ref,
-                    KL_IN_LOSS=kl, ROW_MEAN=row_mean, BLOCK_T=block, C_PAD=4, BIAS_KL=bias), types,
-                    num_warps=block // 256)
+                    KL_IN_LOSS=kl, ROW_MEAN=row_mean, BLOCK_T=block, C_PAD=4, BIAS_KL=bias, HAS_SAMP=samp,
+                    CORR=corr, CORR_MASK=cmask), types, num_warps=block // 256)
 for scale, valid, w in ((0, False, False), (1, True, True), (2, True, False)):
     compile_for_gpu(ga._group_zscore_kernel, dict(SCALE=scale, HAS_VALID=valid, HAS_W=w, G_PAD=8,
                     BLOCK_N=64), types)
 compile_for_gpu(gl._scale_grad_kernel, dict(BLOCK=2048), {"out_ptr": "*bf16"})
-for loss_type, norm_mode, token_adv in ((1, 0, False), (3, 2, True)):
+for loss_type, norm_mode, token_adv, samp in ((1, 0, False, False), (3, 2, True, True)):
     compile_for_gpu(gl._grpo_finalize_kernel, dict(LOSS_TYPE=loss_type, NORM_MODE=norm_mode,
-                    TOKEN_ADV=token_adv, BLOCK_N=64, G_PAD=8, C_PAD=4), types)
+                    TOKEN_ADV=token_adv, BLOCK_N=64, G_PAD=8, C_PAD=4, HAS_SAMP=samp), types)
 print("compiled")
 """
 

@@ -1,7 +1,9 @@
 """The merged-copy rollout path (grpo/rollout_fast.py) against the plain sampler.
 
 On a CPU: greedy tokens equal the plain path's on the tiny architecture with a non-zero
-LoRA, fp32 and NF4 bases; sampled tokens equal for one seed; refresh() follows the adapter.
+LoRA, fp32 and NF4 bases; sampled tokens equal for one seed; refresh() follows the adapter;
+a bf16-rounded copy against the fp32 NF4 trainer makes the mismatch real, and the rollout
+correction of kernels/grpo_loss.py reweights the loss and its gradient.
 On CUDA (skipped here; bench/gpu.sh runs it): the graph-captured step equals the eager one
 token for token, and the merged path equals the plain one on the GPU.
 """
@@ -104,6 +106,58 @@ def test_nf4_base_greedy_tokens_equal_the_plain_path(prompts):
     fast = rollout.sample(b, prompts, G=2, max_new_tokens=10, temperature=0)
     plain = sample(b, prompts, G=2, max_new_tokens=10, temperature=0)
     assert torch.equal(fast.completion_ids, plain.completion_ids)
+
+
+def test_a_bf16_merged_copy_is_off_policy_and_the_correction_reweights_the_loss(prompts):
+    """A real sampler/trainer mismatch on a CPU: the merged weights rounded to bf16 (what the
+    copy holds on a GPU) sample, the NF4 + LoRA policy in fp32 trains. The fp32 copy's
+    mismatch is rounding noise; the bf16 copy's is measurable (KL, ratios away from 1), and
+    the rollout correction changes the loss and its gradient -- the more, the tighter the cap.
+    """
+    from grpo.logprobs import completion_logprobs
+    from kernels.grpo_loss import grpo_loss
+    from lora import lora_parameters
+
+    nf4 = _sharp_lora(four_bit=True)
+    G = 4
+    fp32_copy = MergedRollout(nf4.model)
+    exact = fp32_copy.sample(nf4, prompts, G=G, max_new_tokens=12, temperature=1.0, seed=5)
+    bf16_copy = MergedRollout(nf4.model)
+    with torch.no_grad():
+        for layer in bf16_copy.weights:
+            for W, _ in layer.values():
+                W.copy_(W.to(torch.bfloat16).float())  # the bf16 copy's rounding, fp32 activations
+    out = bf16_copy.sample(nf4, prompts, G=G, max_new_tokens=12, temperature=1.0, seed=5)
+    rewards = torch.arange(out.completion_ids.shape[0], dtype=torch.float32) % 3
+    mask = out.completion_mask.float()
+
+    def loss_and_grad(o, **kw):
+        for p in lora_parameters(nf4.model):
+            p.grad = None
+        logp = completion_logprobs(nf4.model, o.context, o.completion_ids, o.completion_mask, G)
+        loss, st = grpo_loss(logp, o.completion_mask.float(), rewards, G=G, sampler_logp=o.logprobs, **kw)
+        loss.backward()
+        return float(loss.detach()), torch.cat([p.grad.flatten() for p in lora_parameters(nf4.model)]), st
+
+    _, _, st_exact = loss_and_grad(exact)
+    loss_off, grad_off, st = loss_and_grad(out)
+    assert float(st_exact.is_kl) < 1e-9 and abs(float(st_exact.is_ratio_max) - 1) < 1e-4  # fp32: rounding only
+    assert float(st.is_kl) > 1e-6 and float(st.is_ratio_max) > 1 + 1e-3  # bf16: measurably off-policy
+    assert float(st.is_over_frac) == 0  # no token ratio reaches the default cap of 3
+    n = int(mask.sum())
+    # token ratios strictly between 1 and their max: a cap there truncates some, keeps others
+    cap = 1 + (float(st.is_ratio_max) - 1) / 2
+    changes = {}
+    for level in ("token", "sequence"):
+        for mode in ("truncate", "mask"):
+            loss_c, grad_c, st_c = loss_and_grad(out, correction=level, correction_mode=mode, correction_cap=cap)
+            if level == "token":
+                assert 0 < float(st_c.is_over_frac) < 1 and float(st_c.is_over_frac) * n >= 1
+            assert loss_c != loss_off
+            changes[level, mode] = float((grad_c - grad_off).norm() / grad_off.norm())
+    assert all(c > 0 for c in changes.values()), changes
+    # masking drops the capped tokens' whole term, truncating only their excess weight
+    assert changes["token", "mask"] > changes["token", "truncate"], changes
 
 
 def test_bad_use_is_one_clear_error(bundle, prompts):

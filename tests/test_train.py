@@ -18,8 +18,8 @@ from grpo.config import PHASE_WEIGHTS
 from grpo.train import main
 from train_helpers import log_lines, run_main
 
-TINY = [
-    "--model.device", "cpu", "--run.train_per_stage", "20", "--run.eval_size", "4",
+TINY = [  # tiny-random: the chain from random weights (warm-up -> A -> B); the shipped model's path is below
+    "--model.name", "tiny-random", "--model.device", "cpu", "--run.train_per_stage", "20", "--run.eval_size", "4",
     "--sampling.G", "2", "--sampling.max_new_tokens", "8", "--phase.prompts_per_step", "2",
     "--warmup.phase.steps", "2", "--warmup.phase.perception_steps", "2", "--warmup.phase.prompts_per_step", "4",
 ]

@@ -1,7 +1,8 @@
 """The trainer's resume, crash and NaN paths (issue 7), end to end on the tiny model.
 
 - Resume equality: 4 steps straight == 2 steps, stop, resume for 2 more, bit for bit
-  (every LoRA tensor, the sampler generator, the logged rewards). The checkpoint eval at
+  (every LoRA tensor, the sampler generator, the logged rewards), with the tiny preset's
+  merged-copy rollouts and with plain ones. The checkpoint eval at
   step 2 runs in both, so this also checks it does not perturb training's RNG.
 - A checkpoint write that fails midway leaves the previous `latest` loadable, and resuming
   from it reproduces the straight run.
@@ -84,6 +85,25 @@ def test_stop_and_resume_matches_the_straight_run(straight, tmp_path):
     assert rewards_by_step(run) == rewards_by_step(straight)
     opt_a = (run / "A" / "step_000004" / "optimizer.safetensors").read_bytes()
     assert opt_a == (straight / "A" / "step_000004" / "optimizer.safetensors").read_bytes()
+    # the tiny preset's rollout path: the merged copy, rebuilt from the checkpoint's adapter on resume
+    steps = [r for r in log_lines(run) if r.get("phase") == "A" and "event" not in r]
+    assert steps and all(r["rollout"]["path"] == "merged" and r["rollout"]["correction"] == "sequence"
+                         for r in steps)
+
+
+def test_stop_and_resume_with_plain_rollouts_matches_the_straight_run(tmp_path):
+    """The same equality on the plain path (the policy's own layers, batch compaction)."""
+    runs = {}
+    with reward_spread():
+        for name, stops in (("straight", ["4"]), ("resumed", ["2", "4"])):
+            for steps in stops:
+                rc, out, err = train(tmp_path / name, "--phase.steps", steps, "--sampling.rollout", "plain")
+                assert rc == 0, err
+            runs[name] = tmp_path / name
+    assert "resuming phase A at step 2" in out
+    assert_same_tensors(adapter_at(runs["resumed"], "A:latest"), adapter_at(runs["straight"], "A:latest"))
+    assert rewards_by_step(runs["resumed"]) == rewards_by_step(runs["straight"])
+    assert all(r["rollout"]["path"] == "plain" for r in log_lines(runs["resumed"]) if "rollout" in r)
 
 
 def test_checkpoint_eval_does_not_perturb_training(tmp_path):

@@ -57,3 +57,72 @@ def reward_spread(only=None, component=None):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(RewardModel, "__call__", with_spread)
         yield
+
+
+# ----------------------------------------------------------------------------- the trainer as a real process
+
+REPO = Path(__file__).resolve().parents[1]
+# The trainer's entry point, optionally with reward_spread on (the subprocess has no pytest fixture)
+ENTRY = ("import sys\nfrom grpo.train import main\n"
+         "if sys.argv[1] == 'spread':\n    from train_helpers import reward_spread\n"
+         "    with reward_spread():\n        sys.exit(main(sys.argv[2:]))\nsys.exit(main(sys.argv[2:]))")
+
+
+class Trainer:
+    """``python -m grpo.train`` (or grpo.train.main with reward_spread) as a subprocess, its
+    stdout and stderr in files next to the run directory, so that a test can signal it."""
+
+    def __init__(self, run_dir: Path, *args: str, spread: bool = False, tag: str = "run"):
+        import os
+        import subprocess
+        import sys
+
+        self.run_dir = Path(run_dir)
+        self.out_path = self.run_dir.parent / f"{self.run_dir.name}.{tag}.out"
+        self.err_path = self.run_dir.parent / f"{self.run_dir.name}.{tag}.err"
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{REPO}{os.pathsep}{REPO / 'tests'}")
+        with self.out_path.open("w") as out, self.err_path.open("w") as err:
+            self.proc = subprocess.Popen([sys.executable, "-c", ENTRY, "spread" if spread else "plain",
+                                          "--run.run_dir", str(run_dir), *args],
+                                         cwd=REPO, env=env, stdout=out, stderr=err)
+
+    def steps(self, phase: str) -> list[int]:
+        """Steps of ``phase`` logged so far (a line appears once the step is done)."""
+        try:
+            text = (self.run_dir / "train_log.jsonl").read_text()
+        except FileNotFoundError:
+            return []
+        rows = [json.loads(x) for x in text.splitlines() if x.strip().endswith("}")]
+        return [r["step"] for r in rows if r.get("phase") == phase and "event" not in r]
+
+    def wait_for_step(self, phase: str, step: int, timeout: float = 240.0) -> int:
+        """Block until ``phase`` logged ``step`` (or later); -> the newest logged step."""
+        import time
+
+        t0 = time.time()
+        while time.time() - t0 < timeout:
+            done = self.steps(phase)
+            if done and max(done) >= step:
+                return max(done)
+            if self.proc.poll() is not None:
+                raise AssertionError(f"the trainer exited ({self.proc.returncode}) before {phase} step {step}:\n"
+                                     f"{self.err_path.read_text()[-2000:]}")
+            time.sleep(0.02)
+        raise AssertionError(f"{phase} step {step} not reached in {timeout}s")
+
+    def signal(self, signum: int) -> None:
+        self.proc.send_signal(signum)
+
+    def wait_for_output(self, text: str, timeout: float = 120.0) -> None:
+        """Block until the trainer's stdout holds ``text`` (e.g. its note that a signal arrived)."""
+        import time
+
+        t0 = time.time()
+        while text not in self.out_path.read_text():
+            if self.proc.poll() is not None or time.time() - t0 > timeout:
+                raise AssertionError(f"{text!r} never printed (exit {self.proc.returncode})")
+            time.sleep(0.01)
+
+    def finish(self, timeout: float = 240.0) -> tuple[int, str, str]:
+        rc = self.proc.wait(timeout=timeout)
+        return rc, self.out_path.read_text(), self.err_path.read_text()

@@ -96,6 +96,20 @@ class RewardBatch:
             out["rubric/veto_frac"] = float(self.vetoed.float().mean())
         return out
 
+    def random_draw(self, generator: torch.Generator) -> "RewardBatch":
+        """The random-reward control: row i gets the rewards of row j ~ U{0..N-1}, drawn with
+        replacement from this batch. The reward distribution stays the batch's own (same
+        scale, same spread statistics) while any link between a completion and its reward is
+        cut, so whatever a policy gains under it is what GRPO's mechanics give for free (on
+        Qwen models, random rewards have raised MATH500 scores: a real gain must beat this)."""
+        if self.prefix is not None:
+            raise ValueError("random_draw replaces scalar rewards; prefix-mode rubric inputs are per token")
+        n = self.total.shape[0]
+        idx = torch.randint(n, (n,), generator=generator)
+        return RewardBatch(total=self.total[idx], components={k: v[idx] for k, v in self.components.items()},
+                           weights=dict(self.weights),
+                           vetoed=self.vetoed[idx] if self.vetoed is not None else None)
+
 
 class RewardModel:
     """Scores completions with the components and weights of a RewardConfig."""
