@@ -278,7 +278,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.cap <= 1:
         raise SystemExit(f"--cap {args.cap}: must be > 1 (the largest pi_train / pi_sampler ratio kept)")
     if scale == "7b" and device.type != "cuda":
-        raise SystemExit("--scale 7b needs a CUDA GPU (~40 GB); on a CPU use the default scaled-down config")
+        raise SystemExit("--scale 7b needs a CUDA GPU (~40 GB); on a CPU use the default scaled-down config, "
+                         "or python -m bench.qwen7b_cpu for one step at the 7B's exact shapes (NF4, layer by layer)")
 
     from data.synthetic import generate
     from grpo.rollout_fast import MergedRollout

@@ -92,7 +92,9 @@ def completion_logprobs(
     lm_head = model.get_output_embeddings()
     out = []
     for start in range(0, hidden.shape[0], chunk_rows):
-        h = hidden[start : start + chunk_rows]
+        # contiguous: a strided [rows, T, d] slice makes torch's no-grad matmul copy the
+        # expanded lm_head weight (the reference pass: ~50 s per chunk at the 7B on a CPU)
+        h = hidden[start : start + chunk_rows].contiguous()
         logits = lm_head(h)  # [rows, T, V]: the only place logits exist
         out.append(token_logprobs(logits, completion_ids[start : start + chunk_rows],
                                   temperature=temperature, backend=backend))
