@@ -164,19 +164,12 @@ def test_gpu_sh_bad_arguments_are_one_line_with_exit_code_2(args, message, tmp_p
     assert len(proc.stderr.strip().splitlines()) == 1
 
 
-def test_step_benchmark_on_the_tiny_default_reports_the_rollout_mismatch(capsys):
+def test_step_benchmark_on_the_tiny_default_reports_the_rollout_mismatch():
     """--scale tiny: the trainer's own tiny policy; the mismatch table has one row per path,
     the plain path's sampler equals its trainer up to rounding, the merged fp32 copy nearly."""
-    import torch
-
     pytest.importorskip("bitsandbytes")
-    threads = torch.get_num_threads()
-    try:
-        step.main(["--scale", "tiny", "--B", "1", "--G", "2", "--max-new-tokens", "4", "--beta", "0",
-                   "--threads", "1"])
-    finally:
-        torch.set_num_threads(threads)
-    out = capsys.readouterr().out
+    out = cli("bench.step", "--scale", "tiny", "--B", "1", "--G", "2", "--max-new-tokens", "4", "--beta", "0",
+              "--threads", "1")
     assert "merged copy dtype torch.float32" in out  # the tiny model computes in fp32 on a CPU
     for path in ("plain", "merged"):
         row = re.search(rf"^\s*{path}\s+([\d.e+-]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)$", out, re.M)

@@ -55,7 +55,8 @@ CASES = [  # (loss_type, adv_scale, accumulation, beta)
 # per-component advantages with the batch std over ranks and a std floor that binds on one column:
 # (loss_type, adv_scale, accumulation, beta, adv_std_floor)
 COMPONENT_CASES = [("bnpo", "batch", 2, 0.0, 0.9), ("grpo", "group", 1, 0.0, 0.9)]
-TRAIN_ARGS = ["--phase", "A",  # from the shipped base: no warm-up
+TRAIN_ARGS = ["--phase", "A", "--model.name", "tiny-random",  # rank 0 runs the from-scratch warm-up, then A on 2 ranks
+              "--warmup.phase.steps", "2", "--warmup.phase.perception_steps", "2", "--warmup.phase.prompts_per_step", "4",
               "--model.device", "cpu", "--run.train_per_stage", "16",
               "--run.eval_size", "4", "--sampling.G", "2", "--sampling.max_new_tokens", "8",
               "--phase.prompts_per_step", "4", "--phase.steps", "3", "--run.eval_every", "3",

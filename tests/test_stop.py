@@ -90,7 +90,7 @@ def test_sigterm_mid_warmup_saves_and_the_same_command_resumes_bit_identically(s
     assert reg["aliases"] == {"latest": stopped} and reg["checkpoints"][-1]["periodic"]
     # not a finished warm-up: phase A would run the warm-up first (it resumes), and refuses to start from it
     assert not phase_finished(run, "warmup")
-    assert phases_to_run("A", RunFiles(run), "auto") == ["warmup", "A"]
+    assert phases_to_run("A", RunFiles(run), "auto", "tiny-random") == ["warmup", "A"]
     rc, _, err2 = run_main(run, *WARMUP[2:], "--phase", "A", "--run.run_prior_phases", "false")
     assert rc == 2 and "a warm-up stopped mid-way" in err2 and "--phase warmup" in err2
 
@@ -353,7 +353,7 @@ def test_a_rank_that_dies_mid_step_makes_the_other_exit_with_one_line_naming_it(
 
 
 def test_the_learning_benchmark_forwards_a_stop_to_its_trainer_and_resumes(tmp_path):
-    """SIGTERM to the benchmark mid-warm-up: its trainer stops after its step and saves, the
+    """SIGTERM to the benchmark in phase A: its trainer stops after its step and saves, the
     benchmark exits 143 with one line; the same command then finishes the run from there."""
     import os
     import subprocess
@@ -370,7 +370,7 @@ def test_the_learning_benchmark_forwards_a_stop_to_its_trainer_and_resumes(tmp_p
     with (tmp_path / "bench.err").open("w") as err_f:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=err_f)
         t0 = time.time()
-        while not (log.is_file() and log.read_text().strip()):  # the warm-up's first step is done
+        while not (log.is_file() and log.read_text().strip()):  # phase A's first step is done
             assert proc.poll() is None and time.time() - t0 < 300, (tmp_path / "bench.err").read_text()
             time.sleep(0.02)
         proc.send_signal(signal.SIGTERM)
@@ -384,9 +384,9 @@ def test_the_learning_benchmark_forwards_a_stop_to_its_trainer_and_resumes(tmp_p
     console = (run / "train.out").read_text()
     assert "Traceback" not in console
     m = STOP_LINE.search(console)
-    assert m and m.group(1) == "warmup" and m.group(4) == "SIGTERM", console[-2000:]
-    assert read_registry(run, "warmup")["aliases"]["latest"] == int(m.group(2))
+    assert m and m.group(1) == "A" and m.group(4) == "SIGTERM", console[-2000:]
+    assert read_registry(run, "A")["aliases"]["latest"] == int(m.group(2))
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"resuming phase warmup at step {m.group(2)}" in (run / "train.out").read_text()
+    assert f"resuming phase A at step {m.group(2)}" in (run / "train.out").read_text()
     assert phase_finished(run, "B") and (out / "summary.md").is_file()
