@@ -30,6 +30,8 @@ import argparse
 import json
 import platform
 import resource
+import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -73,7 +75,7 @@ def check_same_settings(run_dir: Path, argv: list[str]) -> None:
     except (ValueError, ConfigError) as err:
         raise ConfigError(f"--run-dir {run_dir}: {saved.name} is unreadable ({err}); use another --run-dir") from None
     diffs = [f"{sec}.{k}: {have[sec].get(k)!r} -> {v!r}" for sec in want for k, v in want[sec].items()
-             if have.get(sec, {}).get(k) != v]
+             if have.get(sec, {}).get(k) != v and (sec, k) != ("run", "run_dir")]  # a moved directory is the same run
     if diffs:
         raise ConfigError(f"--run-dir {run_dir} holds a pretraining run made with other settings "
                           f"({'; '.join(diffs[:3])}{'; ...' if len(diffs) > 3 else ''}): resume it with the options "
@@ -171,12 +173,24 @@ def export(run_dir: Path, out: Path, wall_s: float, peak_mb: float, test_seed: i
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(out.parent / f".{out.name}.new-{time.time_ns()}")
     staging.mkdir()
-    bundle.model.save_pretrained(staging)
-    bundle.tokenizer.save_pretrained(staging)
-    bundle.image_processor.save_pretrained(staging)
-    for junk in ("vlgrpo_build.json",):  # the random build's marker would make the result "train from scratch"
-        (staging / junk).unlink(missing_ok=True)
-    provenance = {
+    try:
+        _write_export(bundle, staging, provenance_of(ckpt, cfg, run_dir, wall_s, peak_mb, metrics, test_seed,
+                                                    test_per_stage, train_commit))
+        digests = shipped.read_manifest(staging)
+        shipped.install(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)  # gone after a successful install; a stop leaves no half copy
+    shipped.verify(out)
+    print(f"pretrain: model written to {out} (model.safetensors sha256 {digests['model.safetensors'][:16]}...)")
+    return out
+
+
+def provenance_of(ckpt, cfg, run_dir: Path, wall_s: float, peak_mb: float, metrics: dict, test_seed: int,
+                  test_per_stage: int, train_commit: str) -> dict:
+    """What pretrain.json and the card say about the build."""
+    import torch
+
+    return {
         "command": "python -m grpo.pretrain",
         "trainer_argv": _argv(str(run_dir), []),
         "config": json.loads(ckpt.config_json),
@@ -191,13 +205,18 @@ def export(run_dir: Path, out: Path, wall_s: float, peak_mb: float, test_seed: i
         "peak_rss_mb": round(max(peak_mb, _peak_rss_mb()), 1),
         "test_metrics": metrics,
     }
+
+
+def _write_export(bundle, staging: Path, provenance: dict) -> None:
+    """The model directory's files: weights, tokenizer, processor, provenance, manifest, card."""
+    bundle.model.save_pretrained(staging)
+    bundle.tokenizer.save_pretrained(staging)
+    bundle.image_processor.save_pretrained(staging)
+    for junk in ("vlgrpo_build.json",):  # the random build's marker would make the result "train from scratch"
+        (staging / junk).unlink(missing_ok=True)
     (staging / "pretrain.json").write_text(json.dumps(provenance, indent=2) + "\n")
     digests = shipped.write_manifest(staging, exclude=shipped.NOT_MODEL_FILES)
     (staging / "MODEL_CARD.md").write_text(model_card(provenance, digests))
-    shipped.install(staging, out)
-    shipped.verify(out)
-    print(f"pretrain: model written to {out} (model.safetensors sha256 {digests['model.safetensors'][:16]}...)")
-    return out
 
 
 def model_card(p: dict, digests: dict[str, str]) -> str:
@@ -304,6 +323,9 @@ def main(argv: list[str] | None = None) -> int:
     wall, peak = _record_wall(Path(args.run_dir), time.time() - t0) if Path(args.run_dir).is_dir() else (0.0, 0.0)
     if code != 0:
         return code
+    from grpo.stop import STOP, EvalAbandoned, exit_code, signal_name
+
+    STOP.install()  # the export's evaluation polls it like every long loop; a stop loses no training
     try:
         record = json.loads((Path(args.run_dir) / WALL_FILE).read_text())
         export(Path(args.run_dir), Path(args.out), wall, peak, args.test_seed, args.test_per_stage,
@@ -311,6 +333,13 @@ def main(argv: list[str] | None = None) -> int:
     except (shipped.ShippedModelError, ModelLoadError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
+    except (EvalAbandoned, KeyboardInterrupt):
+        signum = STOP.signum or signal.SIGINT
+        print(f"stopped on {signal_name(signum)} while exporting; the pretraining run in {args.run_dir} is complete "
+              f"and {args.out} unchanged; the same command exports it again", file=sys.stderr)
+        return exit_code(signum)
+    finally:
+        STOP.uninstall()
     return 0
 
 
