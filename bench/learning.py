@@ -215,6 +215,9 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in [
             _both("optim.beta", lambda c: 0.04)),
     Variant("fp32", "phases A and B over the float32 base instead of NF4 (what the 4-bit base costs in EM and time)",
             _both("model.load_in_4bit", lambda c: "false")),
+    Variant("kl_mu2", "phase B alone with the KL anchor (beta 0.04) and two updates per rollout batch, from the same "
+            "A:best_structure (the two levers positive on every seed of the blind base's benchmark, together)",
+            lambda cfgs: ["--B.optim.beta", "0.04", "--B.optim.updates_per_batch", "2"], shares=("A",)),
     Variant("frozen", "frozen-policy control: phase B from the same A:best_structure with --B.optim.lr 0 "
             "(sampled, scored and logged like training; curves only)",
             lambda cfgs: ["--B.optim.lr", "0", "--B.run.test_per_stage", "0"], shares=("A",), control=True),
