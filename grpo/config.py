@@ -63,7 +63,7 @@ PHASE_BUDGET: dict[str, dict[str, Any]] = {
     "C": {"phase.steps": 160, "phase.prompts_per_step": 8, "run.eval_every": 40},
 }
 PHASE_INIT: dict[str, str] = {"warmup": "base", "A": "base", "B": "A:best_structure", "C": "B:best_composite"}
-# The warm-up's own defaults (SFT of the embedded model from random weights): the caption
+# The warm-up's own defaults (SFT of tiny-random, the tiny model from random weights): the caption
 # stage first, then worked reasoning, 32 examples a step. lr 5e-4 learned to read faster than
 # 1e-3 or 2e-3 on every perception probe we ran (bench/EXPERIMENTS.md).
 WARMUP_DEFAULTS: dict[str, Any] = {

@@ -40,7 +40,8 @@ from pathlib import Path
 from grpo import shipped
 
 # The pretraining schedule (passed to the trainer's CLI; the card records them). Measured:
-# 0.42 s a step on one core of this project's 2-core machine, so ~45 minutes in all.
+# 0.42-0.47 s a caption step and 0.55-0.75 s a reasoning step on one core of this project's 2-core machine:
+# 58.8 minutes in all (the shipped build; its card has the details).
 PRETRAIN: dict[str, str] = {
     "warmup.phase.perception_steps": "3500",
     "warmup.phase.steps": "2500",

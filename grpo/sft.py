@@ -4,12 +4,13 @@ R1-VL (StepGRPO) starts RL from a model that has seen the reasoning format once:
 pass on worked solutions, so that the policy's samples contain reasoning steps the
 step-wise rewards can credit. This module is that pass.
 
-What is specific to the embedded tiny model
--------------------------------------------
+What is specific to a tiny model trained from scratch
+----------------------------------------------------
 A real run starts from Qwen2.5-VL-7B-*Instruct*: a model that can already see and read,
 and follows our output contract only part of the time (the staged paper measured 25%
-parseable answers on MathVista). The embedded model starts from random weights, so here
-the warm-up plays three roles:
+parseable answers on MathVista). ``tiny-random`` starts from random weights, so there the
+warm-up plays three roles (``python -m grpo.pretrain`` runs it, longer, to build the
+shipped ``tiny`` model, which GRPO then starts from like any pretrained model):
 
 1. it teaches perception, in two stages, the way real VLMs are built (an encoder that
    knows what is in a picture, then an alignment stage on captions, then instructions):
@@ -213,7 +214,7 @@ def run_warmup(cfg: TrainConfig, files: RunFiles, device: str) -> None:
     dtype = getattr(torch, cfg.model.dtype)
     bundle = load_bundle(cfg.model.name, dtype=dtype, device=device, seed=cfg.run.seed)
     model = bundle.model
-    # The embedded model (or any directory build_tiny_model wrote) starts from random weights.
+    # tiny-random (or any directory build_tiny_model wrote) starts from random weights.
     tiny = trains_from_scratch(cfg.model.name)
     if not tiny:  # a pretrained model: warm up a LoRA, keep the contract strict
         bundle = build_policy(cfg, device)
