@@ -165,7 +165,8 @@ Phases (the staged, metric-gated curriculum):
   B       GRPO on stage 1 (.7) + stage 2 (.3), correctness-heavy; starts from A:best_structure
   C       GRPO on stage 2 (.6) + stage 3 (.4), tolerance on; starts from B:best_composite
 A phase whose starting checkpoint is missing from the run directory runs the earlier phases
-first, so `python -m grpo.train --phase B` runs warm-up, A and B. --init overrides the start:
+first, so `python -m grpo.train --phase B` runs A and B from the shipped model (and the
+warm-up first on tiny-random). --init overrides the start:
 'base' (the model as loaded), a selector such as A:best_structure, or a checkpoint path.
 The same run directory resumes: the adapter, optimiser, schedule, controller, RNG and data
 position of <phase>:latest are restored.
