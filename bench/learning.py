@@ -526,14 +526,14 @@ def sampled_metrics(run: Run, selector: str, k: int, cache_dir: Path) -> dict[st
         if saved.get("key") == json.loads(json.dumps(key)):
             return saved["metrics"]
     from data.synthetic import generate
-    from grpo.policy import build_policy, load_policy
+    from grpo.policy import policy_at
     from grpo.train import pick_device
 
     t0 = time.time()
     examples = [ex for s in (1, 2, 3) for ex in generate("test", s, cfg.run.test_per_stage, cfg.run.seed,
                                                           cfg.model.image_size)]
     device = pick_device(cfg.model.device)
-    bundle = build_policy(cfg, device, verbose=False) if path is None else load_policy(path, run_dir=run.dir, device=device)
+    bundle = policy_at(path, cfg, run.dir, device)
     true = evaluate_model(bundle, examples, protocol)
     shuffled = evaluate_model(bundle, shuffle_images(examples), protocol)
     gap = blind_gap(true.records, shuffled.records, per_prompt="any")

@@ -39,7 +39,7 @@ def write_final_report(run_dir: str | Path, last_phase: str, cfg: TrainConfig, d
     from eval.plots import plot_run
     from eval.report import write_report
     from grpo.checkpoint import resolve
-    from grpo.policy import build_policy, load_policy
+    from grpo.policy import policy_at
     from eval.report import control_summary
 
     run_dir = Path(run_dir)
@@ -56,9 +56,7 @@ def write_final_report(run_dir: str | Path, last_phase: str, cfg: TrainConfig, d
         if path in by_path:  # two aliases of one checkpoint (A:latest is often A:best_structure): greedy, same result
             results[selector] = results[by_path[path]]
         else:
-            # the base as phase A starts from it: 4-bit if configured, LoRA injected at B = 0
-            bundle = (build_policy(cfg, device, verbose=False) if selector == "base"
-                      else load_policy(path, run_dir=run_dir, device=device))
+            bundle = policy_at(None if selector == "base" else path, cfg, run_dir, device)
             results[selector] = evaluate_model(bundle, examples, protocol)
             by_path[path] = selector
         m = results[selector].metrics

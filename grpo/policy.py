@@ -114,3 +114,11 @@ def load_policy(path: str | Path, run_dir: str | Path | None = None, device: str
     if lora:
         load_lora_state_dict(bundle.model, lora)
     return bundle
+
+
+def policy_at(path: str | Path | None, cfg: TrainConfig, run_dir: str | Path, device: str = "cpu") -> Any:
+    """The policy a checkpoint describes, or for ``path`` None (the selector 'base') the
+    configured model as phase A starts from it: 4-bit if configured, LoRA injected at B = 0."""
+    if path is None:
+        return build_policy(cfg, device, verbose=False)
+    return load_policy(path, run_dir=run_dir, device=device)

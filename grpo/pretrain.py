@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import resource
 import shutil
@@ -103,8 +104,6 @@ def _machine() -> str:
                 break
     except OSError:
         pass
-    import os
-
     return f"{cpu}, {os.cpu_count()} logical CPUs, {platform.system()} {platform.release()}"
 
 
@@ -112,8 +111,9 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
-def _record_wall(run_dir: Path, seconds: float) -> tuple[float, float]:
-    """Add this invocation's wall time and peak memory to the run's record -> (total s, peak MB)."""
+def _record_wall(run_dir: Path, seconds: float) -> dict:
+    """Add this invocation's wall time and peak memory to the run's record, and return it
+    (total_s, peak_rss_mb, train_code_commit: the code of the first invocation)."""
     path = run_dir / WALL_FILE
     saved = json.loads(path.read_text()) if path.is_file() else {}
     spans = saved.get("spans_s", []) + [round(seconds, 1)]
@@ -121,7 +121,7 @@ def _record_wall(run_dir: Path, seconds: float) -> tuple[float, float]:
     saved.update(spans_s=spans, total_s=round(sum(spans), 1), peak_rss_mb=peak)
     saved.setdefault("train_code_commit", _git_commit())  # the code of the first invocation: it trained
     path.write_text(json.dumps(saved, indent=2))
-    return sum(spans), peak
+    return saved
 
 
 def evaluate_base(bundle, seed: int, n_per_stage: int, max_new_tokens: int) -> dict:
@@ -321,16 +321,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     t0 = time.time()
     code = cli.main(_argv(args.run_dir, rest), run_phase)
-    wall, peak = _record_wall(Path(args.run_dir), time.time() - t0) if Path(args.run_dir).is_dir() else (0.0, 0.0)
+    record = _record_wall(Path(args.run_dir), time.time() - t0) if Path(args.run_dir).is_dir() else {}
     if code != 0:
         return code
     from grpo.stop import STOP, EvalAbandoned, exit_code, signal_name
 
     STOP.install()  # the export's evaluation polls it like every long loop; a stop loses no training
     try:
-        record = json.loads((Path(args.run_dir) / WALL_FILE).read_text())
-        export(Path(args.run_dir), Path(args.out), wall, peak, args.test_seed, args.test_per_stage,
-               record.get("train_code_commit", ""))
+        export(Path(args.run_dir), Path(args.out), record.get("total_s", 0.0), record.get("peak_rss_mb", 0.0),
+               args.test_seed, args.test_per_stage, record.get("train_code_commit", ""))
     except (shipped.ShippedModelError, ModelLoadError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
