@@ -95,7 +95,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from grpo.stop import STOP, EvalAbandoned, StopNow, exit_code
+from grpo.run.stop import STOP, EvalAbandoned, StopNow, exit_code
 
 DEFAULT_OUT = Path("bench/results/learning")
 QUICK_OUT = Path("bench/results/learning-quick")
@@ -267,7 +267,7 @@ def plan_runs(variants: Sequence[str], seeds: Sequence[int], out: Path, base: Se
     existing run directory made with other settings is refused here (BenchError, exit 2).
     """
     from grpo.config import ConfigError, parse_override_args
-    from grpo.train import phase_configs
+    from grpo.cli import phase_configs
 
     def resolve(options: list[str], what: str) -> dict:
         try:
@@ -321,7 +321,7 @@ def _b_steps(run: Run) -> int:
 
 
 def _latest(run_dir: Path, phase: str) -> int | None:
-    from grpo.checkpoint import CheckpointError, read_registry
+    from grpo.state.checkpoint import CheckpointError, read_registry
 
     try:
         return read_registry(run_dir, phase)["aliases"].get("latest")
@@ -342,7 +342,7 @@ def _report(run: Run) -> dict | None:
 def finished(run: Run) -> bool:
     """Phase B at its last step (evaluated: not a stop's save) and, unless the run makes no
     report, its report written."""
-    from grpo.checkpoint import phase_finished
+    from grpo.state.checkpoint import phase_finished
 
     if not (run.dir / "B" / "registry.json").is_file() or _latest(run.dir, "B") != _b_steps(run) \
             or not phase_finished(run.dir, "B"):
@@ -386,7 +386,7 @@ def _phase_a_options(run: Run) -> list[str]:
     unprefixed phase-local options (steps, weights, ...) belong to B and B.-prefixed ones to
     B alone, so both are dropped; no report (B's run writes it)."""
     from grpo.config import PHASES, parse_override_args
-    from grpo.train import _phase_local, phase_configs
+    from grpo.cli import _phase_local, phase_configs
 
     keep = []
     for key, value in parse_override_args(run.options).items():
@@ -501,7 +501,7 @@ def _digest(checkpoint: Path) -> str:
 
 def _base_digest() -> str:
     """The shipped model's weights digest (its manifest's entry: checked on every load)."""
-    from grpo import shipped
+    from grpo.model import shipped
 
     return shipped.read_manifest(shipped.SHIPPED_DIR)["model.safetensors"]
 
@@ -512,7 +512,7 @@ def sampled_metrics(run: Run, selector: str, k: int, cache_dir: Path) -> dict[st
     from eval.blind import blind_gap, shuffle_images
     from eval.evaluate import EvalProtocol
     from grpo.evaluate import evaluate_model
-    from grpo.checkpoint import resolve
+    from grpo.state.checkpoint import resolve
 
     cfg = run.configs["B"]
     path = resolve(run.dir, selector) if selector != "base" else None
@@ -526,8 +526,8 @@ def sampled_metrics(run: Run, selector: str, k: int, cache_dir: Path) -> dict[st
         if saved.get("key") == json.loads(json.dumps(key)):
             return saved["metrics"]
     from data.synthetic import generate
-    from grpo.policy import policy_at
-    from grpo.train import pick_device
+    from grpo.model.policy import policy_at
+    from grpo.run.runtime import pick_device
 
     t0 = time.time()
     examples = [ex for s in (1, 2, 3) for ex in generate("test", s, cfg.run.test_per_stage, cfg.run.seed,

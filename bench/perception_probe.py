@@ -2,7 +2,7 @@
 
 A research tool, not a benchmark of speed: every number of bench/EXPERIMENTS.md sections 1-2
 comes from it. Two modes, both on the project's own tiny Qwen2.5-VL, tokenizer, prompt
-encoding, SFT batches and perception head (grpo/sft.py, grpo/perception.py):
+encoding, SFT batches and perception head (grpo/warmup/sft.py, grpo/warmup/perception.py):
 
     python -m bench.perception_probe probe --task select --steps 400
         one synthetic task whose answer is read off the picture:
@@ -97,7 +97,7 @@ def _shuffled(examples: list[Example]) -> list[Example]:
 @torch.no_grad()
 def perceived_digit_accuracy(bundle, examples: list[Example]) -> float:
     """Teacher-forced accuracy of the digit right before </REASONING> (the perceived value)."""
-    from grpo.sft import build_sft_batch
+    from grpo.warmup.sft import build_sft_batch
 
     batch = build_sft_batch(bundle, examples, [format_response(e.reasoning, e.answer) for e in examples])
     labels = batch.pop("labels")
@@ -126,7 +126,7 @@ def _optimizer(model, head, lr: float, vision_lr_scale: float):
 
 
 def _step(model, head, opt, params, batch, examples) -> float:
-    from grpo.sft import warmup_losses
+    from grpo.warmup.sft import warmup_losses
 
     lm, perception = warmup_losses(model, batch, examples, head)
     loss = lm if perception is None else lm + perception
@@ -138,9 +138,9 @@ def _step(model, head, opt, params, batch, examples) -> float:
 
 
 def run_probe(args) -> None:
-    from grpo.model import load_bundle
-    from grpo.perception import PerceptionHead
-    from grpo.sft import build_sft_batch, caption_batch
+    from grpo.model.load import load_bundle
+    from grpo.warmup.perception import PerceptionHead
+    from grpo.warmup.sft import build_sft_batch, caption_batch
 
     rng = random.Random(args.seed)
     torch.manual_seed(args.seed)
@@ -181,9 +181,9 @@ def run_curriculum(args) -> None:
     from eval.blind import blind_gap, shuffle_images
     from eval.evaluate import EvalProtocol
     from grpo.evaluate import evaluate_model
-    from grpo.model import load_bundle
-    from grpo.perception import PerceptionHead
-    from grpo.sft import build_sft_batch, caption_batch
+    from grpo.model.load import load_bundle
+    from grpo.warmup.perception import PerceptionHead
+    from grpo.warmup.sft import build_sft_batch, caption_batch
 
     torch.manual_seed(args.seed)
     mix = {int(k): float(v) for k, v in (x.split(":") for x in args.mix.split(","))}

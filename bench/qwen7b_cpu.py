@@ -208,8 +208,9 @@ def build_meta_nf4(cfg, log=print, seed: int = 0):
 
 def build_bundle(layers: int, vision_layers: int, image_px: int, checkpointing: bool, log=print):
     """Bundle of the 7B-shaped NF4 + LoRA model with the tiny tokenizer; and build facts."""
-    from grpo.model import load_bundle, tiny_image_processor
-    from lora import LoRAConfig, enable_gradient_checkpointing, inject_lora
+    from grpo.model.load import load_bundle
+    from grpo.model.tiny import tiny_image_processor
+    from lora import enable_gradient_checkpointing, inject_lora
 
     tok = load_bundle("tiny").tokenizer  # its special-token ids; other ids decode modulo its size
     cfg = qwen7b_config(layers, vision_layers, tok)

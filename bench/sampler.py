@@ -33,8 +33,9 @@ import numpy as np
 import torch
 from PIL import Image
 
-from grpo.model import ModelBundle, encode_prompts, load_bundle
-from grpo.sampler import sample, stop_token_ids
+from grpo.model.load import ModelBundle, load_bundle
+from grpo.model.prompts import encode_prompts
+from grpo.rollout.sampler import sample, stop_token_ids
 
 MID_TEXT = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
                 num_key_value_heads=2, initializer_range=0.02)
@@ -48,7 +49,7 @@ def mid_bundle(tiny: ModelBundle, image_size: int) -> ModelBundle:
     """A ~90M-parameter random Qwen2.5-VL sharing the tiny tokenizer (vocabulary 1024)."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    from grpo.model import tiny_image_processor
+    from grpo.model.tiny import tiny_image_processor
 
     t = tiny.model.config
     text = dict(t.text_config.to_dict(), **MID_TEXT, layer_types=None, head_dim=None)

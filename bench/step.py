@@ -6,7 +6,7 @@
     python -m bench.step --smoke                 # seconds: the smallest config, for tests
     python -m bench.step --scale tiny --beta 0   # the embedded default's GRPO phases: tiny model, 4 x G=8, 48 tokens
 
-``--scale tiny`` is the trainer's own policy of the embedded default instead (grpo/policy.py
+``--scale tiny`` is the trainer's own policy of the embedded default instead (grpo/model/policy.py
 build_policy with the tiny preset: the embedded model, NF4 base, rank-8 LoRA, fp32 compute)
 at the GRPO phases' shape, random weights (no warm-up checkpoint), so every row decodes
 the full budget.
@@ -58,7 +58,7 @@ from dataclasses import dataclass
 import torch
 
 from bench._timing import device_name, fmt, fmt_bytes, peak_bandwidth, print_table
-from grpo.model import ModelBundle
+from grpo.model.load import ModelBundle
 
 # Qwen2.5-VL-7B-Instruct (config.json): text decoder and vision tower.
 QWEN7B_TEXT = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
@@ -103,14 +103,15 @@ def build_bundle(scale: str, device: str, four_bit: bool, checkpointing: bool) -
     scale "tiny": the trainer's policy of the embedded default (its preset and LoRA)."""
     if scale == "tiny":
         from grpo.cli import phase_config
-        from grpo.policy import build_policy
+        from grpo.model.policy import build_policy
 
         cfg = phase_config("A", "tiny", {"model.load_in_4bit": str(four_bit).lower()}, "A")
         b = build_policy(cfg, device, verbose=False)
         return WrappedBundle(model=b.model, tokenizer=b.tokenizer, image_processor=b.image_processor, source="tiny")
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    from grpo.model import load_bundle, tiny_image_processor
+    from grpo.model.load import load_bundle
+    from grpo.model.tiny import tiny_image_processor
     from lora import LoRAConfig, enable_gradient_checkpointing, inject_lora, quantize_model_4bit
 
     text, vision, dtype, *_, image_px = SCALES[scale]
@@ -203,13 +204,13 @@ def kv_bytes_per_step(model, N: int, P: int, T: int) -> float:
 
 def grpo_step(bundle, examples, args, rollout_path: str, merged, stages: Stages) -> dict:
     """Sample, reward, log-probs, loss, backward, optimiser step; returns decode facts."""
-    from grpo.sampler import content_tokens
+    from grpo.rollout.sampler import content_tokens
     from grpo.config import RewardConfig
-    from grpo.logprobs import completion_logprobs, reference_logprobs
-    from grpo.model import encode_prompts
-    from grpo.prompt_context import build_prompt_context
+    from grpo.model.logprobs import completion_logprobs, reference_logprobs
+    from grpo.model.prompts import encode_prompts
+    from grpo.model.prompt_context import build_prompt_context
     from grpo.rewards import RewardModel
-    from grpo.sampler import prefill, sample
+    from grpo.rollout.sampler import prefill, sample
     from kernels.grpo_loss import grpo_loss
     from lora import disable_adapters, lora_parameters
 
@@ -282,7 +283,7 @@ def main(argv: list[str] | None = None) -> None:
                          "or python -m bench.qwen7b_cpu for one step at the 7B's exact shapes (NF4, layer by layer)")
 
     from data.synthetic import generate
-    from grpo.rollout_fast import MergedRollout
+    from grpo.rollout.merged import MergedRollout
     from lora import count_parameters, lora_parameters
 
     print(f"# one GRPO step on {device_name(device)}: scale {scale}"

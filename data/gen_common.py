@@ -91,7 +91,7 @@ class Family:
     render: Callable[[dict[str, Any], int], Image.Image]
     # Everything the picture shows that a question of this family can ask about, in the
     # worked reasoning's own "name: value." grammar ("red circles: 3. blue squares: 2.").
-    # The perception stage of the warm-up trains on it (grpo/sft.py): every number in it
+    # The perception stage of the warm-up trains on it (grpo/warmup/sft.py): every number in it
     # is read off the image, where a worked solution reads one or two.
     describe: Callable[[dict[str, Any]], str] | None = None
 

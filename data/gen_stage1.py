@@ -152,7 +152,7 @@ def draw_table(cv: Canvas, values: list[list[str]]) -> None:
     picture. Centred tables of shape-dependent cell size (an earlier layout) left a tiny
     model to infer that mapping per table shape, and it did not (row/column reads stayed
     near chance after 25k examples; aligned cells: 0.95 after 19k, with the perception
-    labels of grpo/perception.py). Shared with stage 2.
+    labels of grpo/warmup/perception.py). Shared with stage 2.
     """
     rows, cols = len(values), len(values[0])
     x0 = y0 = 0.02

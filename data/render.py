@@ -56,7 +56,7 @@ class Canvas:
     ``marks`` is the renderer's own ground truth: one dict per shape and per number
     drawn, in unit coordinates (``{"kind": "circle", "colour": "red", "x": .3, "y": .6}``,
     ``{"kind": "number", "text": "34", "x": .5, "y": .2}``). The warm-up turns it into
-    dense labels for the visual tokens (grpo/perception.py): it is what the picture
+    dense labels for the visual tokens (grpo/warmup/perception.py): it is what the picture
     shows, known exactly because we drew it.
     """
 

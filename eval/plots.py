@@ -16,7 +16,7 @@ exactly this; unknown keys are ignored, so it can add more):
         "grad_norm", "lr"}; with sampling.dynamic_sampling a "dynamic" object:
         {"refills", "sampled_groups", "kept_groups", "dropped_frac", "fill"}; a "rollout"
         object, the sampler against the trainer: {"path", "correction", "mode", "cap",
-        "level", "kl", "ratio_mean", "ratio_max", "over_frac"} (grpo/run.py step_record).
+        "level", "kl", "ratio_mean", "ratio_max", "over_frac"} (grpo/run/records.py step_record).
     gate line, one per controller rule that fired after a checkpoint eval:
         {"event": "gate", "phase": "A", "step": 20, "rule": "parseable_floor",
          "changes": {"parseable": [0.5, 0.75]}}                  # optional

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from transformers.utils import logging as hf_logging
 
-from grpo.checkpoint import (CheckpointError, SelectorError, check_compatible, check_init_compatible,
+from grpo.state.checkpoint import (CheckpointError, SelectorError, check_compatible, check_init_compatible,
                              check_resumable, load_checkpoint, phase_finished, read_registry, resume_point)
 from grpo.config import (PERCEPTION_DEFAULTS, PHASES, PRESETS, WARMUP_DEFAULTS, ConfigError,
                          TrainConfig, apply_overrides, describe_fields, parse_override_args, phase_init,
@@ -31,12 +31,13 @@ from grpo.config import (PERCEPTION_DEFAULTS, PHASES, PRESETS, WARMUP_DEFAULTS, 
 from grpo.distributed import DataParallel, init_distributed, peer_lost
 from grpo.errors import NoRewardSpread, TrainingDiverged, inside, one_line
 from grpo.final_report import write_final_report
-from grpo.model import ModelLoadError
-from grpo.phase_data import load_training_data
-from grpo.policy import check_policy_config
-from grpo.resume import resolve_init
-from grpo.run import RunFiles, pick_device, seed_everything, set_threads
-from grpo.stop import STOP, EvalAbandoned, Stopped, StopNow, exit_code, signal_name, stop_message
+from grpo.model.load import ModelLoadError
+from grpo.run.phase_data import load_training_data
+from grpo.model.policy import check_policy_config
+from grpo.state.train_state import resolve_init
+from grpo.run.files import RunFiles
+from grpo.run.runtime import pick_device, seed_everything, set_threads
+from grpo.run.stop import STOP, EvalAbandoned, Stopped, StopNow, exit_code, signal_name, stop_message
 
 
 ROLLOUT_KEYS = ("sampling.rollout", "optim.rollout_correction", "optim.rollout_correction_mode",
@@ -186,7 +187,7 @@ def main(argv: list[str] | None, run_phase: Callable[[TrainConfig, RunFiles, str
     checkpoint, divergence, the run directory's disk). Anything else is a bug and keeps its
     traceback."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    STOP.install()  # from here a signal never ends the run with a traceback (grpo/stop.py)
+    STOP.install()  # from here a signal never ends the run with a traceback (grpo/run/stop.py)
     try:
         return _main(argv, run_phase)
     finally:

@@ -73,7 +73,7 @@ WARMUP_DEFAULTS: dict[str, Any] = {
     "run.train_per_stage": 8000,
 }
 # ... and for a model trained from scratch (random tower), the perception supervision of
-# grpo/perception.py: a pretrained model already sees, so it never gets these by default.
+# grpo/warmup/perception.py: a pretrained model already sees, so it never gets these by default.
 PERCEPTION_DEFAULTS: dict[str, Any] = {"phase.perception_steps": 800, "optim.perception_weight": 1.0}
 
 
@@ -167,7 +167,7 @@ class SamplingConfig:
     rollout: str = "plain"
     """Decode path of the rollouts: plain (the policy's 4-bit + LoRA layers) or merged (a copy in the compute dtype with LoRA merged, CUDA graph on GPUs; the tiny preset's)."""
     dynamic_sampling: bool = False
-    """DAPO dynamic sampling: drop groups whose G rewards are all equal, refill from the stream (grpo/dynamic_sampling.py)."""
+    """DAPO dynamic sampling: drop groups whose G rewards are all equal, refill from the stream (grpo/rollout/dynamic_sampling.py)."""
     max_refills: int = 4
     """Dynamic sampling: at most this many refill rounds per step; then train on what was kept (none kept: stop)."""
 
@@ -185,7 +185,7 @@ class OptimConfig:
     vision_lr_scale: float = 1.0
     """Warm-up of a random base: the vision tower's learning rate as a fraction of lr (0 = frozen)."""
     perception_weight: float = 0.0
-    """Warm-up of a random base: weight of the per-visual-token perception loss (grpo/perception.py; 0 = off; the tiny model's warm-up: 1)."""
+    """Warm-up of a random base: weight of the per-visual-token perception loss (grpo/warmup/perception.py; 0 = off; the tiny model's warm-up: 1)."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value (0 = off)."""
     accumulation: int = 1

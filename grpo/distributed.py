@@ -80,6 +80,7 @@ import torch
 import torch.distributed as dist
 
 from grpo.config import ConfigError
+from kernels.grpo_advantages import batch_std
 from kernels.grpo_loss import LOSS_TYPES
 
 
@@ -196,23 +197,9 @@ class DataParallel:
         """
         if not self.enabled or adv_scale != "batch":
             return rewards, adv_scale
-        if rewards.dim() == 2:
-            c = rewards.double()
-            n_sum = self._all_reduce(torch.cat([c.new_tensor([float(c.shape[0])]), c.sum(0)]))
-            mean = n_sum[1:] / n_sum[0].clamp(min=1)
-            sq = self._all_reduce((c - mean).square().sum(0))
-            std = (sq / (n_sum[0] - 1).clamp(min=1)).sqrt()
-            if std_floor > 0:
-                std = std.clamp(min=std_floor)
-            return (c / (std + eps)).to(rewards.dtype), "none"
-        r = rewards.double()
-        n_sum = self._all_reduce(torch.stack([r.new_tensor(float(r.numel())), r.sum()]))
-        mean = n_sum[1] / n_sum[0].clamp(min=1)
-        sq = self._all_reduce((r - mean).square().sum().reshape(1))[0]
-        std = (sq / (n_sum[0] - 1).clamp(min=1)).sqrt()
-        if std_floor > 0:
-            std = std.clamp(min=std_floor)
-        return (r / (std + eps)).to(rewards.dtype), "none"
+        c = rewards.double().reshape(rewards.shape[0], -1)  # [N, C]
+        std = batch_std(c, std_floor=std_floor, all_reduce=self._all_reduce)  # two all-reduces
+        return (c / (std + eps)).reshape(rewards.shape).to(rewards.dtype), "none"
 
     # -------------------------------------------------------------- collectives
 

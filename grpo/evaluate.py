@@ -15,8 +15,8 @@ lives here, above it. The trainer's checkpoint-side eval, the data-parallel eval
 (grpo/distributed.py) and the final report all call ``evaluate_model``, so a gate and a
 report can never disagree about what "parseable" means.
 
-grpo.model / grpo.sampler / grpo.policy / grpo.checkpoint are called through their modules
-(``grpo.sampler.sample``), not through bound names, so a test can swap one for a fake.
+grpo.model.load / grpo.model.prompts / grpo.rollout.sampler / grpo.model.policy / grpo.state.checkpoint are called through their modules
+(``grpo.rollout.sampler.sample``), not through bound names, so a test can swap one for a fake.
 """
 
 from __future__ import annotations
@@ -31,19 +31,20 @@ from typing import Any
 
 import torch
 
-import grpo.checkpoint
-import grpo.model
-import grpo.policy
-import grpo.sampler
+import grpo.state.checkpoint
+import grpo.model.load
+import grpo.model.policy
+import grpo.model.prompts
+import grpo.rollout.sampler
 from data.schema import Example
 from eval.evaluate import Completions, EvalProtocol, EvalResult, evaluate_completions, evaluate_samples
 from eval.inputs import load_examples, read_completions
 from eval.report import control_summary, write_report
-from grpo.checkpoint import CheckpointError
+from grpo.state.checkpoint import CheckpointError
 from grpo.errors import inside, one_line
 from grpo.config import TrainConfig
-from grpo.model import ModelLoadError
-from grpo.stop import check_eval
+from grpo.model.load import ModelLoadError
+from grpo.run.stop import check_eval
 
 # ----------------------------------------------------------------------------- model -> EvalResult
 
@@ -53,24 +54,24 @@ def sample_completions(bundle: Any, examples: Sequence[Example], protocol: EvalP
 
     An example whose image the processor cannot encode gets no completions (eval counts it
     as skipped). Batches of ``protocol.batch_size`` prompts, each prompt prefilled once for
-    its G = ``protocol.samples_per_prompt`` completions (grpo/sampler.py).
+    its G = ``protocol.samples_per_prompt`` completions (grpo/rollout/sampler.py).
     """
     G = protocol.samples_per_prompt
     completions: list[list[str]] = [[] for _ in examples]
     token_counts: list[list[int]] = [[] for _ in examples]
     for start in range(0, len(examples), protocol.batch_size):
-        check_eval()  # a stop abandons the evaluation between batches (grpo/stop.py)
+        check_eval()  # a stop abandons the evaluation between batches (grpo/run/stop.py)
         batch = list(examples[start : start + protocol.batch_size])
         try:
-            prompts = grpo.model.encode_prompts(bundle, batch, on_bad_image="skip").to(bundle.device)
+            prompts = grpo.model.prompts.encode_prompts(bundle, batch, on_bad_image="skip").to(bundle.device)
         except ValueError:  # every image of the batch failed: all of them stay empty
             continue
         # One generator per batch, seeded from the protocol seed and the batch's position:
         # the same protocol (batch_size included) always draws the same completions.
-        out = grpo.sampler.sample(bundle, prompts, G=G, max_new_tokens=protocol.max_new_tokens,
+        out = grpo.rollout.sampler.sample(bundle, prompts, G=G, max_new_tokens=protocol.max_new_tokens,
                                   temperature=protocol.temperature, top_k=protocol.top_k, top_p=protocol.top_p,
                                   seed=protocol.seed + start)
-        ntok = grpo.sampler.content_tokens(out)
+        ntok = grpo.rollout.sampler.content_tokens(out)
         for n, text in enumerate(out.texts):  # row n belongs to kept prompt n // G
             i = start + prompts.kept[n // G]
             completions[i].append(text)
@@ -126,11 +127,11 @@ def print_eval(phase: str, step: int, result: EvalResult) -> None:
 
 def _checkpoint_bundle(path: Path, args: argparse.Namespace) -> Any:
     """Rebuild a checkpoint's policy with the trainer's own builder (base chain, 4-bit, LoRA)."""
-    return grpo.policy.load_policy(path, run_dir=args.run_dir, device=args.device)
+    return grpo.model.policy.load_policy(path, run_dir=args.run_dir, device=args.device)
 
 
 def _resolve_selector(selector: str, args: argparse.Namespace) -> Path | None:
-    """None for 'base'; else the checkpoint directory from grpo.checkpoint.resolve.
+    """None for 'base'; else the checkpoint directory from grpo.state.checkpoint.resolve.
 
     resolve() raises SelectorError (a ValueError) listing the phases, steps and aliases
     the run holds when the selector names nothing; main() prints it as it is.
@@ -139,14 +140,14 @@ def _resolve_selector(selector: str, args: argparse.Namespace) -> Path | None:
         return None
     if not args.run_dir:
         raise ValueError(f"selector {selector!r} needs --run-dir (the training run that holds its checkpoints)")
-    return grpo.checkpoint.resolve(args.run_dir, selector)  # a damaged checkpoint: CheckpointError, exit 1 in main()
+    return grpo.state.checkpoint.resolve(args.run_dir, selector)  # a damaged checkpoint: CheckpointError, exit 1 in main()
 
 
 def _selector_bundle(selector: str, args: argparse.Namespace) -> Any:
     """'base' -> the base model; a checkpoint selector -> that checkpoint's policy."""
     try:
         path = _resolve_selector(selector, args)
-        return grpo.model.load_bundle(args.model, device=args.device) if path is None else _checkpoint_bundle(path, args)
+        return grpo.model.load.load_bundle(args.model, device=args.device) if path is None else _checkpoint_bundle(path, args)
     except ModelLoadError as err:
         raise ModelLoadError(f"{selector}: {err}") from None
 
@@ -249,7 +250,7 @@ def _prepare(args: argparse.Namespace) -> tuple:
     if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
         raise ValueError(f"--device {args.device!r}: use cpu, cuda or cuda:N")
     if args.selectors and "base" in args.selectors:
-        grpo.model.check_model_source(args.model)  # a typo in --model fails before the data is loaded
+        grpo.model.load.check_model_source(args.model)  # a typo in --model fails before the data is loaded
     protocol = EvalProtocol(
         samples_per_prompt=args.samples, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
         top_k=args.top_k, top_p=args.top_p, seed=args.seed, batch_size=args.batch_size,

@@ -2,7 +2,7 @@
 
 A GRPO run starts from a model someone pretrained; this command is how the embedded
 default's model was pretrained, once, offline, on a CPU. It is the trainer's own warm-up
-(grpo/sft.py) with a longer schedule, run on ``tiny-random`` (the architecture with random
+(grpo/warmup/sft.py) with a longer schedule, run on ``tiny-random`` (the architecture with random
 weights), then exported as an ordinary ``save_pretrained`` directory:
 
     1. warm-up     --phase warmup --model.name tiny-random + PRETRAIN below, into --run-dir:
@@ -38,7 +38,7 @@ import sys
 import time
 from pathlib import Path
 
-from grpo import shipped
+from grpo.model import shipped
 
 # The pretraining schedule (passed to the trainer's CLI; the card records them). Measured:
 # 0.42-0.47 s a caption step and 0.55-0.75 s a reasoning step on one core of this project's 2-core machine:
@@ -148,10 +148,10 @@ def export(run_dir: Path, out: Path, wall_s: float, peak_mb: float, test_seed: i
     """warmup:latest of ``run_dir`` -> a verified model directory at ``out``."""
     import torch
 
-    from grpo.checkpoint import load_checkpoint, resolve
+    from grpo.state.checkpoint import load_checkpoint, resolve
     from grpo.config import from_json
-    from grpo.model import load_bundle
-    from grpo.policy import load_base_weights
+    from grpo.model.load import load_bundle
+    from grpo.model.policy import load_base_weights
 
     ckpt = load_checkpoint(resolve(run_dir, "warmup:latest"))
     cfg = from_json(ckpt.config_json)
@@ -300,7 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from grpo import cli
-    from grpo.model import ModelLoadError
+    from grpo.model.load import ModelLoadError
     from grpo.train import run_phase
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -324,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     record = _record_wall(Path(args.run_dir), time.time() - t0) if Path(args.run_dir).is_dir() else {}
     if code != 0:
         return code
-    from grpo.stop import STOP, EvalAbandoned, exit_code, signal_name
+    from grpo.run.stop import STOP, EvalAbandoned, exit_code, signal_name
 
     STOP.install()  # the export's evaluation polls it like every long loop; a stop loses no training
     try:

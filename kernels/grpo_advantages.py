@@ -25,7 +25,7 @@ group's advantages unit-sized, however small its spread. When the G completions 
 prompt tie on correctness and format and differ only in a tie-breaker (brevity, weight .2),
 dividing by that group's tiny std turns "be a little shorter" into an advantage as large as
 "be right" in a group that splits on correctness (the per-question weighting Dr. GRPO
-criticises; issue 13 suspects it of shrinking phase B's completions). ``std_floor`` divides by
+criticises; a suspect when a phase's completions shrink). ``std_floor`` divides by
 
     max(std, std_floor) + eps               (scale="group" or "batch"; 0 = off, the default)
 
@@ -46,6 +46,7 @@ from these [N, 1+J] coefficients, so [N, T, J] never exists in memory.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -90,6 +91,26 @@ class PrefixRubrics:
 # ---------------------------------------------------------------------------------------
 
 
+def batch_std(values: torch.Tensor, valid: torch.Tensor | None = None, std_floor: float = 0.0,
+              all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """scale="batch"'s denominator: the unbiased std of each column of values [N, C] over its
+    valid rows -> [C], floored at std_floor. Two passes (the mean, then the squared
+    deviations) avoid the cancellation of a sum of squares. ``all_reduce`` (a sum over
+    processes, in place) makes it the std over every process's rows: grpo/distributed.py
+    passes its own, and this is then the global batch std of a data-parallel run."""
+    ok = torch.ones_like(values, dtype=torch.bool) if valid is None else valid.bool()
+    v = torch.where(ok, values, 0.0)
+    n_sum = torch.stack([ok.sum(0).to(v.dtype), v.sum(0)])  # [2, C]: valid count, sum
+    if all_reduce is not None:
+        n_sum = all_reduce(n_sum)
+    n, mean = n_sum[0], n_sum[1] / n_sum[0].clamp(min=1)
+    sq = torch.where(ok, v - mean, 0.0).square().sum(0)
+    if all_reduce is not None:
+        sq = all_reduce(sq)
+    std = (sq / (n - 1).clamp(min=1)).sqrt()
+    return std.clamp(min=std_floor) if std_floor > 0 else std
+
+
 def group_zscore_reference(
     values: torch.Tensor, G: int, *, scale: str = "group", eps: float = 1e-4,
     valid: torch.Tensor | None = None, std_floor: float = 0.0,
@@ -114,13 +135,7 @@ def group_zscore_reference(
             std = std.clamp(min=std_floor)
         z = centered / (std + eps)
     elif scale == "batch":  # TRL: std of the raw rewards over the whole batch, per column
-        n_all = ok.sum((0, 1))
-        mean_all = v.sum((0, 1)) / n_all.clamp(min=1)
-        var_all = torch.where(ok, v - mean_all, 0.0).square().sum((0, 1)) / (n_all - 1).clamp(min=1)
-        std_all = var_all.sqrt()
-        if std_floor > 0:
-            std_all = std_all.clamp(min=std_floor)
-        z = centered / (std_all + eps)
+        z = centered / (batch_std(values.float(), ok.view(N, C), std_floor) + eps)
     else:
         z = centered
     z = torch.where(constant[:, None, :], 0.0, z)
@@ -257,28 +272,47 @@ def group_zscore_triton(
 
 @dataclass
 class Advantages:
-    """GRPO's A for N = B*G completions, in the form the loss on ``backend`` reads.
+    """GRPO's A for N = B*G completions, kept factored by reward column; both loss paths read it.
 
-    The reference path holds A itself: ``adv`` [N] (row) or [N, T] (prefix, token) and
-    ``zero_spread`` [B] bool. The kernel path keeps A factored, ``coef`` [N, C] = w_c z_c per
-    reward column (+ ``t_end`` [N, C] in prefix mode), and the loss kernel forms A_it in
-    registers: the V-Rubrics [N, T, J] product never exists in memory. ``constant`` [B, C]
-    (1.0 = column c of group b is constant) gives the zero-spread fraction; token mode
-    passes ``adv`` = token_adv through and the loss derives the fraction from it.
+        coef      [N, C] fp32  w_c * z_c: each reward column's group z-score times its weight
+        t_end     [N, C] int32 prefix mode only: column c credits completion tokens t <= t_end[:, c]
+        constant  [B, C] fp32  1.0 where column c of group b has no spread (its z is 0)
+        token     [N, T]       token mode only: A given per token by the caller
+
+    ``values(T)`` is A itself -- [N] in row mode (the sum over columns), [N, T] in prefix and
+    token mode -- which the reference loss reads and a reader can print. The loss kernel
+    reads the factors and forms A_it in registers, so the V-Rubrics [N, T, J] product never
+    exists in memory.
     """
 
     G: int
-    backend: str  # "torch" | "triton": the loss path these were prepared for
     mode: str  # "row" | "prefix" | "token" (the loss kernel's ADV_MODE)
-    adv: torch.Tensor | None = None
-    zero_spread: torch.Tensor | None = None
     coef: torch.Tensor | None = None
     t_end: torch.Tensor | None = None
     constant: torch.Tensor | None = None
+    token: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> int:
-        return (self.adv if self.adv is not None else self.coef).shape[0]
+        return (self.token if self.mode == "token" else self.coef).shape[0]
+
+    def values(self, T: int | None = None) -> torch.Tensor:
+        """A: [N] (row mode) or [N, T] (prefix mode, which needs T; token mode)."""
+        if self.mode == "token":
+            return self.token
+        if self.mode == "row":
+            return self.coef.sum(1)
+        if T is None:
+            raise ValueError("prefix advantages are per token: values(T) needs the completion length T")
+        covers = torch.arange(T, device=self.coef.device)[None, :, None] <= self.t_end[:, None, :]  # [N, T, C]
+        return (self.coef[:, None, :] * covers).sum(-1)
+
+    def zero_spread(self, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """[B] bool: groups whose advantages are all zero (token mode: on the active tokens of ``mask``)."""
+        if self.mode != "token":
+            return (self.constant != 0).all(1)
+        active_abs = torch.where(mask != 0, self.token.float().abs(), 0.0)
+        return active_abs.amax(1).view(-1, self.G).amax(1) == 0
 
 
 def check_tensor(name: str, x: object, shape: tuple, device: torch.device, floating: bool) -> None:
@@ -389,9 +423,9 @@ def group_advantages(
 
     Exactly one source: ``rewards`` [N]; ``reward_components`` [N, K] with
     ``component_weights`` [K]; ``prefix`` (V-Rubrics, needs ``T``); ``token_adv`` [N, T]
-    (used as is, needs ``mask``). ``backend`` picks the loss path the result is for:
-    "auto" (CUDA -> the Triton kernel, else the reference), "torch" or "triton"; pass the
-    loss the same one. Host syncs: the NaN checks of the inputs (``checked=True`` skips
+    (used as is, needs ``mask``). ``backend`` picks who computes the z-scores: "auto" (CUDA
+    -> the Triton kernel, else the reference), "torch" or "triton"; either loss path reads
+    the result. Host syncs: the NaN checks of the inputs (``checked=True`` skips
     them when the caller has already run ``check_advantage_inputs``).
     """
     source = next(x for x in (rewards, reward_components, prefix, token_adv, torch.empty(0)) if x is not None)
@@ -401,31 +435,17 @@ def group_advantages(
     if not checked:
         check_advantage_inputs(N, T, device, mask, rewards, reward_components, component_weights, prefix,
                                token_adv, scale, adv_eps, adv_std_floor)
-    floor = float(adv_std_floor)
-    backend = resolve_backend(backend, device)
-    if backend == "torch":
-        if token_adv is not None:
-            active_abs = torch.where(mask != 0, token_adv.float().abs(), 0.0)
-            zero = active_abs.amax(1).view(N // G, G).amax(1) == 0
-            return Advantages(G, backend, "token", adv=token_adv, zero_spread=zero)
-        if prefix is not None:
-            adv, zero = prefix_advantages_reference(prefix, T, G, scale=scale, eps=adv_eps, std_floor=floor)
-            return Advantages(G, backend, "prefix", adv=adv, zero_spread=zero)
-        values = rewards if rewards is not None else reward_components
-        adv, zero = grpo_advantages_reference(values, G, scale=scale, eps=adv_eps, weights=component_weights,
-                                              std_floor=floor)
-        return Advantages(G, backend, "row", adv=adv, zero_spread=zero)
-
-    eps = float(adv_eps)
-    if token_adv is not None:  # the loss kernel derives zero spread from the row max |A|
-        return Advantages(G, backend, "token", adv=token_adv)
+    if token_adv is not None:  # used as is (the loss derives its zero spread from the active |A|)
+        return Advantages(G, "token", token=token_adv)
+    floor, eps = float(adv_std_floor), float(adv_eps)
+    zscore = group_zscore_reference if resolve_backend(backend, device) == "torch" else group_zscore_triton
     if prefix is None:
         if rewards is not None:
-            coef, const = group_zscore_triton(rewards[:, None], None, None, G, scale, eps, floor)
+            coef, const = _weighted_zscore(zscore, rewards[:, None], None, None, G, scale, eps, floor)
         else:  # weights [K] -> [N, K] with stride 0 over rows: no copy
             w = component_weights.float()[None, :].expand(reward_components.shape)
-            coef, const = group_zscore_triton(reward_components, None, w, G, scale, eps, floor)
-        return Advantages(G, backend, "row", coef=coef, constant=const)
+            coef, const = _weighted_zscore(zscore, reward_components, None, w, G, scale, eps, floor)
+        return Advantages(G, "row", coef=coef, constant=const)
     # V-Rubrics: column 0 is the answer reward (credits every token), columns 1.. the rubrics.
     J = prefix.s.shape[1]
     values = torch.cat([prefix.R_ans.float()[:, None], prefix.s.float()], 1)  # [N, 1+J]
@@ -434,5 +454,13 @@ def group_advantages(
                    (1.0 - prefix.a) * prefix.rho.float().expand(N, J)], 1)
     t_end = torch.cat([torch.full((N, 1), _INT32_MAX, dtype=torch.int32, device=device),
                        prefix.t_end.clamp(-1, T).to(torch.int32)], 1)
-    coef, const = group_zscore_triton(values, valid, w, G, scale, eps, floor)
-    return Advantages(G, backend, "prefix", coef=coef, t_end=t_end, constant=const)
+    coef, const = _weighted_zscore(zscore, values, valid, w, G, scale, eps, floor)
+    return Advantages(G, "prefix", coef=coef, t_end=t_end, constant=const)
+
+
+def _weighted_zscore(zscore, values, valid, weights, G, scale, eps, floor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(coef = w * z [N, C] fp32, constant [B, C] fp32) by the reference or the kernel."""
+    if zscore is group_zscore_triton:
+        return group_zscore_triton(values, valid, weights, G, scale, eps, floor)
+    z, constant = group_zscore_reference(values, G, scale=scale, eps=eps, valid=valid, std_floor=floor)
+    return (z if weights is None else z * weights), constant.float()

@@ -68,7 +68,7 @@ old_logp is None).
 
 Rollout correction (sampler_logp, correction, correction_mode, correction_cap = C). When
 the completions come from another engine than the one computing logp (the merged bf16 copy
-of grpo/rollout_fast.py against the NF4 + LoRA trainer; vLLM in TRL), the tokens were drawn
+of grpo/rollout/merged.py against the NF4 + LoRA trainer; vLLM in TRL), the tokens were drawn
 from pi_sampler, not from the trainer's pi_old, and the ratio against old alone ignores
 that. Per token w_t = pi_old(y_t) / pi_sampler(y_t) = exp(old_t - sampler_t) (old = the
 detached current log-probs when old_logp is None: the trainer at sampling time), per
@@ -646,7 +646,7 @@ def _grpo_loss_fwd_triton(
     old = last_dim_contiguous(old_logp) if old_logp is not None else logp
     ref = last_dim_contiguous(ref_logp) if ref_logp is not None else logp
     samp = last_dim_contiguous(sampler_logp) if sampler_logp is not None else logp
-    token_adv = last_dim_contiguous(adv.adv) if token_mode else logp
+    token_adv = last_dim_contiguous(adv.token) if token_mode else logp
     coef = adv.coef if not token_mode else logp
     t_end = adv.t_end if prefix_mode else mask
     C = adv.coef.shape[1] if not token_mode else 1
@@ -768,18 +768,14 @@ def _validate_correction(logp, sampler_logp, correction, correction_mode, correc
         raise ValueError(f"correction_cap must be a finite number > 1 (the largest ratio kept), got {correction_cap!r}")
 
 
-def _check_prepared(adv: object, N: int, G: int, backend: str) -> None:
+def _check_prepared(adv: object, N: int, G: int) -> None:
     # Duck-typed like prefix: a test's reloaded (interpreted) module has its own class.
-    missing = [f for f in ("G", "backend", "mode", "adv", "zero_spread", "coef", "t_end", "constant")
-               if not hasattr(adv, f)]
+    missing = [f for f in ("G", "mode", "coef", "t_end", "constant", "token", "values") if not hasattr(adv, f)]
     if missing:
         raise TypeError(f"advantages must come from group_advantages, got {type(adv).__name__}")
     if adv.G != G or adv.num_rows != N:
         raise ValueError(f"advantages are for {adv.num_rows} rows in groups of {adv.G}, the loss has "
                          f"{N} rows in groups of {G}")
-    if adv.backend != backend:
-        raise ValueError(f"advantages were prepared for backend {adv.backend!r} but the loss runs on "
-                         f"{backend!r}; pass group_advantages the loss's backend")
 
 
 def grpo_loss(
@@ -830,7 +826,7 @@ def grpo_loss(
                                 ("prefix", prefix), ("token_adv", token_adv)) if x is not None]
         if given:
             raise ValueError(f"give exactly one advantage source: advantages, or {given[0]} (got both)")
-        _check_prepared(advantages, N, G, backend)
+        _check_prepared(advantages, N, G)
     loss_args = dict(old_logp=old_logp, ref_logp=ref_logp, beta=float(beta),
                      eps_low=float(eps_low), eps_high=float(eps_high), loss_type=loss_type,
                      importance=importance, max_len=max_len, num_active_tokens=num_active_tokens,
@@ -838,8 +834,8 @@ def grpo_loss(
                      correction=correction, correction_mode=correction_mode, correction_cap=float(correction_cap))
 
     if backend == "torch":
-        loss, st = grpo_loss_reference(logp, mask, advantages.adv, **loss_args)
-        return loss, GRPOStats(zero_spread_frac=advantages.zero_spread.float().mean(), **st)
+        loss, st = grpo_loss_reference(logp, mask, advantages.values(T), **loss_args)
+        return loss, GRPOStats(zero_spread_frac=advantages.zero_spread(mask).float().mean(), **st)
 
     check_launchable(_grpo_loss_fwd_kernel, logp.device, __name__)
     loss, s = _FusedGRPOLoss.apply(logp, dict(mask=mask, adv=advantages, **loss_args))

@@ -28,8 +28,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import grpo.checkpoint as ckpt_mod
-from grpo.checkpoint import CheckpointError, load_checkpoint, read_registry, save_checkpoint
+import grpo.state.checkpoint as ckpt_mod
+from grpo.state.checkpoint import CheckpointError, load_checkpoint, read_registry, save_checkpoint
 from grpo.config import parse_override_args
 from lora import LoRAConfig, inject_lora, load_adapter, save_adapter
 from train_helpers import run_main
@@ -48,7 +48,7 @@ def no_model_work(monkeypatch, request):
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded: this bad input was not caught by validation")
 
-    monkeypatch.setattr("grpo.model.load_bundle", refuse)
+    monkeypatch.setattr("grpo.model.load.load_bundle", refuse)
 
 
 def assert_one_line(rc: int, err: str, code: int, message: str) -> None:
@@ -796,7 +796,7 @@ def test_damaged_checkpoints(tmp_path, damage, message):
 def test_unicode_bom_and_tiny_images_are_accepted(tmp_path, dataset):
     """Not errors: a UTF-8 byte-order mark, non-ASCII questions and pids, and 1x1 images
     (the processor scales them up to one 28 px patch). Checked on the loaded training data."""
-    from grpo.phase_data import load_training_data
+    from grpo.run.phase_data import load_training_data
 
     root = copy_data(dataset, tmp_path)
     rows = rows_of(root)

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-import grpo.checkpoint as ckpt
-from grpo.checkpoint import (
+import grpo.state.checkpoint as ckpt
+from grpo.state.checkpoint import (
     CheckpointError, SelectorError, capture_rng, check_compatible, load_checkpoint, read_registry, resolve,
     restore_rng, save_checkpoint,
 )
@@ -274,7 +274,7 @@ def test_sigkill_in_a_subprocess_leaves_latest_valid(tmp_path):
     script = textwrap.dedent(f"""
         import os, signal, sys, torch
         sys.path.insert(0, {str(REPO)!r})
-        import grpo.checkpoint as ckpt
+        import grpo.state.checkpoint as ckpt
         from grpo.config import TrainConfig
         def save(step):
             ckpt.save_checkpoint({str(tmp_path)!r}, "A", step, tensors={{"w": torch.full((3,), float(step))}},

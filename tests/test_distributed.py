@@ -185,7 +185,7 @@ def test_trainer_runs_data_parallel_end_to_end(two_ranks):
     assert any(r["adv_abs"] > 0 for r in steps), "no step had reward spread: replicas were never tested moving"
     evals = [r for r in lines if r.get("event") == "eval" and r["phase"] == "A"]
     assert len(evals) == 1 and evals[0]["metrics"]["n"] == 4.0  # 2 + 2 prompts gathered
-    from grpo.checkpoint import load_checkpoint, resolve
+    from grpo.state.checkpoint import load_checkpoint, resolve
 
     ckpt = load_checkpoint(resolve(run, "A:latest"))
     assert {"sampler_generator_state", "sampler_generator_state.rank1"} <= set(ckpt.tensors)
@@ -198,8 +198,8 @@ def test_trainer_runs_data_parallel_end_to_end(two_ranks):
 def _rollouts(bundle, examples):
     """The global batch's rollouts, identical on every rank: one seeded sample of all prompts,
     then ragged masks (ranks get different token counts) and fixed rewards with spread."""
-    from grpo.model import encode_prompts
-    from grpo.sampler import sample
+    from grpo.model.prompts import encode_prompts
+    from grpo.rollout.sampler import sample
 
     prompts = encode_prompts(bundle, examples)
     out = sample(bundle, prompts, G=G, max_new_tokens=L, temperature=1.0, seed=0, compact=False)
@@ -213,8 +213,8 @@ def _rollouts(bundle, examples):
 def _step_grads(model, micro_batches, loss_type, adv_scale, beta, dp, naive=False, floor=0.0, weights=None):
     """The trainer's step 3-5 (grpo/train.py) on given rollouts: (global loss, summed grads).
     Rewards [N, K] with ``weights`` [K]: per-component advantages, as adv_mode components."""
-    from grpo.logprobs import completion_logprobs, reference_logprobs
-    from grpo.prompt_context import build_prompt_context
+    from grpo.model.logprobs import completion_logprobs, reference_logprobs
+    from grpo.model.prompt_context import build_prompt_context
     from kernels.grpo_loss import grpo_loss
     from lora import disable_adapters, lora_parameters
 
@@ -250,7 +250,7 @@ def _step_grads(model, micro_batches, loss_type, adv_scale, beta, dp, naive=Fals
 def _micro_batches(bundle, examples, ids, mask, rewards, prompt_ids, accumulation, dp):
     """This process's micro-batches: global micro-batch a = prompts a*B_a .. (a+1)*B_a - 1,
     of which the process keeps its shard (rows b*G .. b*G+G-1 of each kept prompt b)."""
-    from grpo.model import encode_prompts
+    from grpo.model.prompts import encode_prompts
 
     per = len(prompt_ids) // accumulation
     out = []
@@ -266,7 +266,7 @@ def _worker(out_dir: Path) -> None:
     from data.synthetic import generate
     from grpo.config import TrainConfig
     from grpo.distributed import init_distributed
-    from grpo.policy import build_policy
+    from grpo.model.policy import build_policy
     from lora import lora_parameters
 
     torch.set_num_threads(1)

@@ -90,8 +90,9 @@ def test_blind_gap_of_pass_at_k_counts_a_prompt_once_if_any_sample_is_exact():
 
 def _fake_models(monkeypatch, reads_image: bool):
     """encode_prompts/sample stand-ins: the model answers what the image shows, or the question's pid."""
-    import grpo.model
-    import grpo.sampler
+    import grpo.model.load
+    import grpo.model.prompts
+    import grpo.rollout.sampler
 
     def encode_prompts(bundle, items, on_bad_image="raise"):
         obj = types.SimpleNamespace(kept=list(range(len(items))), items=list(items))
@@ -103,8 +104,8 @@ def _fake_models(monkeypatch, reads_image: bool):
         n = len(texts)
         return types.SimpleNamespace(texts=texts, lengths=torch.full((n,), 5), finished=torch.ones(n, dtype=torch.bool))
 
-    monkeypatch.setattr(grpo.model, "encode_prompts", encode_prompts)
-    monkeypatch.setattr(grpo.sampler, "sample", sample)
+    monkeypatch.setattr(grpo.model.prompts, "encode_prompts", encode_prompts)
+    monkeypatch.setattr(grpo.rollout.sampler, "sample", sample)
 
 
 @pytest.mark.parametrize("reads_image", [True, False])

@@ -97,10 +97,11 @@ def test_write_report_markdown_json_samples(tiny_run, tmp_path):
 
 
 def _fake_grpo(monkeypatch, calls):
-    """Stand-ins for grpo.model.encode_prompts / grpo.sampler.sample: image-less examples are
+    """Stand-ins for grpo.model.prompts.encode_prompts / grpo.rollout.sampler.sample: image-less examples are
     skipped by the encoder; each kept prompt gets G completions answering its own pid."""
-    import grpo.model
-    import grpo.sampler
+    import grpo.model.load
+    import grpo.model.prompts
+    import grpo.rollout.sampler
 
     def encode_prompts(bundle, items, on_bad_image="raise"):
         kept = [i for i, e in enumerate(items) if e.image is not None]
@@ -116,8 +117,8 @@ def _fake_grpo(monkeypatch, calls):
         n = len(texts)
         return types.SimpleNamespace(texts=texts, lengths=torch.full((n,), 5), finished=torch.ones(n, dtype=torch.bool))
 
-    monkeypatch.setattr(grpo.model, "encode_prompts", encode_prompts)
-    monkeypatch.setattr(grpo.sampler, "sample", sample)
+    monkeypatch.setattr(grpo.model.prompts, "encode_prompts", encode_prompts)
+    monkeypatch.setattr(grpo.rollout.sampler, "sample", sample)
 
 
 def test_evaluate_model_plumbing(monkeypatch):
@@ -166,9 +167,10 @@ def test_cli_unknown_selector_lists_what_exists(tmp_path, capsys, monkeypatch):
     from test_mathvista import SCHEMA, make_row
 
     pq.write_table(pa.Table.from_pylist([make_row("1", answer="3")], schema=SCHEMA), tmp_path / "testmini-0.parquet")
-    import grpo.model
+    import grpo.model.load
+    import grpo.model.prompts
 
-    monkeypatch.setattr(grpo.model, "load_bundle", lambda *a, **k: pytest.fail("no model should load"))
+    monkeypatch.setattr(grpo.model.load, "load_bundle", lambda *a, **k: pytest.fail("no model should load"))
     (tmp_path / "run").mkdir()
     rc = main(["A:best_structure", "--run-dir", str(tmp_path / "run"), "--data", str(tmp_path / "testmini-0.parquet"),
                "--out", str(tmp_path / "out")])

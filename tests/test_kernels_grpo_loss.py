@@ -225,7 +225,7 @@ def test_rollout_correction_against_a_plain_formula(correction, mode):
     old = torch.where(m, inp["old"].cpu(), 0.0)
     ref = torch.where(m, inp["ref"].cpu(), 0.0)
     s = torch.where(m, samp.cpu(), 0.0)
-    A = gl.group_advantages(inp["rewards"].cpu(), G, backend="torch").adv[:, None]
+    A = gl.group_advantages(inp["rewards"].cpu(), G, backend="torch").values()[:, None]
     r = torch.exp(lp - old)
     pg = -torch.minimum(r * A, r.clamp(0.8, 1.2) * A)
     lr_is = (old - s) * mf

@@ -42,7 +42,7 @@ def import_graph() -> dict[str, set[str]]:
     for name, path in modules.items():
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             for target in _imported(node):
-                while target and target not in modules:  # `from grpo.model import X`: X is a name
+                while target and target not in modules:  # `from grpo.model.load import X`: X is a name
                     target = target.rpartition(".")[0]
                 if target and target != name:
                     graph[name].add(target)
@@ -113,8 +113,57 @@ def test_eval_imports_nothing_from_grpo():
 
 def test_the_walker_sees_lazy_imports_and_cycles():
     graph = import_graph()
-    assert "grpo.sampler" in graph["grpo.evaluate"]  # a module-top import
+    assert "grpo.rollout.sampler" in graph["grpo.evaluate"]  # a module-top import
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
-    lazy = ast.parse("def f():\n    from grpo.model import load_bundle\n")
-    assert [t for n in ast.walk(lazy) for t in _imported(n)] == ["grpo.model", "grpo.model.load_bundle"]
+    lazy = ast.parse("def f():\n    from grpo.model.load import load_bundle\n")
+    assert [t for n in ast.walk(lazy) for t in _imported(n)] == ["grpo.model.load", "grpo.model.load.load_bundle"]
+
+
+# Inside grpo: sub-packages by concept. Each may import grpo.config and grpo.errors (which
+# import nothing else of grpo) and the units listed here, nothing else of grpo; the rest of
+# grpo's top level (train, cli, evaluate, final_report, pretrain, distributed) is the harness and
+# the commands, which may import anything below them. grpo.step is the algorithm: it knows
+# nothing of checkpoints, processes, evaluation or the command line.
+GRPO_BASE = {"grpo.config", "grpo.errors"}
+GRPO_ALLOWED = {
+    "grpo.config": set(),
+    "grpo.errors": set(),
+    "grpo.run": set(),  # files, log records, progress, schedule, guard, stops, prefetch, phase data
+    "grpo.rewards": set(),  # the reward terms
+    "grpo.controller": set(),  # the metric-gated reward-weight controller
+    "grpo.state": {"grpo.run"},  # checkpoints and the training state
+    "grpo.model": {"grpo.state"},  # loading, prompts, the policy, log-probs
+    "grpo.rollout": {"grpo.model"},  # sampling
+    "grpo.step": {"grpo.model", "grpo.rewards", "grpo.rollout", "grpo.run"},  # one GRPO step
+    "grpo.warmup": {"grpo.model", "grpo.run", "grpo.state", "grpo.evaluate"},  # the SFT warm-up
+}
+
+
+def _grpo_unit(module: str) -> str:
+    """grpo.<sub-package or top-level module> a module belongs to."""
+    return ".".join(module.split(".")[:2])
+
+
+def test_grpo_sub_packages_point_one_way():
+    graph = import_graph()
+    units = {_grpo_unit(m) for m in graph if m.startswith("grpo.")}
+    assert {"grpo.run", "grpo.state", "grpo.model", "grpo.rollout", "grpo.warmup", "grpo.rewards"} <= units
+    bad = []
+    for src, targets in graph.items():
+        unit = _grpo_unit(src)
+        if unit not in GRPO_ALLOWED:
+            continue
+        allowed = GRPO_ALLOWED[unit] | ({unit} if unit in GRPO_BASE else GRPO_BASE | {unit})
+        bad += [f"{src} -> {dst}" for dst in targets
+                if dst.startswith("grpo.") and _grpo_unit(dst) not in allowed]
+    assert not bad, "imports against grpo's sub-package order: " + ", ".join(sorted(bad))
+
+
+def test_the_step_core_stays_small_and_plain():
+    """The file a learner reads first: one GRPO step in at most 300 lines, with no harness in it."""
+    step = ROOT / "grpo" / "step.py"
+    assert len(step.read_text().splitlines()) <= 300
+    harness = {"grpo.distributed", "grpo.state", "grpo.evaluate", "grpo.train", "grpo.cli", "grpo.run.stop",
+               "grpo.run.guard", "grpo.run.files"}
+    assert not {t for t in import_graph()["grpo.step"] if t in harness or _grpo_unit(t) in harness}

@@ -34,14 +34,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo.checkpoint import load_checkpoint, resolve
+from grpo.state.checkpoint import load_checkpoint, resolve
 from grpo.config import TrainConfig
-from grpo.dynamic_sampling import (FillStats, Rollout, concat_rollouts, fill_batch, groups_with_spread,
+from grpo.rollout.sampler import Rollout
+from grpo.rollout.dynamic_sampling import (FillStats, concat_rollouts, fill_batch, groups_with_spread,
                                    no_spread_message, select_groups)
-from grpo.prompt_context import PromptContext, group_rows
+from grpo.model.prompt_context import PromptContext, group_rows
 from grpo.rewards.compose import RewardBatch
 from grpo.rewards.rubrics import PrefixInputs
-from grpo.sampler import SampleOutput
+from grpo.rollout.sampler import SampleOutput
 from kernels._dispatch import import_interpreted
 from train_helpers import log_lines, reward_spread, run_main
 
@@ -190,7 +191,7 @@ class Stream:
 
 
 def spread_of(r: Rollout) -> list[int]:
-    return groups_with_spread(r.rb.total, r.out.G)
+    return groups_with_spread(r.scores.total, r.out.G)
 
 
 def check_aligned(r: Rollout) -> list[int]:
@@ -209,8 +210,8 @@ def check_aligned(r: Rollout) -> list[int]:
             assert r.out.texts[i] == f"p{p}g{g}"
             row = r.out.completion_ids[i][r.out.completion_mask[i].bool()]
             assert (row == 1000 * p + g).all()
-            assert r.rb.total[i] == r.rb.components["c"][i]
-            assert math.floor(float(r.rb.total[i])) == p
+            assert r.scores.total[i] == r.scores.components["c"][i]
+            assert math.floor(float(r.scores.total[i])) == p
     assert ctx.image_embeds.shape[0] == int(ctx.image_mask.sum())
     assert r.out.prompt_index.tolist() == group_rows(len(pids), G).tolist()
     return pids
@@ -225,7 +226,7 @@ def test_refilled_batches_hold_only_groups_with_spread_in_stream_order():
     pids = [p for r in micro for p in check_aligned(r)]
     assert pids == [p for p in range(stream.next) if p % 3 != 0]  # every kept one, in stream order
     for r in micro:  # nothing without spread reached the batch
-        assert groups_with_spread(r.rb.total, r.out.G) == list(range(r.n_groups))
+        assert groups_with_spread(r.scores.total, r.out.G) == list(range(r.n_groups))
     # round 0: 8 prompts, 0, 3, 6 tie -> deficit 3; refill 8, 9, 10 -> 9 ties -> deficit 1; 11
     assert stream.calls == [4, 4, 3, 1]
     assert (stats.rounds, stats.refills, stats.sampled_groups, stats.kept_groups) == (3, 2, 12, 8)
@@ -264,9 +265,9 @@ def test_merging_pads_rubric_prefix_inputs():
     (r,) = micro
     pids = check_aligned(r)
     assert pids == [0, 2, 3]
-    p = r.rb.prefix
+    p = r.scores.prefix
     assert p.s.shape == (6, 2) and p.scored.sum(1).tolist() == [0, 0, 2, 2, 0, 0]  # 3 % 3 = 0 items
-    assert torch.equal(p.R_ans, r.rb.total)
+    assert torch.equal(p.R_ans, r.scores.total)
     one = select_groups(stream.draw(3), [2])
     assert check_aligned(one) == [6] and one.out.context.P == 3 + 6 % 3  # all-padding columns cut
     assert concat_rollouts([one], 0) is one
@@ -289,24 +290,24 @@ def test_components_mode_keeps_a_tie_breaker_small():
     """Group 0 ties on correctness and differs by one brevity step (.5 x weight .2); group 1
     splits on correctness. z(total) makes group 0's advantages as large as group 1's;
     components mode caps them at brevity's weight share; the std floor scales them down."""
-    from grpo.distributed import DataParallel
-    from grpo.train import advantage_kwargs, spread_columns
+    from grpo.step import advantage_source
 
     w = {"correctness": 4.0, "brevity": 0.2, "format": 0.0}
     rb = batch({"correctness": [1, 1, 1, 1, 1, 0, 0, 0], "brevity": [1, 1, 1, .5, 1, 1, 1, 1],
                 "format": [2, 1, 2, 1, 2, 1, 2, 1]}, w)  # format varies but weighs 0
-    cfg, dp = TrainConfig(), DataParallel()
+    cfg = TrainConfig()
     adv = {}
     for mode, floor in (("total", 0.0), ("components", 0.0), ("total", 1.0)):
         cfg.optim.adv_mode, cfg.optim.adv_std_floor = mode, floor
-        kw = advantage_kwargs(rb, cfg, dp, "cpu")
-        if mode == "components":
-            assert torch.equal(kw["reward_components"], torch.stack([rb.components["correctness"],
-                                                                     rb.components["brevity"]], 1))
-            torch.testing.assert_close(kw["component_weights"], torch.tensor([4.0, 0.2]) / 4.2)
-            assert spread_columns(rb, cfg)[0].shape == (8, 2)  # the zero-weight format is left out
-        assert kw["adv_std_floor"] == floor
-        _, st = gl.grpo_loss(torch.zeros(8, 3), torch.ones(8, 3), G=4, backend="torch", **kw)
+        src = advantage_source(rb, cfg)
+        if mode == "components":  # the zero-weight format is left out
+            assert torch.equal(src.columns, torch.stack([rb.components["correctness"], rb.components["brevity"]], 1))
+            torch.testing.assert_close(src.weights, torch.tensor([4.0, 0.2]) / 4.2)
+            kw = dict(reward_components=src.columns, component_weights=src.weights)
+        else:
+            assert torch.equal(src.columns, rb.total[:, None]) and src.weights is None
+            kw = dict(rewards=src.columns[:, 0])
+        _, st = gl.grpo_loss(torch.zeros(8, 3), torch.ones(8, 3), G=4, backend="torch", adv_std_floor=floor, **kw)
         a, _ = gl.grpo_advantages_reference(kw.get("rewards", kw.get("reward_components")), 4,
                                             weights=kw.get("component_weights"), std_floor=floor)
         adv[(mode, floor)] = a
@@ -318,7 +319,7 @@ def test_components_mode_keeps_a_tie_breaker_small():
 
 
 def test_lr_schedule_counts_optimiser_steps():
-    from grpo.run import lr_at
+    from grpo.run.schedule import lr_at
 
     cfg = TrainConfig()
     cfg.phase.name, cfg.phase.steps, cfg.optim.schedule, cfg.optim.warmup_steps = "A", 10, "linear", 2

@@ -9,9 +9,10 @@ import pytest
 import torch
 from PIL import Image
 
-from grpo.logprobs import completion_logprobs, reference_logprobs
-from grpo.model import ModelBundle, encode_prompts, load_bundle
-from grpo.prompt_context import build_prompt_context
+from grpo.model.logprobs import completion_logprobs, reference_logprobs
+from grpo.model.load import ModelBundle, load_bundle
+from grpo.model.prompts import encode_prompts
+from grpo.model.prompt_context import build_prompt_context
 
 G, T = 2, 7
 
@@ -87,7 +88,7 @@ def test_gradients_equal_full_forward(bundle, batch):
 
 
 def test_vision_tower_runs_once_per_prompt(bundle, batch):
-    from grpo.sampler import sample
+    from grpo.rollout.sampler import sample
 
     prompts, ids, mask = batch
     calls = []

@@ -11,15 +11,10 @@ import torch
 from PIL import Image
 
 from data.contract import format_prompt, format_response
-from grpo.model import (
-    ModelLoadError,
-    build_tiny_model,
-    default_model_dir,
-    encode_prompts,
-    load_bundle,
-    prompt_text,
-)
-from grpo.tokenizer import CONTRACT_TOKENS, SPECIAL_TOKENS, train_bpe, wrap_for_transformers
+from grpo.model.load import ModelLoadError, load_bundle
+from grpo.model.prompts import encode_prompts, prompt_text
+from grpo.model.tiny import build_tiny_model, default_model_dir
+from grpo.model.tokenizer import CONTRACT_TOKENS, SPECIAL_TOKENS, train_bpe, wrap_for_transformers
 
 SMALL_CORPUS = [format_prompt(f"How many {c} {s} are there?") for c in ("red", "blue") for s in ("circles", "bars")] * 5
 SMALL_CORPUS += [format_response(f"I count {k} red circles and {k + 2} blue bars.", str(2 * k + 2)) for k in range(30)]

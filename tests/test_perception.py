@@ -1,6 +1,6 @@
 """The warm-up's perception supervision: labels from the renderer's marks, captions, the head.
 
-grpo/perception.py labels every merged visual token with what the renderer drew in its
+grpo/warmup/perception.py labels every merged visual token with what the renderer drew in its
 cell; these tests pin that mapping (a wrong cell or class teaches the tower the wrong
 thing without any error), the captions' numbers against the examples' own parameters,
 and that the perception loss reaches the vision tower through the LM's own forward.
@@ -15,11 +15,11 @@ import torch
 
 from data.stages import STAGES
 from data.synthetic import generate
-from grpo.model import load_bundle
-from grpo.perception import (
+from grpo.model.load import load_bundle
+from grpo.warmup.perception import (
     N_COLOUR, N_NUMBER, N_OBJECT, N_POS, PerceptionHead, _object_class, token_labels,
 )
-from grpo.sft import build_sft_batch, caption_batch, warmup_losses
+from grpo.warmup.sft import build_sft_batch, caption_batch, warmup_losses
 
 
 @pytest.fixture(scope="module")

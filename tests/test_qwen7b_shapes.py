@@ -18,7 +18,7 @@ from bench import qwen7b_cpu
 def test_formula_and_meta_model_match_the_7b_published_counts():
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    from grpo.model import load_bundle
+    from grpo.model.load import load_bundle
     from lora import inject_lora
 
     cfg = qwen7b_cpu.qwen7b_config(28, 32, load_bundle("tiny").tokenizer)
@@ -37,7 +37,7 @@ def test_formula_and_meta_model_match_the_7b_published_counts():
 def test_units_cover_every_tensor_once():
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    from grpo.model import load_bundle
+    from grpo.model.load import load_bundle
 
     cfg = qwen7b_cpu.qwen7b_config(2, 2, load_bundle("tiny").tokenizer)
     with torch.device("meta"):

@@ -9,8 +9,9 @@ import pytest
 import torch
 from PIL import Image
 
-from grpo.model import ModelBundle, encode_prompts, load_bundle
-from grpo.sampler import filter_logits, sample, sample_token, stop_token_ids
+from grpo.model.load import ModelBundle, load_bundle
+from grpo.model.prompts import encode_prompts
+from grpo.rollout.sampler import filter_logits, sample, sample_token, stop_token_ids
 
 QUESTIONS = ["How many red circles are there?", "Sum?", "What is the total number of squares in the picture shown?"]
 
@@ -116,7 +117,7 @@ def test_greedy_with_stops_equals_generate(sharp, prompts, decode):
 
 @DECODE
 def test_sampling_logprobs_equal_full_forward(sharp, prompts, decode):
-    from grpo.logprobs import completion_logprobs
+    from grpo.model.logprobs import completion_logprobs
 
     G, temperature = 3, 0.7
     out = sample(sharp, prompts, G=G, max_new_tokens=10, temperature=temperature, top_k=50, top_p=0.9, seed=0,
@@ -157,7 +158,7 @@ def test_same_seed_same_completions(sharp, prompts):
 
 @DECODE
 def test_stop_token_ends_sequence_and_mask(sharp, prompts, decode):
-    from grpo.logprobs import completion_logprobs
+    from grpo.model.logprobs import completion_logprobs
 
     handle = _eos_bias(sharp, 4.0)
     try:
@@ -225,11 +226,11 @@ def test_bad_arguments(sharp, prompts):
 def test_static_decode_with_lora_equals_hf(sharp, prompts):
     """The hand-written step calls the model's own (here LoRA-wrapped) modules."""
     inject = pytest.importorskip("lora.inject")
-    from grpo import fast_decode
+    from grpo.rollout import static_cache
 
     bundle = ModelBundle(model=copy.deepcopy(sharp.model), tokenizer=sharp.tokenizer,
                          image_processor=sharp.image_processor, source="sharp+lora")
-    assert fast_decode.supports(bundle.model)
+    assert static_cache.supports(bundle.model)
     inject.inject_lora(bundle.model, inject.LoRAConfig(r=4), verbose=False)
     with torch.no_grad():
         for p in inject.lora_parameters(bundle.model):

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo import shipped
+from grpo.model import shipped
 from grpo.config import ConfigError, trains_from_scratch
-from grpo.model import ModelLoadError, load_bundle
+from grpo.model.load import ModelLoadError, load_bundle
 from grpo.rewards import RewardBatch
 from train_helpers import log_lines, run_main
 
@@ -51,7 +51,7 @@ def copy(tmp_path, monkeypatch):
 
 def _other_build_tokenizer(tmp_path: Path) -> bytes:
     """tokenizer.json of the random build of another seed (trained on another corpus)."""
-    from grpo.model import build_tiny_model
+    from grpo.model.tiny import build_tiny_model
 
     return (build_tiny_model(tmp_path / "other", seed=3) / "tokenizer.json").read_bytes()
 
@@ -113,7 +113,7 @@ def test_pretrain_exports_a_pretrained_model_and_rebuilds_it_byte_for_byte(tmp_p
     assert not trains_from_scratch(str(out)) and not (out / "vlgrpo_build.json").exists()
     bundle = load_bundle(str(out))
     ckpt_run = tmp_path / "run0"
-    from grpo.checkpoint import load_checkpoint, resolve
+    from grpo.state.checkpoint import load_checkpoint, resolve
 
     saved = load_checkpoint(resolve(ckpt_run, "warmup:latest")).tensors
     for name, value in bundle.model.state_dict().items():

@@ -1,4 +1,4 @@
-"""Stops that lose nothing (grpo/stop.py): real signals to a real trainer process.
+"""Stops that lose nothing (grpo/run/stop.py): real signals to a real trainer process.
 
 - The warm-up: SIGTERM mid-way, kill -9 after a periodic save, SIGINT during its final
   evaluation -- each resumed by the same command to final weights byte-equal to a
@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo.checkpoint import load_checkpoint, phase_finished, read_registry, resolve
+from grpo.state.checkpoint import load_checkpoint, phase_finished, read_registry, resolve
 from grpo.cli import phases_to_run
-from grpo.run import RunFiles
+from grpo.run.files import RunFiles
 from train_helpers import Trainer, log_lines, run_main
 
 WARMUP = ["--phase", "warmup", "--model.name", "tiny-random", "--model.device", "cpu", "--run.train_per_stage", "16",

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo.checkpoint import ALIASES, load_checkpoint, read_registry, resolve, step_dirname
+from grpo.state.checkpoint import ALIASES, load_checkpoint, read_registry, resolve, step_dirname
 from grpo.config import PHASE_WEIGHTS
 from grpo.train import main
 from train_helpers import log_lines, run_main
@@ -140,7 +140,7 @@ def test_phase_C_with_B_present_runs_only_C(chained, tmp_path):
 def test_lr_0_is_the_frozen_policy_control_of_a_grpo_phase(chained, tmp_path):
     """--B.optim.lr 0: phase B samples, scores, logs, evaluates and checkpoints like training,
     and the adapter it saves is bit-identical to the one it started from."""
-    from grpo.policy import adapter_tensors
+    from grpo.state.contents import adapter_tensors
 
     run = copy_run(chained[0], tmp_path)
     shutil.rmtree(run / "B")  # phase B again, from the same A:best_structure
@@ -261,11 +261,11 @@ def test_help_lists_phases_and_options(capsys):
 def test_warmup_prefetch_changes_nothing_but_overlap(tmp_path, monkeypatch):
     """The warm-up prepares the next batch in a background thread (grpo.run.prefetch);
     its losses and its checkpoint must equal a plain loop's, bit for bit."""
-    import grpo.sft
+    import grpo.warmup.sft
 
     args = ("--phase", "warmup", "--warmup.phase.steps", "3", "--warmup.phase.perception_steps", "3")
     assert train(tmp_path / "prefetched", *args)[0] == 0
-    monkeypatch.setattr(grpo.sft, "prefetch", lambda items, depth=2: iter(items))
+    monkeypatch.setattr(grpo.warmup.sft, "prefetch", lambda items, depth=2: iter(items))
     assert train(tmp_path / "plain", *args)[0] == 0
     losses = [[(r["sft_loss"], r.get("perception_loss")) for r in step_records(tmp_path / d, "warmup").values()]
               for d in ("prefetched", "plain")]
@@ -276,7 +276,7 @@ def test_warmup_prefetch_changes_nothing_but_overlap(tmp_path, monkeypatch):
 
 
 def test_prefetch_keeps_order_and_raises_where_the_producer_failed():
-    from grpo.run import prefetch
+    from grpo.run.prefetch import prefetch
 
     assert list(prefetch(range(50), depth=3)) == list(range(50))
 

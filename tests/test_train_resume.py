@@ -20,11 +20,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import grpo.checkpoint as ckpt_mod
+import grpo.state.checkpoint as ckpt_mod
 import grpo.train as trainer  # the loop calls its grpo_loss by this module's name
-from grpo.checkpoint import load_checkpoint, read_registry, resolve
-from grpo.policy import adapter_tensors
-from grpo.run import GEN_KEY
+from grpo.state.checkpoint import load_checkpoint, read_registry, resolve
+from grpo.state.contents import adapter_tensors
+from grpo.state.train_state import GEN_KEY
 from train_helpers import log_lines, reward_spread, run_main
 
 TINY = [

@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-from grpo.checkpoint import step_dirname
-from grpo.run import record_scalars
+from grpo.state.checkpoint import step_dirname
+from grpo.run.files import record_scalars
 from train_helpers import log_lines, run_main
 
 TINY = [  # tiny-random: a warm-up runs before A, so both kinds of records are written

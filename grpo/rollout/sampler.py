@@ -17,13 +17,13 @@ token at a different column.)
 
 Positions during decode (the Qwen2.5-VL detail that is easy to get wrong): the k-th
 completion token of a row sits at ``next_position[prompt] + k`` on all three M-RoPE axes,
-next_position = the prompt's real length + its rope delta (grpo/prompt_context.py).
+next_position = the prompt's real length + its rope delta (grpo/model/prompt_context.py).
 Positions are passed explicitly every step, so nothing depends on the ``rope_deltas``
 state transformers keeps inside the model.
 
 Which log-prob is returned: ``logprobs`` is log softmax(logits / temperature)[token], the
 temperature-scaled distribution *before* top-k / top-p filtering. That is the quantity
-grpo/logprobs.py recomputes (GRPO's old log-prob and the policy's log-prob must be the same
+grpo/model/logprobs.py recomputes (GRPO's old log-prob and the policy's log-prob must be the same
 function, or the importance ratio is biased at step 0); top-k / top-p are treated as part
 of the sampler, not of the policy, as in TRL. ``sampler_logprobs`` is the log-prob under
 the distribution actually sampled from (after filtering), for diagnostics. With
@@ -37,7 +37,7 @@ Finished rows leave the batch (and the KV cache) once a quarter of it has stoppe
 (``compact``), so a short completion stops costing compute soon after it ends.
 
 Two decode paths behind one loop (``decode=``): "static" -- a preallocated KV cache and a
-hand-written decoder step (grpo/fast_decode.py), the default where supported -- and "hf",
+hand-written decoder step (grpo/rollout/static_cache.py), the default where supported -- and "hf",
 transformers' forward with its DynamicCache, kept as the reference. Tests hold both to
 transformers' greedy ``generate`` token for token.
 
@@ -54,9 +54,10 @@ from typing import Any, Protocol
 
 import torch
 
-from grpo import fast_decode
-from grpo.model import ModelBundle, PromptBatch
-from grpo.prompt_context import PromptContext, build_prompt_context, group_rows, prompt_embeds
+from grpo.rollout import static_cache
+from grpo.model.load import ModelBundle
+from grpo.model.prompts import PromptBatch
+from grpo.model.prompt_context import PromptContext, build_prompt_context, group_rows, prompt_embeds
 
 
 @dataclass
@@ -72,12 +73,26 @@ class SampleOutput:
     texts: list[str]  # decoded completions, no special tokens, no stop token
     prompt_index: torch.Tensor  # [N] long
     G: int
-    context: PromptContext  # vision features + positions, reusable by grpo/logprobs.py
+    context: PromptContext  # vision features + positions, reusable by grpo/model/logprobs.py
 
     @property
     def lengths(self) -> torch.Tensor:
         """[N] completion tokens, the stop token included."""
         return self.completion_mask.sum(1)
+
+
+@dataclass
+class Rollout:
+    """A scored rollout: one sampler call's prompts, completions and rewards (rows grouped by
+    prompt, G each)."""
+
+    examples: list[Any]  # one per prompt the sampler kept, in row-group order
+    out: SampleOutput
+    scores: Any  # grpo.rewards.RewardBatch of out's rows
+
+    @property
+    def n_groups(self) -> int:
+        return self.out.completion_ids.shape[0] // self.out.G
 
 
 def content_tokens(out: SampleOutput) -> list[int]:
@@ -116,11 +131,11 @@ def decode_one_token(model, cache, token: torch.Tensor, position: torch.Tensor,
                      attention_mask: torch.Tensor, cache_kw: str = "cache") -> torch.Tensor:
     """Feed one token per row ([N] ids at [N] positions) through the cache: next logits [N, V].
 
-    A StaticKVCache takes the hand-written step (grpo/fast_decode.py); a transformers cache
+    A StaticKVCache takes the hand-written step (grpo/rollout/static_cache.py); a transformers cache
     takes the model's own forward, the reference path.
     """
-    if isinstance(cache, fast_decode.StaticKVCache):
-        return fast_decode.decode_step(model, cache, token, position, attention_mask.bool())
+    if isinstance(cache, static_cache.StaticKVCache):
+        return static_cache.decode_step(model, cache, token, position, attention_mask.bool())
     N = token.shape[0]
     out = model(
         input_ids=token.view(N, 1),
@@ -272,7 +287,7 @@ DecodeStep = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 class DecodeHook(Protocol):
     """Another decode step for ``sample``: the checks, the vision pass, the prefill, the loop,
     the sampling of each token and the output stay the sampler's; only the per-token model
-    call is the hook's (grpo/rollout_fast.py: a merged bf16 copy replayed as a CUDA graph)."""
+    call is the hook's (grpo/rollout/merged.py: a merged bf16 copy replayed as a CUDA graph)."""
 
     def begin(self, cache: Any, ctx: PromptContext, rows: torch.Tensor, G: int, max_new_tokens: int) -> DecodeStep:
         """Take the prefill cache of the B prompts; return the step for the N = B*G rows."""
@@ -301,8 +316,8 @@ def sample(
 
     ``seed`` (or an explicit ``generator``) makes the draw reproducible: same seed, same
     prompts, same device -> same completions. ``decode``: "static" (preallocated KV cache
-    and the hand-written step of grpo/fast_decode.py), "hf" (transformers' forward and
-    DynamicCache, the reference) or "auto" (static where fast_decode supports the model).
+    and the hand-written step of grpo/rollout/static_cache.py), "hf" (transformers' forward and
+    DynamicCache, the reference) or "auto" (static where static_cache supports the model).
     ``compact``: drop finished rows from the batch (see decode_n_tokens). ``hook``: another
     decode step (DecodeHook); it decodes every row to the end and ignores ``decode``.
     """
@@ -325,8 +340,8 @@ def sample(
     step_fn = None
     if hook is not None:
         step_fn, cache, compact = hook.begin(cache, ctx, rows, G, max_new_tokens), None, False
-    elif decode == "static" or (decode == "auto" and fast_decode.supports(model)):
-        cache = fast_decode.StaticKVCache.from_prefill(cache, G, max_new_tokens)
+    elif decode == "static" or (decode == "auto" and static_cache.supports(model)):
+        cache = static_cache.StaticKVCache.from_prefill(cache, G, max_new_tokens)
     else:
         cache.batch_repeat_interleave(G)
     stop = torch.tensor(stop_token_ids(bundle), device=device)

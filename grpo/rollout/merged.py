@@ -20,7 +20,7 @@ what a captured CUDA graph needs). Everything else -- embeddings, norms, rotary 
 lm_head, the vision tower -- is the policy's own module, shared, not copied. For the 7B
 the copy is the 28 x 7 projections, 6.5B parameters = 13 GB of bf16.
 
-``MergedRollout.sample`` is ``grpo.sampler.sample`` -- the same checks, prefill, decode loop
+``MergedRollout.sample`` is ``grpo.rollout.sampler.sample`` -- the same checks, prefill, decode loop
 and output -- with this class as its DecodeHook, which swaps the per-token model call:
 
     prefill     the policy itself (vision tower + M-RoPE via transformers, 4-bit + LoRA):
@@ -33,7 +33,7 @@ and output -- with this class as its DecodeHook, which swaps the per-token model
                 columns under a key mask), so on CUDA the whole step -- 28 layers, ~600
                 kernels -- is captured once per ``sample`` call into a CUDA graph and
                 replayed: one launch per token instead of ~600 (``graphs``)
-    sampling    grpo.sampler.sample_token, eager, outside the graph (it owns the RNG)
+    sampling    grpo.rollout.sampler.sample_token, eager, outside the graph (it owns the RNG)
 
 GQA without copies: the H_q / H_kv query heads that share one K/V head are laid out as that
 head's "query rows" ([N, H_kv, g, D] against K [N, H_kv, S, D]), so attention reads each K/V
@@ -45,7 +45,7 @@ for the tiny model on a CPU (its weights and activations are fp32; a bf16 copy t
 add rounding and gain nothing, CPU bf16 matmuls being no faster). Sampling from W' instead
 of (W_nf4, B, A) changes the logits by that dtype's rounding (the policy computes W x and
 B A x separately): in fp32 ratios pi_train / pi_sampler within ~1e-3 of 1 on the tiny
-model, in bf16 a few percent (bench/RESULTS.md, tests/test_rollout_fast.py). The rollouts
+model, in bf16 a few percent (bench/RESULTS.md, tests/test_rollout_merged.py). The rollouts
 are then slightly off-policy, as in every setup that samples with a separate inference
 engine; the trainer passes the sampler's log-probs to the loss, logs the mismatch every
 step and corrects for it with optim.rollout_correction (kernels/grpo_loss.py). On the
@@ -55,7 +55,7 @@ Simplified / left out: no batch compaction (finished rows keep decoding: shapes 
 fixed for the graph, and at decode batch sizes a step costs the weight reads, not the rows);
 no torch.compile (the graph removes the launch overhead, the matmuls are cuBLAS already);
 one graph per ``sample`` call, recaptured each time (~3 steps' worth of work out of 256),
-so the KV cache is freed between rollouts; the plain path (grpo/sampler.py) stays the
+so the KV cache is freed between rollouts; the plain path (grpo/rollout/sampler.py) stays the
 reference and the dataclass default (the tiny preset samples from this copy).
 """
 
@@ -65,10 +65,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from grpo import fast_decode
-from grpo.model import ModelBundle, PromptBatch
-from grpo.prompt_context import PromptContext
-from grpo.sampler import DecodeStep, SampleOutput, sample
+from grpo.rollout import static_cache
+from grpo.model.load import ModelBundle
+from grpo.model.prompts import PromptBatch
+from grpo.model.prompt_context import PromptContext
+from grpo.rollout.sampler import DecodeStep, SampleOutput, sample
 from lora.layer import LoRALinear, is_linear4bit
 from lora.quant import dequantize_weight
 
@@ -94,7 +95,7 @@ class MergedRollout:
     CPU model) + a graph-captured decode step on CUDA."""
 
     def __init__(self, model: nn.Module, graphs: str | bool = "auto"):
-        if not fast_decode.supports(model):
+        if not static_cache.supports(model):
             raise ValueError("MergedRollout supports Qwen2.5-VL-style text decoders with default rotary, full "
                              "attention and sdpa/eager attention; set sampling.rollout=plain for this model")
         if graphs not in ("auto", True, False):
@@ -117,7 +118,7 @@ class MergedRollout:
             self.weights.append(per_layer)
         head = model.lm_head
         self.lm_head = _merged_fp32(head)[0].to(self.dtype) if _needs_copy(head) else head.weight
-        self.cache: fast_decode.StaticKVCache | None = None  # while a rollout decodes
+        self.cache: static_cache.StaticKVCache | None = None  # while a rollout decodes
 
     @property
     def nbytes(self) -> int:
@@ -145,7 +146,7 @@ class MergedRollout:
         """
         N = token.shape[0]
         x = self.lm.embed_tokens(token[:, None])  # [N, 1, d]
-        cos, sin = fast_decode.rotary_cos_sin(self.model, position, x.dtype)  # [N, 1, 1, D]
+        cos, sin = static_cache.rotary_cos_sin(self.model, position, x.dtype)  # [N, 1, 1, D]
         mask = key_mask[:, None, None, :]  # [N, 1, 1, S]: broadcast over heads and grouped query rows
         for i, layer in enumerate(self.lm.layers):
             w = self.weights[i]
@@ -155,8 +156,8 @@ class MergedRollout:
             q = F.linear(h, *w["q_proj"]).view(N, 1, -1, D).transpose(1, 2)  # [N, H_q, 1, D]
             k = F.linear(h, *w["k_proj"]).view(N, 1, -1, D).transpose(1, 2)  # [N, H_kv, 1, D]
             v = F.linear(h, *w["v_proj"]).view(N, 1, -1, D).transpose(1, 2)
-            q = q * cos + fast_decode._rotate_half(q) * sin
-            k = k * cos + fast_decode._rotate_half(k) * sin
+            q = q * cos + static_cache._rotate_half(q) * sin
+            k = k * cos + static_cache._rotate_half(k) * sin
             K, V = self.cache.keys[i], self.cache.values[i]
             K.index_copy_(2, col, k)  # the new column, in place, at a device-side index
             V.index_copy_(2, col, v)
@@ -195,7 +196,7 @@ class MergedRollout:
     def sample(self, bundle: ModelBundle, prompts: PromptBatch, *, G: int, max_new_tokens: int,
                temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                generator: torch.Generator | None = None) -> SampleOutput:
-        """grpo.sampler.sample (same loop, same SampleOutput) with this copy's decode step."""
+        """grpo.rollout.sampler.sample (same loop, same SampleOutput) with this copy's decode step."""
         if bundle.model is not self.model:
             raise ValueError("this MergedRollout was built for another model; build one per policy")
         return sample(bundle, prompts, G=G, max_new_tokens=max_new_tokens, temperature=temperature,
@@ -205,7 +206,7 @@ class MergedRollout:
         """The DecodeHook half of ``sample``: a zero-filled static cache of N = B*G rows and S
         columns, the step's fixed-address inputs, and (CUDA) the captured graph."""
         device, P = self.device, ctx.attention_mask.shape[1]  # P prompt columns
-        self.cache = fast_decode.StaticKVCache.from_prefill(cache, G, max_new_tokens, round_to=S_ROUND, zero=True)
+        self.cache = static_cache.StaticKVCache.from_prefill(cache, G, max_new_tokens, round_to=S_ROUND, zero=True)
         N, S = rows.shape[0], self.cache.keys[0].shape[2]
         key_mask = torch.zeros(N, S, dtype=torch.bool, device=device)
         key_mask[:, :P] = ctx.attention_mask[rows].bool()

@@ -1,4 +1,4 @@
-"""The merged-copy rollout path (grpo/rollout_fast.py) against the plain sampler.
+"""The merged-copy rollout path (grpo/rollout/merged.py) against the plain sampler.
 
 On a CPU: greedy tokens equal the plain path's on the tiny architecture with a non-zero
 LoRA, fp32 and NF4 bases; sampled tokens equal for one seed; refresh() follows the adapter;
@@ -17,9 +17,10 @@ import pytest
 import torch
 from PIL import Image
 
-from grpo.model import ModelBundle, encode_prompts, load_bundle
-from grpo.rollout_fast import MergedRollout
-from grpo.sampler import sample
+from grpo.model.load import ModelBundle, load_bundle
+from grpo.model.prompts import encode_prompts
+from grpo.rollout.merged import MergedRollout
+from grpo.rollout.sampler import sample
 
 QUESTIONS = ["How many red circles are there?", "Sum?", "What is the total number of squares in the picture shown?"]
 
@@ -114,7 +115,7 @@ def test_a_bf16_merged_copy_is_off_policy_and_the_correction_reweights_the_loss(
     mismatch is rounding noise; the bf16 copy's is measurable (KL, ratios away from 1), and
     the rollout correction changes the loss and its gradient -- the more, the tighter the cap.
     """
-    from grpo.logprobs import completion_logprobs
+    from grpo.model.logprobs import completion_logprobs
     from kernels.grpo_loss import grpo_loss
     from lora import lora_parameters
 

@@ -36,7 +36,7 @@ from typing import ContextManager
 
 import torch
 
-from grpo.prompt_context import PromptContext, completion_position_ids, group_rows, prompt_embeds
+from grpo.model.prompt_context import PromptContext, completion_position_ids, group_rows, prompt_embeds
 from kernels.logprob import token_logprobs
 
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from grpo.model import PromptBatch
+from grpo.model.prompts import PromptBatch
 
 
 @dataclass

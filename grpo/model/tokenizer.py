@@ -1,6 +1,6 @@
 """A small byte-level BPE tokenizer with Qwen2.5-VL's chat and vision special tokens.
 
-The embedded tiny model (grpo/model.py) cannot download Qwen's 151k-token tokenizer, so
+The embedded tiny model (grpo/model/tiny.py) cannot download Qwen's 151k-token tokenizer, so
 it trains its own, the same *kind* of tokenizer as Qwen2's:
 
 - normalizer NFC, then Qwen2's pre-tokenizer regex (letters run together, **every digit
@@ -124,7 +124,7 @@ def wrap_for_transformers(tok: Tokenizer):
 
     eos = <|im_end|> (end of an assistant turn, where sampling stops), pad = <|endoftext|>,
     no BOS; padding side left (prompts are right-aligned so every row's next token is at
-    the same column during decoding -- see grpo/sampler.py).
+    the same column during decoding -- see grpo/rollout/sampler.py).
     """
     from transformers import PreTrainedTokenizerFast
 

@@ -21,7 +21,7 @@ shipped ``tiny`` model, which GRPO then starts from like any pretrained model):
         template the LM learns long before it learns to look.
      b. *worked reasoning*: the question-answer SFT below, which now starts from an LM
         that reads.
-   Throughout, ``grpo/perception.py`` supervises every merged visual token with what
+   Throughout, ``grpo/warmup/perception.py`` supervises every merged visual token with what
    the renderer drew in its cell (shape, number, colour, position), which keeps the
    vision tower's output informative (without it, it collapses to one vector for all
    images within ~10 steps). Measured on stage 1 (greedy test EM, true vs shuffled
@@ -54,15 +54,21 @@ import torch.nn.functional as F
 from data.contract import format_response
 from data.mixture import MixtureStream
 from data.schema import Example
-from grpo.checkpoint import CheckpointError, read_registry, restore_rng, resume_point, save_checkpoint
+from grpo.state.checkpoint import CheckpointError, read_registry, restore_rng, resume_point, save_checkpoint
 from grpo.config import ConfigError, TrainConfig, trains_from_scratch
 from grpo.evaluate import checkpoint_eval, print_eval
-from grpo.model import encode_prompts, load_bundle
-from grpo.perception import PerceptionHead, capture_visual_tokens, token_labels
-from grpo.phase_data import eval_subset, load_training_data
-from grpo.policy import adapter_tensors, base_tensors, build_policy, load_base_weights
-from grpo.run import Progress, RunFiles, SaveClock, StepGuard, lr_at, prefetch
-from grpo.stop import STOP, EvalAbandoned, Stopped, stop_message
+from grpo.model.load import load_bundle
+from grpo.model.prompts import encode_prompts
+from grpo.warmup.perception import PerceptionHead, capture_visual_tokens, token_labels
+from grpo.run.phase_data import eval_subset, load_training_data
+from grpo.model.policy import build_policy, load_base_weights
+from grpo.state.contents import adapter_tensors, base_tensors
+from grpo.run.files import RunFiles
+from grpo.run.guard import StepGuard
+from grpo.run.prefetch import prefetch
+from grpo.run.progress import Progress
+from grpo.run.schedule import SaveClock, lr_at
+from grpo.run.stop import STOP, EvalAbandoned, Stopped, stop_message
 from lora import load_lora_state_dict, lora_state_dict
 
 # Families whose warm-up targets mostly follow the contract. The rest mostly answer in

@@ -22,18 +22,7 @@ from typing import Any
 import torch
 
 from grpo.config import TrainConfig
-
-BASE_PREFIX = "base."
-
-
-def base_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Full weights of a (not yet adapted) model, keyed for a base checkpoint."""
-    return {BASE_PREFIX + k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-
-
-def adapter_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {k: v for k, v in tensors.items() if k.endswith((".lora_A", ".lora_B"))}
-
+from grpo.state.contents import BASE_PREFIX, adapter_tensors, base_checkpoint_of
 
 def load_base_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
     sd = {k[len(BASE_PREFIX):]: v for k, v in tensors.items() if k.startswith(BASE_PREFIX)}
@@ -44,17 +33,6 @@ def load_base_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) 
                          f"unexpected {unexpected[:4]}; was it trained with another model.name?")
 
 
-def base_checkpoint_of(run_dir: str | Path, ckpt) -> Path | None:
-    """The base checkpoint directory an (adapter or base) checkpoint builds on, if any."""
-    from grpo.checkpoint import check_base_ref
-
-    extra = ckpt.extra or {}
-    if extra.get("kind") == "base":
-        return Path(ckpt.path)
-    base = check_base_ref(extra.get("base"), f"{ckpt.path}/state.json")  # load_checkpoint checked it too
-    return Path(run_dir) / base if base else None
-
-
 def check_policy_config(cfg: TrainConfig) -> None:
     """Fail before any work if the model does not resolve or a LoRA target matches nothing.
 
@@ -62,7 +40,7 @@ def check_policy_config(cfg: TrainConfig) -> None:
     the whole warm-up had run.
     """
     from grpo.config import ConfigError
-    from grpo.model import model_skeleton
+    from grpo.model.load import model_skeleton
     from lora.inject import find_target_names
 
     skeleton = model_skeleton(cfg.model.name, seed=cfg.run.seed)  # ModelLoadError: a bad model.name
@@ -74,8 +52,8 @@ def check_policy_config(cfg: TrainConfig) -> None:
 
 def build_policy(cfg: TrainConfig, device: str, base_ckpt: Path | None = None, verbose: bool = True) -> Any:
     """Model bundle with the base (from ``base_ckpt`` if given), 4-bit if configured, LoRA injected."""
-    from grpo.checkpoint import load_checkpoint
-    from grpo.model import load_bundle
+    from grpo.state.checkpoint import load_checkpoint
+    from grpo.model.load import load_bundle
     from lora import inject_lora
 
     dtype = getattr(torch, cfg.model.dtype)
@@ -101,7 +79,7 @@ def build_policy(cfg: TrainConfig, device: str, base_ckpt: Path | None = None, v
 
 def load_policy(path: str | Path, run_dir: str | Path | None = None, device: str = "cpu") -> Any:
     """The policy a checkpoint describes (base chain + its adapter), ready to sample."""
-    from grpo.checkpoint import load_checkpoint
+    from grpo.state.checkpoint import load_checkpoint
     from grpo.config import from_json
     from lora import load_lora_state_dict
 

@@ -21,7 +21,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-SHIPPED_DIR = Path(__file__).resolve().parent / "tiny_model"
+SHIPPED_DIR = Path(__file__).resolve().parent.parent / "tiny_model"
 MANIFEST = "SHA256SUMS"
 # the files a Qwen2.5-VL save_pretrained directory needs, plus our card and provenance
 REQUIRED = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",

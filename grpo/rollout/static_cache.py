@@ -55,7 +55,7 @@ class StaticKVCache:
         max_new_tokens, the length rounded up to a multiple of ``round_to``.
 
         ``zero``: zero-fill the unwritten columns. This module's step reads only the written
-        ones; a step that attends over all columns under a mask (grpo/rollout_fast.py) needs
+        ones; a step that attends over all columns under a mask (grpo/rollout/merged.py) needs
         them finite, since 0 * NaN = NaN.
         """
         keys, values = [], []

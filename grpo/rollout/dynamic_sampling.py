@@ -58,22 +58,9 @@ from typing import Any
 
 import torch
 
-from grpo.prompt_context import PromptContext, group_rows
-from grpo.sampler import SampleOutput
+from grpo.model.prompt_context import PromptContext, group_rows
+from grpo.rollout.sampler import Rollout, SampleOutput
 from kernels.grpo_advantages import check_groups, group_zscore_reference
-
-
-@dataclass
-class Rollout:
-    """One sampler call's prompts, completions and rewards (rows grouped by prompt, G each)."""
-
-    examples: list[Any]  # one per prompt the sampler kept, in row-group order
-    out: SampleOutput
-    rb: Any  # grpo.rewards.RewardBatch scored on out's rows
-
-    @property
-    def n_groups(self) -> int:
-        return self.out.completion_ids.shape[0] // self.out.G
 
 
 @dataclass
@@ -173,7 +160,7 @@ def select_groups(r: Rollout, groups: Sequence[int]) -> Rollout:
         texts=[out.texts[i] for i in rows.tolist()], prompt_index=group_rows(len(groups), G, dev), G=G,
         context=_select_context(out.context, g.to(out.context.input_ids.device)),
     )
-    return Rollout([r.examples[i] for i in groups], sub, _select_rewards(r.rb, rows))
+    return Rollout([r.examples[i] for i in groups], sub, _select_rewards(r.scores, rows))
 
 
 def _pad_left(x: torch.Tensor, P: int, value: int | bool) -> torch.Tensor:
@@ -234,7 +221,7 @@ def concat_rollouts(rs: Sequence[Rollout], pad_id: int) -> Rollout:
         finished=torch.cat([o.finished for o in outs]), truncated=torch.cat([o.truncated for o in outs]),
         texts=[t for o in outs for t in o.texts], prompt_index=group_rows(n_prompts, G, dev), G=G, context=ctx,
     )
-    return Rollout([e for r in rs for e in r.examples], out, _concat_rewards([r.rb for r in rs]))
+    return Rollout([e for r in rs for e in r.examples], out, _concat_rewards([r.scores for r in rs]))
 
 
 # ----------------------------------------------------------------------------- the refill loop
@@ -287,3 +274,25 @@ def no_spread_message(phase: str, step: int, stats: FillStats, G: int, temperatu
             f"each prompt got the same reward); raise --sampling.temperature (now {temperature:g}), "
             f"--sampling.G or --sampling.max_refills (now {max_refills}), change --rewards.weights so that "
             f"completions differ in reward, or set --sampling.dynamic_sampling false")
+
+
+class NoSpread(Exception):
+    """No sampled group had reward spread within the refill bound; ``fill`` says what was tried."""
+
+    def __init__(self, fill: FillStats):
+        super().__init__(f"no group with reward spread in {fill.rounds} sampling rounds")
+        self.fill = fill
+
+
+def dynamic_batches(spread: Callable[[Rollout], list[int]], max_refills: int, pad_id: int) -> Callable:
+    """A ``grpo.step.Learner.gather`` for DAPO's dynamic sampling: the step's micro-batches,
+    kept to the groups with spread and refilled from the stream (``fill_batch``); raises
+    NoSpread when none is left to train on."""
+
+    def gather(draw: Callable[[int], Rollout], B: int, micro_batches: int) -> tuple[list[Rollout], FillStats]:
+        batch, fill = fill_batch([draw(B) for _ in range(micro_batches)], draw, spread, B, max_refills, pad_id)
+        if not batch:
+            raise NoSpread(fill)
+        return batch, fill
+
+    return gather

@@ -1,0 +1,292 @@
+"""One GRPO step, top to bottom: sample -> score -> advantages -> log-probs -> loss -> update.
+
+This file is the algorithm. grpo/train.py is the harness around it (the data stream, data
+parallelism, the non-finite guard, timing, the log line, eval -> gates -> checkpoint); read
+this first. Names and shapes used throughout:
+
+    B  prompts per micro-batch          G  completions per prompt (one *group*)
+    N  = B * G rows, each prompt's G rows contiguous
+    T  completion tokens (the longest completion of the micro-batch, <= sampling.max_new_tokens)
+    mu optimiser updates per rollout batch (optim.updates_per_batch; PPO's epochs)
+
+GRPO in one paragraph: for each prompt, sample a group of G answers, score each with the
+reward, and use the reward's z-score within the group as every token's advantage (no value
+model: the group mean is the baseline). Then take a PPO-style clipped policy-gradient step
+on the LoRA parameters, optionally with a k3 KL penalty to the reference policy (the base
+model with LoRA switched off).
+
+The fast paths plug in behind named seams, not as branches here:
+
+    Learner.rollout  who samples: the KV-cache sampler (grpo/rollout/sampler.py) or a merged
+                     copy of the policy (grpo/rollout/merged.py)
+    Learner.backend  who computes advantages and the loss: the Triton kernels on CUDA or their
+                     PyTorch references (kernels/), the same numbers either way
+    Learner.gather   how a step's micro-batches are collected: ``plain_batches``, or DAPO's
+                     dynamic sampling (grpo/rollout/dynamic_sampling.py)
+    Hooks            what the harness does around the step; the defaults are one process
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, ContextManager
+
+import torch
+
+from grpo.config import TrainConfig
+from grpo.model.logprobs import completion_logprobs, reference_logprobs
+from grpo.model.prompts import encode_prompts
+from grpo.rewards import RewardBatch, RewardModel
+from grpo.rollout.dynamic_sampling import FillStats
+from grpo.rollout.sampler import Rollout, content_tokens, sample
+from grpo.run.schedule import lr_at
+from kernels.grpo_advantages import Advantages, PrefixRubrics, group_advantages
+from kernels.grpo_loss import GRPOStats, grpo_loss
+from lora import disable_adapters
+
+
+def plain_batches(draw: Callable[[int], Rollout], B: int, micro_batches: int) -> tuple[list[Rollout], None]:
+    """The default ``Learner.gather``: ``micro_batches`` rollouts of B prompts each."""
+    return [draw(B) for _ in range(micro_batches)], None
+
+
+@dataclass
+class Learner:
+    """What a GRPO step works on: the policy and its optimiser, the reward, the options."""
+
+    bundle: Any  # grpo.model.load.ModelBundle: the policy (base + LoRA), tokenizer, image processor
+    opt: torch.optim.Optimizer  # AdamW over the LoRA parameters
+    rewards: RewardModel  # the weighted reward terms (grpo/rewards), weights set by the controller
+    cfg: TrainConfig
+    generator: torch.Generator  # the sampler's own RNG (checkpointed: a resume draws what a straight run draws)
+    rollout: Callable[..., Any] = sample  # seam: (bundle, prompts, G=, max_new_tokens=, ...) -> SampleOutput
+    backend: str = "auto"  # seam: "auto" (CUDA -> Triton kernels), "torch", "triton"
+    gather: Callable[..., tuple[list[Rollout], FillStats | None]] = plain_batches  # seam: (draw, B, micro_batches)
+
+    @property
+    def params(self) -> list[torch.nn.Parameter]:
+        return [p for group in self.opt.param_groups for p in group["params"]]
+
+
+class Hooks:
+    """Where the harness wraps a step (grpo/train.py: data parallelism, the non-finite
+    guard, timing). These defaults are one process with nothing around it."""
+
+    def timed(self, part: str) -> ContextManager:
+        """Time ``part`` ("sampling", "rewards", "logprobs", "backward") of the step."""
+        return contextlib.nullcontext()
+
+    def loss_shares(self, loss_type: str, masks: Sequence[torch.Tensor]) -> tuple[float, list[float]]:
+        """(active tokens of the whole step, each micro-batch's share of the step's loss)."""
+        return float(sum(int(m.sum()) for m in masks)), [1.0] * len(masks)
+
+    def batch_scaled(self, values: torch.Tensor, scale: str, std_floor: float) -> tuple[torch.Tensor, str]:
+        """Rewards [N, C] and the z-score scale to use (data parallel: divided by the global batch std)."""
+        return values, scale
+
+    def global_loss(self, loss: float) -> float:
+        """The step's loss summed over processes."""
+        return loss
+
+    def reduce_gradients(self, params: Sequence[torch.nn.Parameter]) -> None:
+        """Sum the gradients over processes."""
+
+    def skipped(self, update: int, loss: float) -> None:
+        """The loss was not finite: this update (and the rest of the batch's) is skipped."""
+
+    def optimizer_step(self, opt: torch.optim.Optimizer, update: int, loss: float) -> bool:
+        """opt.step(); False: the harness undid it (it left a parameter non-finite)."""
+        opt.step()
+        return True
+
+
+# ----------------------------------------------------------------------------- 1-2. sample and score
+
+
+def sample_and_score(learner: Learner, examples: list, temperature: float, hooks: Hooks = Hooks()) -> Rollout:
+    """G completions for each of B prompts (their images encoded once, the KV cache of each
+    prompt copied G times), scored by the reward model. Rows N = B*G."""
+    cfg, G, L = learner.cfg, learner.cfg.sampling.G, learner.cfg.sampling.max_new_tokens
+    with hooks.timed("sampling"):
+        prompts = encode_prompts(learner.bundle, examples, on_bad_image="skip").to(learner.bundle.device)
+        out = learner.rollout(learner.bundle, prompts, G=G, max_new_tokens=L, temperature=temperature,
+                              top_k=cfg.sampling.top_k, top_p=cfg.sampling.top_p, generator=learner.generator)
+    with hooks.timed("rewards"):
+        examples = [examples[i] for i in prompts.kept]  # a prompt whose image failed to encode is dropped
+        scores = learner.rewards([examples[row // G] for row in range(len(out.texts))], out.texts,
+                                 num_tokens=content_tokens(out), completion_ids=out.completion_ids)
+    return Rollout(examples, out, scores)
+
+
+# ----------------------------------------------------------------------------- 3. advantages
+
+
+@dataclass
+class AdvantageSource:
+    """The reward columns a micro-batch's advantages are group z-scores of. Chosen once
+    (``advantage_source``) and read by both the loss and dynamic sampling, so "a group has
+    spread" means exactly "its advantages are not all zero"."""
+
+    columns: torch.Tensor  # [N, C] rewards
+    valid: torch.Tensor | None = None  # [N, C] bool: entries that take part (rubric items the judge scored)
+    weights: torch.Tensor | None = None  # [C]: components mode, A = sum_c weights_c z(columns_c)
+    prefix: PrefixRubrics | None = None  # V-Rubrics prefix mode: columns = [R_ans, s_1..s_J]
+
+
+def advantage_source(scores: RewardBatch, cfg: TrainConfig, device: torch.device | str = "cpu") -> AdvantageSource:
+    """Which rewards the advantages come from:
+
+    total       A = z(sum_k w_k r_k): GRPO's one z-score of the weighted reward (the default)
+    components  A = sum_k (w_k / sum_j w_j) z(r_k): each term z-scored in its group on its own
+                (GDPO; a tie-breaker of weight w moves a tied group by at most its share of a
+                unit z-score). Terms of weight 0 are left out: they add nothing but would count
+                as spread.
+    prefix      V-Rubrics: A_t = a z(R_ans) + (1 - a) sum_j rho_j z(s_j) 1[t <= t_end_j], each
+                rubric credited to the token prefix that earned it.
+    """
+    if cfg.rewards.rubric_mode == "prefix" and scores.prefix is not None:
+        p = replace(scores.prefix.to(device), a=cfg.rewards.prefix_answer_weight)
+        columns = torch.cat([p.R_ans.float()[:, None], p.s.float()], 1)
+        valid = torch.cat([torch.ones(len(p.R_ans), 1, dtype=torch.bool, device=columns.device), p.scored.bool()], 1)
+        return AdvantageSource(columns, valid, prefix=p)
+    names = [k for k, w in scores.weights.items() if w > 0]
+    if cfg.optim.adv_mode == "components" and names:
+        w = torch.tensor([scores.weights[k] for k in names], dtype=torch.float32)
+        return AdvantageSource(torch.stack([scores.components[k] for k in names], 1).to(device),
+                               weights=(w / w.sum()).to(device))
+    return AdvantageSource(scores.total.to(device)[:, None])
+
+
+def advantages(learner: Learner, r: Rollout, hooks: Hooks = Hooks()) -> Advantages:
+    """z-scores of the micro-batch's rewards within each group of G (kernels/grpo_advantages.py):
+    A = (r - mean_group) / (std_group + 1e-4), the same for all mu updates."""
+    o, T = learner.cfg.optim, r.out.completion_ids.shape[1]
+    src = advantage_source(r.scores, learner.cfg, learner.bundle.device)
+    common = dict(G=learner.cfg.sampling.G, T=T, backend=learner.backend)
+    if src.prefix is not None:
+        return group_advantages(prefix=src.prefix, scale=o.adv_scale, adv_std_floor=o.adv_std_floor, **common)
+    values, scale = hooks.batch_scaled(src.columns, o.adv_scale, o.adv_std_floor)
+    floor = o.adv_std_floor if scale == o.adv_scale else 0.0  # a global batch std was floored already
+    if src.weights is None:
+        return group_advantages(values[:, 0], scale=scale, adv_std_floor=floor, **common)
+    return group_advantages(reward_components=values, component_weights=src.weights, scale=scale,
+                            adv_std_floor=floor, **common)
+
+
+# ----------------------------------------------------------------------------- 4-6. log-probs, loss, update
+
+
+@dataclass
+class MicroBatchLog:
+    """What the log line reads of one micro-batch (at update 1, the on-policy one)."""
+
+    scores: RewardBatch
+    stats: GRPOStats
+    out: Any  # SampleOutput: lengths, truncation
+
+
+@dataclass
+class UpdateResult:
+    update: int  # 0-based
+    loss: float  # the step's loss (summed over micro-batches and processes)
+    grad_norm: float  # before clipping
+    lr: float
+    stats: list[GRPOStats]  # one per micro-batch
+
+
+@dataclass
+class StepResult:
+    loss: float  # of the last update tried
+    grad_norm: float | None  # of the last update; None when an update was skipped or undone
+    updates: list[UpdateResult] = field(default_factory=list)  # the updates taken
+    logs: list[MicroBatchLog] = field(default_factory=list)
+    fill: FillStats | None = None  # what dynamic sampling did (None without it)
+
+
+def loss_options(cfg: TrainConfig) -> dict:
+    """grpo_loss's options from the config (formulas: kernels/grpo_loss.py)."""
+    o = cfg.optim
+    return dict(beta=o.beta, eps_low=o.eps_low, eps_high=o.eps_high, loss_type=o.loss_type, importance=o.importance,
+                max_len=cfg.sampling.max_new_tokens, kl_bias_correction=o.kl_bias_correction,
+                correction=o.rollout_correction, correction_mode=o.rollout_correction_mode,
+                correction_cap=o.rollout_correction_cap)
+
+
+def grpo_step(learner: Learner, draw: Callable[[int], Rollout], step: int, temperature: float,
+              hooks: Hooks = Hooks()) -> StepResult:
+    """One rollout batch: sample, score, advantages once; then mu updates on those rollouts.
+
+    draw(n): the data stream's next n prompts, sampled and scored (``sample_and_score``).
+    """
+    cfg, model, params = learner.cfg, learner.bundle.model, learner.params
+    G, mu, opts = cfg.sampling.G, cfg.optim.updates_per_batch, loss_options(cfg)
+
+    # ---- 1-2. sample B prompts x G completions and score them, every micro-batch first
+    # (dapo divides by the whole step's token count; dynamic sampling needs the rewards)
+    batch, fill = learner.gather(draw, cfg.phase.prompts_per_step, cfg.optim.accumulation)
+
+    # Each micro-batch's loss times its share is its part of the step's loss. dapo divides by
+    # the active tokens of the whole step itself; the other aggregations average the micro-batches.
+    active_tokens, shares = hooks.loss_shares(cfg.optim.loss_type, [r.out.completion_mask for r in batch])
+    n_micro = 1 if cfg.optim.loss_type == "dapo" else len(batch)
+
+    # ---- 3. advantages: z-scores within each group, computed once for all mu updates
+    adv = [advantages(learner, r, hooks) for r in batch]
+
+    # ---- 4-6, mu times. Update 1 takes the ratio against the current policy detached (ratio 1,
+    # the clip cannot bind) and keeps its log-probs as old_logp: they are the sampling policy's,
+    # since nothing was updated yet. Updates 2..mu take the ratio against them, and the clip binds.
+    ref_logp: list[torch.Tensor | None] = [None] * len(batch)
+    old_logp: list[torch.Tensor | None] = [None] * len(batch)
+    result = StepResult(loss=0.0, grad_norm=None, fill=fill)
+    for u in range(mu):
+        lr = lr_at(step * mu + u, cfg)  # the schedule counts optimiser steps
+        for g in learner.opt.param_groups:
+            g["lr"] = lr
+        learner.opt.zero_grad(set_to_none=True)
+        stats_u, loss_sum = [], 0.0
+        for k, r in enumerate(batch):
+            ids, mask, ctx = r.out.completion_ids, r.out.completion_mask, r.out.context
+            # ---- 4. log-probs [N, T]: the reference's (LoRA off, no grad, once per batch) and the policy's
+            with hooks.timed("logprobs"):
+                if cfg.optim.beta > 0 and ref_logp[k] is None:
+                    ref_logp[k] = reference_logprobs(model, ctx, ids, mask, G, temperature=temperature,
+                                                     ref_context=lambda: disable_adapters(model))
+                logp = completion_logprobs(model, ctx, ids, mask, G, temperature=temperature)
+
+            # ---- 5. loss: ratio to old, clipped; + beta * k3 KL to the reference; aggregated; backward.
+            # sampler_logp: the rollout's own log-probs (the mismatch stats, and the rollout
+            # correction's weights when a merged copy sampled)
+            with hooks.timed("backward"):
+                loss, stats = grpo_loss(logp, mask.float(), G=G, advantages=adv[k], old_logp=old_logp[k],
+                                        ref_logp=ref_logp[k], num_active_tokens=active_tokens,
+                                        sampler_logp=r.out.logprobs, backend=learner.backend, **opts)
+                if u == 0:
+                    old_logp[k] = logp.detach()
+                loss = loss * shares[k] / n_micro
+                if torch.isfinite(loss):  # a host sync per micro-batch: the price of the NaN guard
+                    loss.backward()
+                loss_sum += float(loss.detach())
+            stats_u.append(stats)
+            if u == 0:
+                result.logs.append(MicroBatchLog(r.scores, stats, r.out))
+
+        # ---- 6. update: the step's loss (a non-finite one skips the update), the gradient
+        # clipped to optim.grad_clip, one AdamW step (undone by the harness if it left a
+        # parameter non-finite). Either failure ends this batch's updates.
+        result.loss, result.grad_norm = hooks.global_loss(loss_sum), None
+        if not math.isfinite(result.loss):
+            learner.opt.zero_grad(set_to_none=True)
+            hooks.skipped(u, result.loss)
+            break
+        with hooks.timed("backward"):
+            hooks.reduce_gradients(params)
+            gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip or float("inf"))
+            if not hooks.optimizer_step(learner.opt, u, result.loss):
+                break
+        result.grad_norm = float(gnorm)
+        result.updates.append(UpdateResult(u, result.loss, float(gnorm), lr, stats_u))
+    return result
