@@ -321,7 +321,8 @@ def _b_steps(run: Run) -> int:
 
 
 def _latest(run_dir: Path, phase: str) -> int | None:
-    from grpo.state.checkpoint import CheckpointError, read_registry
+    from grpo.state.layout import CheckpointError
+    from grpo.state.registry import read_registry
 
     try:
         return read_registry(run_dir, phase)["aliases"].get("latest")
@@ -342,7 +343,7 @@ def _report(run: Run) -> dict | None:
 def finished(run: Run) -> bool:
     """Phase B at its last step (evaluated: not a stop's save) and, unless the run makes no
     report, its report written."""
-    from grpo.state.checkpoint import phase_finished
+    from grpo.state.resume import phase_finished
 
     if not (run.dir / "B" / "registry.json").is_file() or _latest(run.dir, "B") != _b_steps(run) \
             or not phase_finished(run.dir, "B"):
@@ -512,7 +513,7 @@ def sampled_metrics(run: Run, selector: str, k: int, cache_dir: Path) -> dict[st
     from eval.blind import blind_gap, shuffle_images
     from eval.evaluate import EvalProtocol
     from grpo.evaluate import evaluate_model
-    from grpo.state.checkpoint import resolve
+    from grpo.state.registry import resolve
 
     cfg = run.configs["B"]
     path = resolve(run.dir, selector) if selector != "base" else None

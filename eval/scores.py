@@ -8,7 +8,7 @@ All three are fixed linear combinations of aggregate rates (docs/design.md, sect
                   - .05 malformed - .05 trunc
 
 They back the checkpoint aliases best_structure / best_correctness / best_composite
-(grpo/state/checkpoint.py) and the report. Structure rewards a checkable answer whatever its
+(grpo/state/registry.py) and the report. Structure rewards a checkable answer whatever its
 value; Correctness is mostly exact match; Composite weighs both, so a checkpoint that
 answers right but unreadably does not win it.
 

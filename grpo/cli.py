@@ -23,8 +23,11 @@ from pathlib import Path
 
 from transformers.utils import logging as hf_logging
 
-from grpo.state.checkpoint import (CheckpointError, SelectorError, check_compatible, check_init_compatible,
-                             check_resumable, load_checkpoint, phase_finished, read_registry, resume_point)
+from grpo.state.checkpoint import load_checkpoint
+from grpo.state.compat import check_compatible, check_init_compatible, check_resumable
+from grpo.state.layout import CheckpointError
+from grpo.state.registry import SelectorError, read_registry
+from grpo.state.resume import phase_finished, resume_point
 from grpo.config import (PERCEPTION_DEFAULTS, PHASES, PRESETS, WARMUP_DEFAULTS, ConfigError,
                          TrainConfig, apply_overrides, describe_fields, parse_override_args, phase_init,
                          phase_preset, trains_from_scratch)

@@ -15,7 +15,7 @@ lives here, above it. The trainer's checkpoint-side eval, the data-parallel eval
 (grpo/distributed.py) and the final report all call ``evaluate_model``, so a gate and a
 report can never disagree about what "parseable" means.
 
-grpo.model.load / grpo.model.prompts / grpo.rollout.sampler / grpo.model.policy / grpo.state.checkpoint are called through their modules
+grpo.model.load / grpo.model.prompts / grpo.rollout.sampler / grpo.model.policy / grpo.state.registry are called through their modules
 (``grpo.rollout.sampler.sample``), not through bound names, so a test can swap one for a fake.
 """
 
@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-import grpo.state.checkpoint
+import grpo.state.registry
 import grpo.model.load
 import grpo.model.policy
 import grpo.model.prompts
@@ -40,7 +40,7 @@ from data.schema import Example
 from eval.evaluate import Completions, EvalProtocol, EvalResult, evaluate_completions, evaluate_samples
 from eval.inputs import load_examples, read_completions
 from eval.report import control_summary, write_report
-from grpo.state.checkpoint import CheckpointError
+from grpo.state.layout import CheckpointError
 from grpo.errors import inside, one_line
 from grpo.config import TrainConfig
 from grpo.model.load import ModelLoadError
@@ -131,7 +131,7 @@ def _checkpoint_bundle(path: Path, args: argparse.Namespace) -> Any:
 
 
 def _resolve_selector(selector: str, args: argparse.Namespace) -> Path | None:
-    """None for 'base'; else the checkpoint directory from grpo.state.checkpoint.resolve.
+    """None for 'base'; else the checkpoint directory from grpo.state.registry.resolve.
 
     resolve() raises SelectorError (a ValueError) listing the phases, steps and aliases
     the run holds when the selector names nothing; main() prints it as it is.
@@ -140,7 +140,7 @@ def _resolve_selector(selector: str, args: argparse.Namespace) -> Path | None:
         return None
     if not args.run_dir:
         raise ValueError(f"selector {selector!r} needs --run-dir (the training run that holds its checkpoints)")
-    return grpo.state.checkpoint.resolve(args.run_dir, selector)  # a damaged checkpoint: CheckpointError, exit 1 in main()
+    return grpo.state.registry.resolve(args.run_dir, selector)  # a damaged checkpoint: CheckpointError, exit 1 in main()
 
 
 def _selector_bundle(selector: str, args: argparse.Namespace) -> Any:

@@ -21,7 +21,7 @@ REPORT_ALIAS = {"warmup": "latest", "A": "best_structure", "B": "best_composite"
 def report_selectors(run_dir: Path, last_phase: str) -> list[str]:
     """The model the RL phases started from -- 'base' (the configured model as loaded), or
     'warmup:latest' where the run holds a warm-up -- then each GRPO phase run so far."""
-    from grpo.state.checkpoint import read_registry
+    from grpo.state.registry import read_registry
 
     out = [] if read_registry(run_dir, "warmup").get("aliases") else ["base"]
     for phase in PHASES[: PHASES.index(last_phase) + 1]:
@@ -38,7 +38,7 @@ def write_final_report(run_dir: str | Path, last_phase: str, cfg: TrainConfig, d
     from grpo.evaluate import evaluate_model
     from eval.plots import plot_run
     from eval.report import write_report
-    from grpo.state.checkpoint import resolve
+    from grpo.state.registry import resolve
     from grpo.model.policy import policy_at
     from eval.report import control_summary
 

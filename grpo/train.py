@@ -34,7 +34,7 @@ log line, eval -> gates -> checkpoint):
     8. eval       greedy decoding on a fixed held-out subset (grpo/evaluate.py)
     9. gate       the controller changes reward weights only when those metrics say so
     10. save      atomic checkpoint + aliases latest / best_structure / best_correctness /
-                  best_composite (grpo/state/checkpoint.py)
+                  best_composite (grpo/state/checkpoint.py, grpo/state/registry.py)
 
 The defaults are exactly that: token-level ratio, grpo aggregation, beta 0 (no reference
 pass), eps 0.2 on both sides, mu = 1, std of the group (unbiased). Options switch on the
@@ -97,7 +97,7 @@ from grpo.run.progress import Progress
 from grpo.run.records import progress_line, step_record
 from grpo.run.schedule import SaveClock, lr_at
 from grpo.run.stop import STOP, EvalAbandoned, Stopped, evals_run_to_the_end, stop_message
-from grpo.state.checkpoint import phase_finished
+from grpo.state.resume import phase_finished
 from grpo.state.train_state import TrainState, find_start
 from grpo.step import Hooks, Learner, advantage_source, grpo_step, plain_batches, sample_and_score
 from grpo.warmup.sft import run_warmup

@@ -28,8 +28,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import grpo.state.checkpoint as ckpt_mod
-from grpo.state.checkpoint import CheckpointError, load_checkpoint, read_registry, save_checkpoint
+import grpo.state.durable as durable
+from grpo.state.checkpoint import load_checkpoint, save_checkpoint
+from grpo.state.layout import ADAPTER_FILE, CheckpointError
+from grpo.state.registry import read_registry
 from grpo.config import parse_override_args
 from lora import LoRAConfig, inject_lora, load_adapter, save_adapter
 from train_helpers import run_main
@@ -864,15 +866,15 @@ def test_disk_full_during_a_training_checkpoint(tmp_path, monkeypatch):
     """The trainer's step-4 save hits ENOSPC halfway through a file: exit 1, one line, and
     step 2 is still `latest` and loads with every digest intact."""
     run = tmp_path / "run"
-    real = ckpt_mod._write_bytes
+    real = durable.write_bytes
 
     def full_at_step_4(path: Path, data: bytes) -> None:
-        if "step_000004" in str(path) and path.name == ckpt_mod.ADAPTER_FILE:
+        if "step_000004" in str(path) and path.name == ADAPTER_FILE:
             path.write_bytes(data[: len(data) // 2])
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
         real(path, data)
 
-    monkeypatch.setattr(ckpt_mod, "_write_bytes", full_at_step_4)
+    monkeypatch.setattr(durable, "write_bytes", full_at_step_4)
     rc, out, err = run_main(run, *BASE, "--phase.steps", "4", "--run.eval_every", "2")
     assert_one_line(rc, err, 1, "could not write checkpoint")
     assert "the disk is full" in err and "earlier checkpoints are intact" in err

@@ -13,11 +13,13 @@ import numpy as np
 import pytest
 import torch
 
-import grpo.state.checkpoint as ckpt
-from grpo.state.checkpoint import (
-    CheckpointError, SelectorError, capture_rng, check_compatible, load_checkpoint, read_registry, resolve,
-    restore_rng, save_checkpoint,
-)
+import grpo.state.durable as durable
+from grpo.state.checkpoint import load_checkpoint, save_checkpoint
+from grpo.state.compat import check_compatible, check_resumable
+from grpo.state.layout import CheckpointError
+from grpo.state.registry import SelectorError, read_registry, resolve
+from grpo.state.resume import resume_point
+from grpo.state.rng import capture_rng, restore_rng
 from grpo.config import ConfigError, TrainConfig
 from grpo.controller import Controller
 
@@ -212,18 +214,18 @@ class Killed(BaseException):
 
 def count_writes(tmp_path) -> int:
     n = 0
-    real = ckpt._write_bytes
+    real = durable.write_bytes
 
     def counting(path, data):
         nonlocal n
         n += 1
         real(path, data)
 
-    ckpt._write_bytes = counting
+    durable.write_bytes = counting
     try:
         save(tmp_path / "count", "A", 20)
     finally:
-        ckpt._write_bytes = real
+        durable.write_bytes = real
     return n
 
 
@@ -239,7 +241,7 @@ def test_kill_at_every_write_keeps_previous_latest(tmp_path, monkeypatch):
     assert n_writes == 5  # adapter, optimizer tensors, optimizer json, state.json, registry
     run = tmp_path / "run"
     save(run, "A", 20)
-    real = ckpt._write_bytes
+    real = durable.write_bytes
     for kill_at in range(n_writes):
         calls = 0
 
@@ -251,13 +253,13 @@ def test_kill_at_every_write_keeps_previous_latest(tmp_path, monkeypatch):
             calls += 1
             real(path, data)
 
-        monkeypatch.setattr(ckpt, "_write_bytes", dying)
+        monkeypatch.setattr(durable, "write_bytes", dying)
         with pytest.raises(Killed):
             save(run, "A", 40)
-        monkeypatch.setattr(ckpt, "_write_bytes", real)
+        monkeypatch.setattr(durable, "write_bytes", real)
         assert_latest_is(run, 20)
     # Killed between the directory rename and the registry replace: an orphan step dir.
-    monkeypatch.setattr(ckpt.os, "replace", lambda *a: (_ for _ in ()).throw(Killed()))
+    monkeypatch.setattr(durable.os, "replace", lambda *a: (_ for _ in ()).throw(Killed()))
     with pytest.raises(Killed):
         save(run, "A", 40)
     monkeypatch.undo()
@@ -275,20 +277,21 @@ def test_sigkill_in_a_subprocess_leaves_latest_valid(tmp_path):
         import os, signal, sys, torch
         sys.path.insert(0, {str(REPO)!r})
         import grpo.state.checkpoint as ckpt
+        import grpo.state.durable as durable
         from grpo.config import TrainConfig
         def save(step):
             ckpt.save_checkpoint({str(tmp_path)!r}, "A", step, tensors={{"w": torch.full((3,), float(step))}},
                 optimizer=None, scheduler_state={{}}, controller_state={{}}, data_position=step, metrics={{}},
                 scores={{"structure": step}}, config_json=TrainConfig().to_json())
         save(20)
-        real = ckpt._write_bytes
+        real = durable.write_bytes
         def dying(path, data):
             if path.name.startswith(".tmp-registry"):
                 with open(path, "wb") as f:
                     f.write(data[:7])
                 os.kill(os.getpid(), signal.SIGKILL)
             real(path, data)
-        ckpt._write_bytes = dying
+        durable.write_bytes = dying
         save(40)
     """)
     proc = subprocess.run([sys.executable, "-c", script], env={**os.environ, "OMP_NUM_THREADS": "1"},
@@ -306,7 +309,7 @@ def test_sigkill_in_a_subprocess_leaves_latest_valid(tmp_path):
 @pytest.mark.parametrize("fail_at,match", [(1, "the disk is full"), (4, "could not be updated")])
 def test_disk_full_keeps_previous_checkpoint(tmp_path, monkeypatch, fail_at, match):
     save(tmp_path, "A", 20)
-    real, calls = ckpt._write_bytes, 0
+    real, calls = durable.write_bytes, 0
 
     def full(path, data):
         nonlocal calls
@@ -316,7 +319,7 @@ def test_disk_full_keeps_previous_checkpoint(tmp_path, monkeypatch, fail_at, mat
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
         real(path, data)
 
-    monkeypatch.setattr(ckpt, "_write_bytes", full)
+    monkeypatch.setattr(durable, "write_bytes", full)
     with pytest.raises(CheckpointError, match=match):
         save(tmp_path, "A", 40)
     monkeypatch.undo()
@@ -433,10 +436,10 @@ def test_a_foreign_checkpoint_with_nan_tensors_is_refused_by_name(tmp_path):
     data = st_save({"w": torch.tensor([1.0, float("nan"), float("inf")])})
     (path / "adapter.safetensors").write_bytes(data)
     state = json.loads((path / "state.json").read_text())
-    state["files"]["adapter.safetensors"] = {"size": len(data), "sha256": ckpt._sha256(data)}  # digests re-made
+    state["files"]["adapter.safetensors"] = {"size": len(data), "sha256": durable.sha256(data)}  # digests re-made
     (path / "state.json").write_text(json.dumps(state))
     reg = read_registry(tmp_path, "A")
-    reg["checkpoints"][0]["state_sha256"] = ckpt._sha256((path / "state.json").read_bytes())
+    reg["checkpoints"][0]["state_sha256"] = durable.sha256((path / "state.json").read_bytes())
     (tmp_path / "A" / "registry.json").write_text(json.dumps(reg))
     with pytest.raises(CheckpointError, match=r"tensor 'w' has 2 non-finite values \(NaN/inf\) of 3"):
         load_checkpoint(path)
@@ -463,7 +466,7 @@ def test_registry_entries_are_checked_before_anything_is_deleted(tmp_path, edit,
     edit(reg)
     (run / "A" / "registry.json").write_text(json.dumps(reg))
     for action in (lambda: save(run, "A", 40, keep_last=0), lambda: resolve(run, "A:latest"),
-                   lambda: ckpt.resume_point(run, "A", set_aside=True)):
+                   lambda: resume_point(run, "A", set_aside=True)):
         with pytest.raises(CheckpointError, match=match) as e:
             action()
         assert "\n" not in str(e.value)
@@ -489,15 +492,15 @@ def test_extra_base_must_name_a_checkpoint_inside_the_run(tmp_path, base):
 def test_resume_point_skips_damaged_latest_and_sets_it_aside(tmp_path):
     for step, s in ((10, 0.9), (20, 0.1), (30, 0.2)):
         save(tmp_path, "A", step, {"structure": s, "correctness": s, "composite": s})
-    assert ckpt.resume_point(tmp_path, "A") [0].step == 30
+    assert resume_point(tmp_path, "A") [0].step == 30
     (tmp_path / "A" / "step_000030" / "state.json").write_text('{"step": 3')  # half a JSON file
     flip_bit(tmp_path / "A" / "step_000020" / "optimizer.safetensors")
-    found, damaged = ckpt.resume_point(tmp_path, "A")  # looking changes nothing
+    found, damaged = resume_point(tmp_path, "A")  # looking changes nothing
     assert found.step == 10 and [s for s, _ in damaged] == [30, 20]
     assert "state.json does not match the sha256" in damaged[0][1]
     assert "optimizer.safetensors does not match the sha256" in damaged[1][1]
     assert read_registry(tmp_path, "A")["aliases"]["latest"] == 30
-    found, damaged = ckpt.resume_point(tmp_path, "A", set_aside=True)
+    found, damaged = resume_point(tmp_path, "A", set_aside=True)
     assert found.step == 10
     reg = read_registry(tmp_path, "A")
     assert [c["step"] for c in reg["checkpoints"]] == [10]
@@ -509,12 +512,12 @@ def test_resume_point_skips_damaged_latest_and_sets_it_aside(tmp_path):
 
 
 def test_resume_point_never_starts_from_nothing_silently(tmp_path):
-    assert ckpt.resume_point(tmp_path, "A") == (None, [])
+    assert resume_point(tmp_path, "A") == (None, [])
     save(tmp_path, "A", 10)
     (tmp_path / "A" / "step_000010" / "adapter.safetensors").unlink()
     with pytest.raises(CheckpointError, match=r"no intact checkpoint of phase A .* all 1 are damaged "
                                               r"\(step 10: .*adapter.safetensors is missing"):
-        ckpt.resume_point(tmp_path, "A", set_aside=True)
+        resume_point(tmp_path, "A", set_aside=True)
     assert read_registry(tmp_path, "A")["aliases"]["latest"] == 10  # nothing was set aside
 
 
@@ -522,13 +525,13 @@ def test_resume_must_keep_what_a_step_is(tmp_path):
     cfg = TrainConfig()
     cfg.phase.name = "A"
     save(tmp_path, "A", 20, config=cfg)
-    ckpt.check_resumable(tmp_path, cfg)
+    check_resumable(tmp_path, cfg)
     changed = TrainConfig()
     changed.phase.name, changed.phase.steps, changed.optim.lr = "A", 999, 1.0  # how long and how fast: fine
-    ckpt.check_resumable(tmp_path, changed)
+    check_resumable(tmp_path, changed)
     changed.sampling.G = 4
     with pytest.raises(ConfigError, match=r"holds phase A up to step 20; resuming it with sampling.G: saved 8, now 4"):
-        ckpt.check_resumable(tmp_path, changed)
+        check_resumable(tmp_path, changed)
     other_phase = TrainConfig()
     other_phase.sampling.G = 4
-    ckpt.check_resumable(tmp_path, other_phase)  # phase B has nothing to resume
+    check_resumable(tmp_path, other_phase)  # phase B has nothing to resume

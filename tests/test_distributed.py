@@ -185,7 +185,8 @@ def test_trainer_runs_data_parallel_end_to_end(two_ranks):
     assert any(r["adv_abs"] > 0 for r in steps), "no step had reward spread: replicas were never tested moving"
     evals = [r for r in lines if r.get("event") == "eval" and r["phase"] == "A"]
     assert len(evals) == 1 and evals[0]["metrics"]["n"] == 4.0  # 2 + 2 prompts gathered
-    from grpo.state.checkpoint import load_checkpoint, resolve
+    from grpo.state.checkpoint import load_checkpoint
+    from grpo.state.registry import resolve
 
     ckpt = load_checkpoint(resolve(run, "A:latest"))
     assert {"sampler_generator_state", "sampler_generator_state.rank1"} <= set(ckpt.tensors)

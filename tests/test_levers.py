@@ -34,7 +34,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo.state.checkpoint import load_checkpoint, resolve
+from grpo.state.checkpoint import load_checkpoint
+from grpo.state.registry import resolve
 from grpo.config import TrainConfig
 from grpo.rollout.sampler import Rollout
 from grpo.rollout.dynamic_sampling import (FillStats, concat_rollouts, fill_batch, groups_with_spread,

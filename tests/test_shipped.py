@@ -113,7 +113,8 @@ def test_pretrain_exports_a_pretrained_model_and_rebuilds_it_byte_for_byte(tmp_p
     assert not trains_from_scratch(str(out)) and not (out / "vlgrpo_build.json").exists()
     bundle = load_bundle(str(out))
     ckpt_run = tmp_path / "run0"
-    from grpo.state.checkpoint import load_checkpoint, resolve
+    from grpo.state.checkpoint import load_checkpoint
+    from grpo.state.registry import resolve
 
     saved = load_checkpoint(resolve(ckpt_run, "warmup:latest")).tensors
     for name, value in bundle.model.state_dict().items():

@@ -22,7 +22,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo.state.checkpoint import load_checkpoint, phase_finished, read_registry, resolve
+from grpo.state.checkpoint import load_checkpoint
+from grpo.state.registry import read_registry, resolve
+from grpo.state.resume import phase_finished
 from grpo.cli import phases_to_run
 from grpo.run.files import RunFiles
 from train_helpers import Trainer, log_lines, run_main

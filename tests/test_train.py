@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo.state.checkpoint import ALIASES, load_checkpoint, read_registry, resolve, step_dirname
+from grpo.state.checkpoint import load_checkpoint
+from grpo.state.registry import ALIASES, read_registry, resolve, step_dirname
 from grpo.config import PHASE_WEIGHTS
 from grpo.train import main
 from train_helpers import log_lines, run_main

@@ -20,9 +20,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import grpo.state.checkpoint as ckpt_mod
+import grpo.state.durable as durable
 import grpo.train as trainer  # the loop calls its grpo_loss by this module's name
-from grpo.state.checkpoint import load_checkpoint, read_registry, resolve
+from grpo.state.checkpoint import load_checkpoint
+from grpo.state.layout import OPTIM_TENSORS
+from grpo.state.registry import read_registry, resolve
 from grpo.state.contents import adapter_tensors
 from grpo.state.train_state import GEN_KEY
 from train_helpers import log_lines, reward_spread, run_main
@@ -122,15 +124,15 @@ def test_checkpoint_eval_does_not_perturb_training(tmp_path):
 
 def test_failed_checkpoint_write_keeps_latest_loadable_and_resumable(straight, tmp_path, monkeypatch):
     run = tmp_path / "run"
-    real_write = ckpt_mod._write_bytes
+    real_write = durable.write_bytes
 
     def dies_on_step_4(path: Path, data: bytes) -> None:
-        if "step_000004" in str(path) and path.name == ckpt_mod.OPTIM_TENSORS:  # after the adapter file
+        if "step_000004" in str(path) and path.name == OPTIM_TENSORS:  # after the adapter file
             raise OSError(errno.EIO, "simulated I/O error")
         real_write(path, data)
 
     with reward_spread():
-        monkeypatch.setattr(ckpt_mod, "_write_bytes", dies_on_step_4)
+        monkeypatch.setattr(durable, "write_bytes", dies_on_step_4)
         rc, out, err = train(run, "--phase.steps", "4")
         assert rc == 1
         assert err.startswith("error: could not write checkpoint") and "simulated I/O error" in err
@@ -140,7 +142,7 @@ def test_failed_checkpoint_write_keeps_latest_loadable_and_resumable(straight, t
         assert not [p.name for p in (run / "A").iterdir() if p.name.startswith((".tmp-", "step_000004"))]
         assert_same_tensors(adapter_at(run, "A:latest"), adapter_at(straight, "A:2"))
 
-        monkeypatch.setattr(ckpt_mod, "_write_bytes", real_write)
+        monkeypatch.setattr(durable, "write_bytes", real_write)
         rc, out, err = train(run, "--phase.steps", "4")
     assert rc == 0, err
     assert "resuming phase A at step 2" in out

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from grpo.state.checkpoint import step_dirname
+from grpo.state.registry import step_dirname
 from grpo.run.files import record_scalars
 from train_helpers import log_lines, run_main
 

@@ -17,8 +17,10 @@ from typing import Any
 
 import torch
 
-from grpo.state.checkpoint import (LoadedCheckpoint, is_periodic, load_checkpoint, resolve, restore_rng, resume_point,
-                                   save_checkpoint)
+from grpo.state.checkpoint import LoadedCheckpoint, load_checkpoint, save_checkpoint
+from grpo.state.registry import resolve
+from grpo.state.resume import is_periodic, resume_point
+from grpo.state.rng import restore_rng
 from grpo.config import ConfigError, TrainConfig, phase_init
 from grpo.state.contents import adapter_tensors, base_checkpoint_of
 from grpo.run.files import RunFiles

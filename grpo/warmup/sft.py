@@ -54,7 +54,11 @@ import torch.nn.functional as F
 from data.contract import format_response
 from data.mixture import MixtureStream
 from data.schema import Example
-from grpo.state.checkpoint import CheckpointError, read_registry, restore_rng, resume_point, save_checkpoint
+from grpo.state.checkpoint import save_checkpoint
+from grpo.state.layout import CheckpointError
+from grpo.state.registry import read_registry
+from grpo.state.resume import resume_point
+from grpo.state.rng import restore_rng
 from grpo.config import ConfigError, TrainConfig, trains_from_scratch
 from grpo.evaluate import checkpoint_eval, print_eval
 from grpo.model.load import load_bundle
