@@ -25,7 +25,7 @@ from transformers.utils import logging as hf_logging
 
 from grpo.state.checkpoint import (CheckpointError, SelectorError, check_compatible, check_init_compatible,
                              check_resumable, load_checkpoint, phase_finished, read_registry, resume_point)
-from grpo.config import (PERCEPTION_DEFAULTS, PHASES, PRESETS, WARMUP_DEFAULTS, ConfigError,
+from grpo.config import (PERCEPTION_DEFAULTS, PHASES, PRESETS, ConfigError, preset_overrides,
                          TrainConfig, apply_overrides, describe_fields, parse_override_args, phase_init,
                          phase_preset, trains_from_scratch)
 from grpo.distributed import DataParallel, init_distributed, peer_lost
@@ -40,21 +40,13 @@ from grpo.run.runtime import pick_device, seed_everything, set_threads
 from grpo.run.stop import STOP, EvalAbandoned, Stopped, StopNow, exit_code, signal_name, stop_message
 
 
-ROLLOUT_KEYS = ("sampling.rollout", "optim.rollout_correction", "optim.rollout_correction_mode",
-                "optim.rollout_correction_cap")
-
-
 def phase_config(phase: str, preset: str, overrides: dict[str, str], requested: str) -> TrainConfig:
     """The resolved config of one phase: its preset, then --preset, then the CLI overrides.
 
     Overrides of phase.* and rewards.weights belong to the requested phase only (steps of
     phase B are not the warm-up's steps); every other override applies to all phases.
     """
-    cfg = phase_preset(phase)
-    if phase == "warmup":  # SFT defaults of the embedded model; a --preset may override them
-        apply_overrides(cfg, WARMUP_DEFAULTS)
-    # the warm-up samples no rollouts: a preset's rollout keys would only mislabel its saved config
-    apply_overrides(cfg, {k: v for k, v in PRESETS[preset].items() if phase != "warmup" or k not in ROLLOUT_KEYS})
+    cfg = apply_overrides(phase_preset(phase), preset_overrides(preset, phase))
     for key, value in overrides.items():
         head, _, tail = key.partition(".")
         if head in PHASES:  # --A.steps 10: for phase A only

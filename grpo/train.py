@@ -87,7 +87,12 @@ from grpo.errors import NoRewardSpread
 from grpo.evaluate import checkpoint_eval, print_eval
 from grpo.model.policy import build_policy
 from grpo.rewards import RewardModel
-from grpo.rollout.dynamic_sampling import NoSpread, dynamic_batches, groups_with_spread, no_spread_message
+from grpo.rollout.dynamic_sampling import (
+    NoSpread,
+    dynamic_batches,
+    groups_with_spread,
+    no_spread_message,
+)
 from grpo.rollout.merged import MergedRollout
 from grpo.rollout.sampler import sample
 from grpo.run.files import RunFiles
@@ -96,10 +101,23 @@ from grpo.run.phase_data import eval_subset, load_training_data
 from grpo.run.progress import Progress
 from grpo.run.records import progress_line, step_record
 from grpo.run.schedule import SaveClock, lr_at
-from grpo.run.stop import STOP, EvalAbandoned, Stopped, evals_run_to_the_end, stop_message
+from grpo.run.stop import (
+    STOP,
+    EvalAbandoned,
+    Stopped,
+    evals_run_to_the_end,
+    stop_message,
+)
 from grpo.state.checkpoint import phase_finished
 from grpo.state.train_state import TrainState, find_start
-from grpo.step import Hooks, Learner, advantage_source, grpo_step, plain_batches, sample_and_score
+from grpo.step import (
+    Hooks,
+    Learner,
+    advantage_source,
+    grpo_step,
+    plain_batches,
+    sample_and_score,
+)
 from grpo.warmup.sft import run_warmup
 from lora import load_lora_state_dict, lora_parameters, lora_state_dict
 

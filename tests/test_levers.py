@@ -1,4 +1,4 @@
-"""The GRPO levers of issue 13: several updates per rollout batch (mu), DAPO dynamic
+"""The GRPO levers: several updates per rollout batch (mu), DAPO dynamic
 sampling, tie-breakers that stay small (per-component advantages, the std floor), against
 plain references.
 

@@ -1,4 +1,4 @@
-"""The trainer's resume, crash and NaN paths (issue 7), end to end on the tiny model.
+"""The trainer's resume, crash and NaN paths, end to end on the tiny model.
 
 - Resume equality: 4 steps straight == 2 steps, stop, resume for 2 more, bit for bit
   (every LoRA tensor, the sampler generator, the logged rewards), with the tiny preset's

@@ -1,7 +1,6 @@
 """The embedded tiny Qwen2.5-VL: its architecture, its tokenizer corpus, and the deterministic
 build of ``tiny-random`` (random weights, cached on first use)."""
 
-
 from __future__ import annotations
 
 import functools
@@ -17,7 +16,6 @@ from typing import Any
 import torch
 
 from data.synthetic import tokenizer_corpus
-
 
 TINY_NAME = "tiny"
 TINY_RANDOM_NAME = "tiny-random"  # the same architecture, random weights: what pretraining starts from
@@ -52,8 +50,6 @@ TINY_VISION = dict(
 TINY_VOCAB = 1024
 
 
-
-
 # ----------------------------------------------------------------------------- building the tiny model
 
 
@@ -84,7 +80,9 @@ def _tiny_config(tokenizer) -> Any:
 
 def tiny_image_processor(image_size: int = TINY_IMAGE_SIZE):
     """Qwen2-VL's PIL image processor capped at image_size^2 pixels (112 px -> 8x8 patches)."""
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
 
     # Qwen's resize keeps the aspect ratio and rounds sides to multiples of 28 px within
     # [shortest_edge, longest_edge] *pixels* (area, despite the names).

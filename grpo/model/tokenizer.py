@@ -26,7 +26,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from tokenizers import (
+    AddedToken,
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    trainers,
+)
 
 # Qwen2's pre-tokenizer: contractions | optional non-letter + letters | ONE digit |
 # punctuation run | newlines | trailing spaces | spaces. `\p{N}` without `+` is what

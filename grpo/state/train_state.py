@@ -17,13 +17,19 @@ from typing import Any
 
 import torch
 
-from grpo.state.checkpoint import (LoadedCheckpoint, is_periodic, load_checkpoint, resolve, restore_rng, resume_point,
-                                   save_checkpoint)
 from grpo.config import ConfigError, TrainConfig, phase_init
-from grpo.state.contents import adapter_tensors, base_checkpoint_of
 from grpo.run.files import RunFiles
+from grpo.state.checkpoint import (
+    LoadedCheckpoint,
+    is_periodic,
+    load_checkpoint,
+    resolve,
+    restore_rng,
+    resume_point,
+    save_checkpoint,
+)
+from grpo.state.contents import adapter_tensors, base_checkpoint_of
 from lora import lora_parameters, lora_state_dict
-
 
 GEN_KEY = "sampler_generator_state"  # checkpoint tensor: the rollout sampler's torch.Generator state
 
