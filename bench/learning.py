@@ -266,8 +266,8 @@ def plan_runs(variants: Sequence[str], seeds: Sequence[int], out: Path, base: Se
     A bad option, a variant that would change a phase it shares with the default run, or an
     existing run directory made with other settings is refused here (BenchError, exit 2).
     """
-    from grpo.config import ConfigError, parse_override_args
     from grpo.cli import phase_configs
+    from grpo.config import ConfigError, parse_override_args
 
     def resolve(options: list[str], what: str) -> dict:
         try:
@@ -386,8 +386,8 @@ def _phase_a_options(run: Run) -> list[str]:
     """The options that give phase A the same config when A itself is requested: --phase B's
     unprefixed phase-local options (steps, weights, ...) belong to B and B.-prefixed ones to
     B alone, so both are dropped; no report (B's run writes it)."""
-    from grpo.config import PHASES, parse_override_args
     from grpo.cli import _phase_local, phase_configs
+    from grpo.config import PHASES, parse_override_args
 
     keep = []
     for key, value in parse_override_args(run.options).items():

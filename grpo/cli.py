@@ -23,28 +23,24 @@ from pathlib import Path
 
 from transformers.utils import logging as hf_logging
 
+from grpo.config import (PERCEPTION_DEFAULTS, PHASES, PRESETS, ConfigError, TrainConfig, apply_overrides,
+                         describe_fields, parse_override_args, phase_init, phase_preset, preset_overrides,
+                         trains_from_scratch)
+from grpo.distributed import DataParallel, init_distributed, peer_lost
+from grpo.errors import NoRewardSpread, TrainingDiverged, inside, one_line
+from grpo.final_report import write_final_report
+from grpo.model.load import ModelLoadError
+from grpo.model.policy import check_policy_config
+from grpo.run.files import RunFiles
+from grpo.run.phase_data import load_training_data
+from grpo.run.runtime import pick_device, seed_everything, set_threads
+from grpo.run.stop import STOP, EvalAbandoned, StopNow, Stopped, exit_code, signal_name, stop_message
 from grpo.state.checkpoint import load_checkpoint
 from grpo.state.compat import check_compatible, check_init_compatible, check_resumable
 from grpo.state.layout import CheckpointError
 from grpo.state.registry import SelectorError, read_registry
 from grpo.state.resume import phase_finished, resume_point
-from grpo.config import (PERCEPTION_DEFAULTS, PHASES, PRESETS, WARMUP_DEFAULTS, ConfigError,
-                         TrainConfig, apply_overrides, describe_fields, parse_override_args, phase_init,
-                         phase_preset, trains_from_scratch)
-from grpo.distributed import DataParallel, init_distributed, peer_lost
-from grpo.errors import NoRewardSpread, TrainingDiverged, inside, one_line
-from grpo.final_report import write_final_report
-from grpo.model.load import ModelLoadError
-from grpo.run.phase_data import load_training_data
-from grpo.model.policy import check_policy_config
 from grpo.state.train_state import resolve_init
-from grpo.run.files import RunFiles
-from grpo.run.runtime import pick_device, seed_everything, set_threads
-from grpo.run.stop import STOP, EvalAbandoned, Stopped, StopNow, exit_code, signal_name, stop_message
-
-
-ROLLOUT_KEYS = ("sampling.rollout", "optim.rollout_correction", "optim.rollout_correction_mode",
-                "optim.rollout_correction_cap")
 
 
 def phase_config(phase: str, preset: str, overrides: dict[str, str], requested: str) -> TrainConfig:
@@ -53,11 +49,7 @@ def phase_config(phase: str, preset: str, overrides: dict[str, str], requested: 
     Overrides of phase.* and rewards.weights belong to the requested phase only (steps of
     phase B are not the warm-up's steps); every other override applies to all phases.
     """
-    cfg = phase_preset(phase)
-    if phase == "warmup":  # SFT defaults of the embedded model; a --preset may override them
-        apply_overrides(cfg, WARMUP_DEFAULTS)
-    # the warm-up samples no rollouts: a preset's rollout keys would only mislabel its saved config
-    apply_overrides(cfg, {k: v for k, v in PRESETS[preset].items() if phase != "warmup" or k not in ROLLOUT_KEYS})
+    cfg = apply_overrides(phase_preset(phase), preset_overrides(preset, phase))
     for key, value in overrides.items():
         head, _, tail = key.partition(".")
         if head in PHASES:  # --A.steps 10: for phase A only

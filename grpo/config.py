@@ -36,44 +36,50 @@ from kernels.grpo_advantages import SCALES
 from kernels.grpo_loss import CORRECTION_MODES, CORRECTIONS, IMPORTANCE, LOSS_TYPES
 from lora.inject import LoRAConfig
 
-PHASES = ("warmup", "A", "B", "C")
-
-# Verifier weights per phase: the staged paper's initial weights (docs/design.md, section 3).
-PHASE_WEIGHTS: dict[str, dict[str, float]] = {
-    "A": dict(format=1.0, parseable=1.0, finished=1.5, correctness=2.0, brevity=0.25, tolerance=0.0),
-    "B": dict(format=0.75, parseable=0.75, finished=1.0, correctness=4.0, brevity=0.20, tolerance=0.0),
-    "C": dict(format=0.5, parseable=0.5, finished=0.75, correctness=5.0, brevity=0.20, tolerance=1.0),
+# Every default that depends on the phase, in one table: phase_preset(phase) is TrainConfig()
+# (the dataclass defaults below) with this phase's entries applied; a --preset and the
+# command line's overrides come after it (grpo/cli.py).
+#   rewards.weights  the staged paper's initial verifier weights (docs/design.md, section 3)
+#   phase.mixture    curriculum stage -> probability
+#   optim.lr         GRPO: A (format) at 2e-3 fixes the contract within 60 steps; B at 2e-3
+#                    drifted (val EM 0.165 -> 0.095 over its 60 steps) where 5e-4 held; the
+#                    warm-up's 5e-4 learned to read faster than 1e-3 or 2e-3 on every
+#                    perception probe we ran (bench/EXPERIMENTS.md)
+#   budget           GRPO rollout batches x prompts (each sampled G times) and the eval cadence:
+#                    the main command spends its ten CPU minutes on A and B, since the model
+#                    arrives pretrained (grpo/tiny_model) and no warm-up runs. The warm-up's
+#                    (SFT of tiny-random, from random weights): the caption stage first, then
+#                    worked reasoning, 32 examples a step; (800 + 250) x 32 examples, 60% of
+#                    them stage 1: 8000 per stage keeps repeats to ~2-3 (2000 would be ~10).
+PHASE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "warmup": {
+        "phase.mixture": {1: 0.6, 2: 0.25, 3: 0.15},
+        "optim.lr": 5e-4, "optim.warmup_steps": 20, "optim.schedule": "linear",
+        "phase.steps": 250, "phase.prompts_per_step": 32, "run.train_per_stage": 8000,
+    },
+    "A": {
+        "rewards.weights": dict(format=1.0, parseable=1.0, finished=1.5, correctness=2.0, brevity=0.25, tolerance=0.0),
+        "phase.mixture": {1: 1.0}, "optim.lr": 2e-3,
+        "phase.steps": 80, "phase.prompts_per_step": 8, "run.eval_every": 20,
+    },
+    "B": {
+        "rewards.weights": dict(format=0.75, parseable=0.75, finished=1.0, correctness=4.0, brevity=0.20, tolerance=0.0),
+        "phase.mixture": {1: 0.7, 2: 0.3}, "optim.lr": 5e-4,
+        "phase.steps": 160, "phase.prompts_per_step": 8, "run.eval_every": 40,
+    },
+    "C": {
+        "rewards.weights": dict(format=0.5, parseable=0.5, finished=0.75, correctness=5.0, brevity=0.20, tolerance=1.0),
+        "rewards.tolerance": True, "phase.mixture": {2: 0.6, 3: 0.4}, "optim.lr": 5e-4,
+        "phase.steps": 160, "phase.prompts_per_step": 8, "run.eval_every": 40,
+    },
 }
-# Curriculum stage mixtures (stage -> probability) and the checkpoint each phase starts from.
-PHASE_MIXTURE: dict[str, dict[int, float]] = {
-    "warmup": {1: 0.6, 2: 0.25, 3: 0.15},
-    "A": {1: 1.0},
-    "B": {1: 0.7, 2: 0.3},
-    "C": {2: 0.6, 3: 0.4},
-}
-# GRPO learning rates: phase A (format) at 2e-3 fixes the contract within 60 steps; B at 2e-3
-# drifted (val EM 0.165 -> 0.095 over its 60 steps) where 5e-4 held (bench/EXPERIMENTS.md).
-PHASE_LR: dict[str, float] = {"A": 2e-3, "B": 5e-4, "C": 5e-4}
-# The GRPO budget of each phase on the embedded default: rollout batches x prompts (each
-# sampled G times), and the checkpoint-eval cadence. The main command spends its ten CPU
-# minutes here: the model arrives pretrained (grpo/tiny_model), so no warm-up runs.
-PHASE_BUDGET: dict[str, dict[str, Any]] = {
-    "A": {"phase.steps": 80, "phase.prompts_per_step": 8, "run.eval_every": 20},
-    "B": {"phase.steps": 160, "phase.prompts_per_step": 8, "run.eval_every": 40},
-    "C": {"phase.steps": 160, "phase.prompts_per_step": 8, "run.eval_every": 40},
-}
+PHASES = tuple(PHASE_DEFAULTS)  # in curriculum order
+PHASE_WEIGHTS: dict[str, dict[str, float]] = {  # the GRPO phases' weights (the controller starts from them)
+    phase: d["rewards.weights"] for phase, d in PHASE_DEFAULTS.items() if "rewards.weights" in d}
+# The checkpoint each phase starts from by default (phase_init).
 PHASE_INIT: dict[str, str] = {"warmup": "base", "A": "base", "B": "A:best_structure", "C": "B:best_composite"}
-# The warm-up's own defaults (SFT of tiny-random, the tiny model from random weights): the caption
-# stage first, then worked reasoning, 32 examples a step. lr 5e-4 learned to read faster than
-# 1e-3 or 2e-3 on every perception probe we ran (bench/EXPERIMENTS.md).
-WARMUP_DEFAULTS: dict[str, Any] = {
-    "phase.steps": 250, "phase.prompts_per_step": 32, "optim.lr": 5e-4,
-    "optim.warmup_steps": 20, "optim.schedule": "linear",
-    # (800 + 250) x 32 examples, 60% of them stage 1: 8000 per stage keeps repeats to ~2-3 (2000 would be ~10)
-    "run.train_per_stage": 8000,
-}
-# ... and for a model trained from scratch (random tower), the perception supervision of
-# grpo/warmup/perception.py: a pretrained model already sees, so it never gets these by default.
+# The warm-up of a model trained from scratch (a random vision tower) adds the perception
+# supervision of grpo/warmup/perception.py: a pretrained model already sees, so it never gets these.
 PERCEPTION_DEFAULTS: dict[str, Any] = {"phase.perception_steps": 800, "optim.perception_weight": 1.0}
 
 
@@ -220,7 +226,7 @@ class OptimConfig:
 
 @dataclass
 class RewardConfig:
-    weights: dict[str, float] = field(default_factory=lambda: dict(PHASE_WEIGHTS["A"]))
+    weights: dict[str, float] = field(default_factory=lambda: dict(PHASE_DEFAULTS["A"]["rewards.weights"]))
     """Reward components and their weights; the controller changes them during training."""
     tolerance: bool = False
     """Credit near misses within the example's precision (phase C turns it on)."""
@@ -240,7 +246,7 @@ class PhaseConfig:
     """Optimiser steps in this phase."""
     prompts_per_step: int = 4
     """B: distinct prompts per step (each sampled G times)."""
-    mixture: dict[int, float] = field(default_factory=lambda: dict(PHASE_MIXTURE["B"]))
+    mixture: dict[int, float] = field(default_factory=lambda: dict(PHASE_DEFAULTS["B"]["phase.mixture"]))
     """Curriculum stage -> sampling probability."""
     init: str = "auto"
     """Start point: auto (the phase preset's alias), base, a selector like A:best_structure, or a path."""
@@ -463,13 +469,8 @@ def phase_preset(phase: str) -> TrainConfig:
         raise ConfigError(f"unknown phase {phase!r}: use one of {', '.join(PHASES)}")
     cfg = TrainConfig()
     cfg.phase.name = phase
-    cfg.phase.mixture = dict(PHASE_MIXTURE[phase])
-    if phase != "warmup":
-        cfg.optim.lr = PHASE_LR[phase]
-        cfg.rewards.weights = dict(PHASE_WEIGHTS[phase])
-        cfg.rewards.tolerance = phase == "C"
-        apply_overrides(cfg, PHASE_BUDGET[phase])
-    return cfg
+    # dicts copied: a config's weights or mixture must never alias the table's
+    return apply_overrides(cfg, {k: dict(v) if isinstance(v, dict) else v for k, v in PHASE_DEFAULTS[phase].items()})
 
 
 def trains_from_scratch(name: str) -> bool:
@@ -490,13 +491,16 @@ def phase_init(phase: str, model_name: str) -> str:
     return PHASE_INIT[phase]
 
 
-PRESETS = {
-    # The embedded default: tiny model, synthetic curriculum, CPU. (Phase-specific values
-    # are applied by phase_preset.)
+# Named presets: config keys applied after the phase's defaults. Keys under "grpo" apply to
+# the GRPO phases only: the warm-up samples no rollouts, and a rollout setting in its saved
+# config would only mislabel it.
+PRESETS: dict[str, dict[str, Any]] = {
+    # The embedded default: tiny model, synthetic curriculum, CPU.
     # Rollouts from the merged copy: on this CPU 2.3x the plain path's decode tokens/s and a
     # 26% shorter GRPO step, its log-probs within 1e-3 of the trainer's (bench/RESULTS.md);
     # the sequence-level mask at C = 3 drops whatever a larger mismatch would make off-policy.
-    "tiny": {"model.load_in_4bit": True, "sampling.rollout": "merged", "optim.rollout_correction": "sequence"},
+    "tiny": {"model.load_in_4bit": True,
+             "grpo": {"sampling.rollout": "merged", "optim.rollout_correction": "sequence"}},
     # Qwen2.5-VL-7B-Instruct on one GPU, as in the staged paper: 4-bit base, rank-8 LoRA.
     "qwen7b": {
         "model.name": "Qwen/Qwen2.5-VL-7B-Instruct", "model.dtype": "bfloat16", "model.load_in_4bit": True,
@@ -504,6 +508,12 @@ PRESETS = {
         "sampling.max_new_tokens": 256, "sampling.G": 8, "optim.lr": 1e-5, "phase.prompts_per_step": 8,
     },
 }
+
+
+def preset_overrides(preset: str, phase: str) -> dict[str, Any]:
+    """The keys a preset sets in one phase (its "grpo" keys in the GRPO phases only)."""
+    keys = {k: v for k, v in PRESETS[preset].items() if k != "grpo"}
+    return keys | (PRESETS[preset].get("grpo", {}) if phase != "warmup" else {})
 
 
 # ----------------------------------------------------------------------------- overrides

@@ -84,7 +84,6 @@ from kernels.grpo_advantages import batch_std
 from kernels.grpo_loss import LOSS_TYPES
 
 
-
 class DistributedError(ConfigError):
     """A distributed setting that cannot work; the message says which value and what to do."""
 

@@ -31,20 +31,20 @@ from typing import Any
 
 import torch
 
-import grpo.state.registry
 import grpo.model.load
 import grpo.model.policy
 import grpo.model.prompts
 import grpo.rollout.sampler
+import grpo.state.registry
 from data.schema import Example
 from eval.evaluate import Completions, EvalProtocol, EvalResult, evaluate_completions, evaluate_samples
 from eval.inputs import load_examples, read_completions
 from eval.report import control_summary, write_report
-from grpo.state.layout import CheckpointError
-from grpo.errors import inside, one_line
 from grpo.config import TrainConfig
+from grpo.errors import inside, one_line
 from grpo.model.load import ModelLoadError
 from grpo.run.stop import check_eval
+from grpo.state.layout import CheckpointError
 
 # ----------------------------------------------------------------------------- model -> EvalResult
 

@@ -35,12 +35,11 @@ def report_selectors(run_dir: Path, last_phase: str) -> list[str]:
 def write_final_report(run_dir: str | Path, last_phase: str, cfg: TrainConfig, device: str = "cpu") -> Path:
     from data.synthetic import generate
     from eval.evaluate import EvalProtocol
-    from grpo.evaluate import evaluate_model
     from eval.plots import plot_run
-    from eval.report import write_report
-    from grpo.state.registry import resolve
+    from eval.report import control_summary, write_report
+    from grpo.evaluate import evaluate_model
     from grpo.model.policy import policy_at
-    from eval.report import control_summary
+    from grpo.state.registry import resolve
 
     run_dir = Path(run_dir)
     if cfg.run.data != "synthetic":

@@ -148,11 +148,11 @@ def export(run_dir: Path, out: Path, wall_s: float, peak_mb: float, test_seed: i
     """warmup:latest of ``run_dir`` -> a verified model directory at ``out``."""
     import torch
 
-    from grpo.state.checkpoint import load_checkpoint
-    from grpo.state.registry import resolve
     from grpo.config import from_json
     from grpo.model.load import load_bundle
     from grpo.model.policy import load_base_weights
+    from grpo.state.checkpoint import load_checkpoint
+    from grpo.state.registry import resolve
 
     ckpt = load_checkpoint(resolve(run_dir, "warmup:latest"))
     cfg = from_json(ckpt.config_json)

@@ -171,7 +171,7 @@ def advantages(learner: Learner, r: Rollout, hooks: Hooks = Hooks()) -> Advantag
     values, scale = hooks.batch_scaled(src.columns, o.adv_scale, o.adv_std_floor)
     floor = o.adv_std_floor if scale == o.adv_scale else 0.0  # a global batch std was floored already
     if src.weights is None:
-        return group_advantages(values[:, 0], scale=scale, adv_std_floor=floor, **common)
+        return group_advantages(rewards=values[:, 0], scale=scale, adv_std_floor=floor, **common)
     return group_advantages(reward_components=values, component_weights=src.weights, scale=scale,
                             adv_std_floor=floor, **common)
 

@@ -86,6 +86,51 @@ class PrefixRubrics:
                              self.rho.to(device), self.t_end.to(device), self.a)
 
 
+@dataclass
+class Advantages:
+    """GRPO's A for N = B*G completions, kept factored by reward column; both loss paths read it.
+
+        coef      [N, C] fp32  w_c * z_c: each reward column's group z-score times its weight
+        t_end     [N, C] int32 prefix mode only: column c credits completion tokens t <= t_end[:, c]
+        constant  [B, C] fp32  1.0 where column c of group b has no spread (its z is 0)
+        token     [N, T]       token mode only: A given per token by the caller
+
+    ``values(T)`` is A itself -- [N] in row mode (the sum over columns), [N, T] in prefix and
+    token mode -- which the reference loss reads and a reader can print. The loss kernel
+    reads the factors and forms A_it in registers, so the V-Rubrics [N, T, J] product never
+    exists in memory.
+    """
+
+    G: int
+    mode: str  # "row" | "prefix" | "token" (the loss kernel's ADV_MODE)
+    coef: torch.Tensor | None = None
+    t_end: torch.Tensor | None = None
+    constant: torch.Tensor | None = None
+    token: torch.Tensor | None = None
+
+    @property
+    def num_rows(self) -> int:
+        return (self.token if self.mode == "token" else self.coef).shape[0]
+
+    def values(self, T: int | None = None) -> torch.Tensor:
+        """A: [N] (row mode) or [N, T] (prefix mode, which needs T; token mode)."""
+        if self.mode == "token":
+            return self.token
+        if self.mode == "row":
+            return self.coef.sum(1)
+        if T is None:
+            raise ValueError("prefix advantages are per token: values(T) needs the completion length T")
+        covers = torch.arange(T, device=self.coef.device)[None, :, None] <= self.t_end[:, None, :]  # [N, T, C]
+        return (self.coef[:, None, :] * covers).sum(-1)
+
+    def zero_spread(self, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """[B] bool: groups whose advantages are all zero (token mode: on the active tokens of ``mask``)."""
+        if self.mode != "token":
+            return (self.constant != 0).all(1)
+        active_abs = torch.where(mask != 0, self.token.float().abs(), 0.0)
+        return active_abs.amax(1).view(-1, self.G).amax(1) == 0
+
+
 # ---------------------------------------------------------------------------------------
 # Reference: the spec. Plain PyTorch, any device.
 # ---------------------------------------------------------------------------------------
@@ -268,51 +313,6 @@ def group_zscore_triton(
 # ---------------------------------------------------------------------------------------
 # Public API: the advantage step of GRPO, checked once, for either loss path
 # ---------------------------------------------------------------------------------------
-
-
-@dataclass
-class Advantages:
-    """GRPO's A for N = B*G completions, kept factored by reward column; both loss paths read it.
-
-        coef      [N, C] fp32  w_c * z_c: each reward column's group z-score times its weight
-        t_end     [N, C] int32 prefix mode only: column c credits completion tokens t <= t_end[:, c]
-        constant  [B, C] fp32  1.0 where column c of group b has no spread (its z is 0)
-        token     [N, T]       token mode only: A given per token by the caller
-
-    ``values(T)`` is A itself -- [N] in row mode (the sum over columns), [N, T] in prefix and
-    token mode -- which the reference loss reads and a reader can print. The loss kernel
-    reads the factors and forms A_it in registers, so the V-Rubrics [N, T, J] product never
-    exists in memory.
-    """
-
-    G: int
-    mode: str  # "row" | "prefix" | "token" (the loss kernel's ADV_MODE)
-    coef: torch.Tensor | None = None
-    t_end: torch.Tensor | None = None
-    constant: torch.Tensor | None = None
-    token: torch.Tensor | None = None
-
-    @property
-    def num_rows(self) -> int:
-        return (self.token if self.mode == "token" else self.coef).shape[0]
-
-    def values(self, T: int | None = None) -> torch.Tensor:
-        """A: [N] (row mode) or [N, T] (prefix mode, which needs T; token mode)."""
-        if self.mode == "token":
-            return self.token
-        if self.mode == "row":
-            return self.coef.sum(1)
-        if T is None:
-            raise ValueError("prefix advantages are per token: values(T) needs the completion length T")
-        covers = torch.arange(T, device=self.coef.device)[None, :, None] <= self.t_end[:, None, :]  # [N, T, C]
-        return (self.coef[:, None, :] * covers).sum(-1)
-
-    def zero_spread(self, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """[B] bool: groups whose advantages are all zero (token mode: on the active tokens of ``mask``)."""
-        if self.mode != "token":
-            return (self.constant != 0).all(1)
-        active_abs = torch.where(mask != 0, self.token.float().abs(), 0.0)
-        return active_abs.amax(1).view(-1, self.G).amax(1) == 0
 
 
 def check_tensor(name: str, x: object, shape: tuple, device: torch.device, floating: bool) -> None:

@@ -1,4 +1,4 @@
-"""Bad inputs, as a hostile user would try them (issue 15): each is one clear line.
+"""Bad inputs, as a hostile user would try them: each is one clear line.
 
 One table per entry point. A CLI case asserts the exit code (2: the request is wrong,
 1: the run failed) and the one line on stderr; a library case (adapters, checkpoints)

@@ -373,7 +373,7 @@ def test_no_pickle_anywhere(tmp_path):
         assert head[:1] != b"\x80" and head != b"PK", p  # pickle protocol 2+ / torch.save zip
 
 
-# ----------------------------------------------------------------------------- integrity (issue 15)
+# ----------------------------------------------------------------------------- integrity: damaged files are named, never loaded
 
 
 def flip_bit(path: Path, offset_from_end: int = 5) -> None:

@@ -167,3 +167,43 @@ def test_the_step_core_stays_small_and_plain():
     harness = {"grpo.distributed", "grpo.state", "grpo.evaluate", "grpo.train", "grpo.cli", "grpo.run.stop",
                "grpo.run.guard", "grpo.run.files"}
     assert not {t for t in import_graph()["grpo.step"] if t in harness or _grpo_unit(t) in harness}
+
+
+# What each file of the README's reading path must hold inside the ranges it names, and what
+# must stay outside them (the fast paths a first read skips).
+READING_ANCHORS = {
+    "grpo/step.py": (["def grpo_step(", "def advantage_source(", "def sample_and_score("], []),
+    "grpo/rollout/sampler.py": (["def sample_token(", "def decode_n_tokens(", "def sample("], []),
+    "kernels/grpo_advantages.py": (["class Advantages:", "def group_zscore_reference(", "def group_advantages("],
+                                   ["@triton.jit"]),
+    "grpo/model/logprobs.py": (["def completion_logprobs(", "def reference_logprobs("], []),
+    "kernels/grpo_loss.py": (["def grpo_loss_reference(", "pg_t       = -min("], ["@triton.jit"]),
+}
+
+
+def test_the_readme_reading_path_is_true_and_short():
+    """The README's "How one GRPO step runs" table: at most 5 files and 1,200 lines, every
+    range inside its file, each file's line count the sum of its ranges, the stated total
+    right, the named functions inside the ranges and the Triton kernels outside them."""
+    import re
+
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## How one GRPO step runs"):]
+    section = section[:section.index("\n## ", 4)]
+    rows = re.findall(r"^\| \d \| (\S+) \| ([\d, -]+) \| (\d+) \|", section, re.M)
+    assert 1 <= len(rows) <= 5
+    total = 0
+    for path, ranges, count in rows:
+        lines = (ROOT / path).read_text().splitlines()
+        spans = [tuple(int(x) for x in r.split("-")) for r in ranges.split(", ")]
+        assert all(1 <= a <= b <= len(lines) for a, b in spans), (path, spans, len(lines))
+        # every range is a whole block: blank (or nothing) just before it and just after it
+        assert all((a == 1 or not lines[a - 2].strip()) and (b == len(lines) or not lines[b].strip())
+                   for a, b in spans), (path, spans)
+        assert sum(b - a + 1 for a, b in spans) == int(count), path
+        read = "\n".join(line for a, b in spans for line in lines[a - 1:b])
+        must, must_not = READING_ANCHORS[path]
+        assert all(m in read for m in must) and not any(m in read for m in must_not), path
+        total += int(count)
+    assert total <= 1200
+    assert f"{total:,} lines" in section

@@ -1,4 +1,4 @@
-"""The GRPO levers of issue 13: several updates per rollout batch (mu), DAPO dynamic
+"""The GRPO levers: several updates per rollout batch (mu), DAPO dynamic
 sampling, tie-breakers that stay small (per-component advantages, the std floor), against
 plain references.
 
@@ -353,9 +353,9 @@ def steps(run_dir: Path) -> dict[int, dict]:
 
 def capture_loss_calls(monkeypatch) -> list[dict]:
     """Record every grpo_loss call of the trainer: its tensors (detached copies) and outputs,
-    with the reward inputs of its advantages under kw (the trainer hands the loss the result
+    with the reward inputs of its advantages under kw (the step hands the loss the result
     of group_advantages, computed once per rollout batch)."""
-    mod = importlib.import_module("grpo.train")
+    mod = importlib.import_module("grpo.step")
     real, real_adv, calls, sources = mod.grpo_loss, mod.group_advantages, [], {}
 
     def adv_spy(*args, **kw):
@@ -424,7 +424,7 @@ def test_mu_1_is_the_old_path_and_the_first_of_mu_2(tmp_path, monkeypatch):
 
 
 def test_a_non_finite_second_update_skips_the_rest_of_its_batch(tmp_path, monkeypatch):
-    mod = importlib.import_module("grpo.train")
+    mod = importlib.import_module("grpo.step")
     real, n = mod.grpo_loss, [0]
 
     def nan_on_2(*args, **kw):
@@ -497,7 +497,7 @@ def test_resume_is_bit_identical_with_the_new_options_on(tmp_path, monkeypatch):
     """Straight 4 steps == killed right after the step-2 checkpoint, then resumed; the cosine
     schedule over phase.steps x mu optimiser steps included (the run is not shortened: a
     schedule over phase.steps changes with phase.steps)."""
-    import grpo.train as trainer  # the loop calls save_checkpoint by this module's name
+    import grpo.state.train_state as trainer  # TrainState.save calls save_checkpoint by this module's name
 
     opts = ["--phase.steps", "4", "--sampling.dynamic_sampling", "true", "--optim.updates_per_batch", "2",
             "--optim.beta", "0.05", "--optim.kl_bias_correction", "true", "--optim.adv_mode", "components",

@@ -236,7 +236,7 @@ def test_bad_config_and_paths_are_named(saved, tmp_path_factory):
         load_adapter(tiny_model(), saved)
 
 
-# ---------------------------------------------------------------- adapter mode and non-finite values (issue 15)
+# ---------------------------------------------------------------- adapter mode and non-finite values
 def test_peft_adapter_with_dropout_loads_in_eval_mode_like_peft(tmp_path):
     peft = pytest.importorskip("peft")
     torch.manual_seed(7)

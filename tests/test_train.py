@@ -1,4 +1,4 @@
-"""The trainer end to end (issue 7): every phase on the tiny model, phase chaining, alias
+"""The trainer end to end: every phase on the tiny model, phase chaining, alias
 resolution across phases, controller weights reaching the rewards, and the user errors
 main() must answer with one line instead of a traceback.
 

@@ -1,4 +1,4 @@
-"""The trainer's resume, crash and NaN paths (issue 7), end to end on the tiny model.
+"""The trainer's resume, crash and NaN paths, end to end on the tiny model.
 
 - Resume equality: 4 steps straight == 2 steps, stop, resume for 2 more, bit for bit
   (every LoRA tensor, the sampler generator, the logged rewards), with the tiny preset's
@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import grpo.state.durable as durable
-import grpo.train as trainer  # the loop calls its grpo_loss by this module's name
+import grpo.step as step_core  # the step calls its grpo_loss by this module's name
 from grpo.state.checkpoint import load_checkpoint
 from grpo.state.layout import OPTIM_TENSORS
 from grpo.state.registry import read_registry, resolve
@@ -151,7 +151,7 @@ def test_failed_checkpoint_write_keeps_latest_loadable_and_resumable(straight, t
 
 def nan_loss_on(calls: set[int]):
     """grpo_loss that returns NaN on the given (1-based) calls, the real loss otherwise."""
-    real = trainer.grpo_loss
+    real = step_core.grpo_loss
     n = [0]
 
     def loss(*args, **kw):
@@ -164,7 +164,7 @@ def nan_loss_on(calls: set[int]):
 
 def test_a_nan_step_is_skipped_and_logged(tmp_path, monkeypatch):
     run = tmp_path / "run"
-    monkeypatch.setattr(trainer, "grpo_loss", nan_loss_on({1}))
+    monkeypatch.setattr(step_core, "grpo_loss", nan_loss_on({1}))
     with reward_spread():
         rc, out, err = train(run, "--phase.steps", "2")
     assert rc == 0, err
@@ -178,7 +178,7 @@ def test_a_nan_step_is_skipped_and_logged(tmp_path, monkeypatch):
 
 def test_three_nan_steps_in_a_row_stop_the_run(tmp_path, monkeypatch):
     run = tmp_path / "run"
-    monkeypatch.setattr(trainer, "grpo_loss", nan_loss_on({1, 2, 3}))
+    monkeypatch.setattr(step_core, "grpo_loss", nan_loss_on({1, 2, 3}))
     rc, out, err = train(run, "--phase.steps", "5", "--run.eval_every", "10")
     assert rc == 1
     assert err.startswith("error: phase A: 3 non-finite losses or updates in a row at step 3") and "--optim.lr" in err
@@ -227,7 +227,7 @@ def test_a_non_finite_update_is_undone_like_a_skipped_step(tmp_path, monkeypatch
     back to before the step, so the run is bit-identical to one that skipped that step."""
     with reward_spread():
         with monkeypatch.context() as mp:
-            mp.setattr(trainer, "grpo_loss", nan_loss_on({1}))
+            mp.setattr(step_core, "grpo_loss", nan_loss_on({1}))
             rc, _, err = train(tmp_path / "skipped", "--phase.steps", "2")
         assert rc == 0, err
         with monkeypatch.context() as mp:

@@ -1,4 +1,4 @@
-"""The policy model: the embedded tiny Qwen2.5-VL, or a real one, plus prompt encoding.
+"""Loading the model: the embedded tiny Qwen2.5-VL, or a real one, with its tokenizer and image processor.
 
 Three sources, one loader (``load_bundle``):
 
@@ -18,21 +18,7 @@ Three sources, one loader (``load_bundle``):
   tests use when they need a model in seconds; its weights depend on ``seed``.
 - a local directory or hub id of Qwen2.5-VL-*-Instruct (e.g. Qwen/Qwen2.5-VL-7B-Instruct),
   on machines that have it. Without hub access a hub id fails with one clear message.
-
-Images go through transformers' Qwen2-VL image processor with its PIL backend
-(``Qwen2VLImageProcessorPil``): resize to multiples of 28 px, normalise, cut into 14x14x2
-patches. transformers' combined ``Qwen2_5_VLProcessor`` is *not* used because it insists
-on a video processor, which needs torchvision. ``encode_prompts`` does the two things that
-processor adds -- expand ``<|image_pad|>`` to one token per merged patch and mark image
-tokens in ``mm_token_type_ids`` -- and a test checks the result equals the processor's.
-``mm_token_type_ids`` matters: without it Qwen2.5-VL silently falls back to 1-D positions.
-
-Chat format: one user turn ``<|vision_start|><|image_pad|>*n<|vision_end|>`` + the contract
-prompt (data.contract.format_prompt), then the assistant header. The tiny model uses no
-system prompt (its template adds none); a real Qwen model keeps its own template, which
-adds Qwen's default system prompt.
 """
-
 
 from __future__ import annotations
 
@@ -93,8 +79,6 @@ class ModelBundle:
     def decode(self, ids: Sequence[int]) -> str:
         """Completion text without special tokens (contract tags are kept: not special)."""
         return self.tokenizer.decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
-
-
 
 
 # ----------------------------------------------------------------------------- loading

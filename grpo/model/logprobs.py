@@ -58,13 +58,13 @@ def completion_hidden_states(
     """Final hidden states at the T positions that predict completion tokens: [N, T, d]."""
     rows = group_rows(ctx.B, G, completion_ids.device)
     T = completion_ids.shape[1]
-    # [N, L + T, d]: prompt embeddings (visual tokens in) per row, then completion tokens.
+    # [N, P + T, d]: prompt embeddings (visual tokens in) per row, then completion tokens.
     embeds = torch.cat([prompt_embeds(model, ctx)[rows], model.get_input_embeddings()(completion_ids)], 1)
     attention_mask = torch.cat([ctx.attention_mask[rows], completion_mask.to(ctx.attention_mask.dtype)], 1)
     position_ids = torch.cat([ctx.position_ids[:, rows], completion_position_ids(ctx, rows, T)], 2)
     out = model.model(inputs_embeds=embeds, attention_mask=attention_mask, position_ids=position_ids,
                       use_cache=False)
-    # The token at position L + t is predicted by the hidden state at L + t - 1.
+    # The token at position P + t is predicted by the hidden state at P + t - 1.
     return out.last_hidden_state[:, ctx.P - 1 : ctx.P + T - 1]
 
 

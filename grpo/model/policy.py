@@ -24,6 +24,7 @@ import torch
 from grpo.config import TrainConfig
 from grpo.state.contents import BASE_PREFIX, adapter_tensors, base_checkpoint_of
 
+
 def load_base_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
     sd = {k[len(BASE_PREFIX):]: v for k, v in tensors.items() if k.startswith(BASE_PREFIX)}
     missing, unexpected = model.load_state_dict(sd, strict=False)
@@ -52,8 +53,8 @@ def check_policy_config(cfg: TrainConfig) -> None:
 
 def build_policy(cfg: TrainConfig, device: str, base_ckpt: Path | None = None, verbose: bool = True) -> Any:
     """Model bundle with the base (from ``base_ckpt`` if given), 4-bit if configured, LoRA injected."""
-    from grpo.state.checkpoint import load_checkpoint
     from grpo.model.load import load_bundle
+    from grpo.state.checkpoint import load_checkpoint
     from lora import inject_lora
 
     dtype = getattr(torch, cfg.model.dtype)
@@ -79,8 +80,8 @@ def build_policy(cfg: TrainConfig, device: str, base_ckpt: Path | None = None, v
 
 def load_policy(path: str | Path, run_dir: str | Path | None = None, device: str = "cpu") -> Any:
     """The policy a checkpoint describes (base chain + its adapter), ready to sample."""
-    from grpo.state.checkpoint import load_checkpoint
     from grpo.config import from_json
+    from grpo.state.checkpoint import load_checkpoint
     from lora import load_lora_state_dict
 
     path = Path(path)

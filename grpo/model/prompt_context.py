@@ -52,7 +52,7 @@ class PromptContext:
 
     @property
     def P(self) -> int:
-        """Prompt length in tokens (padded); L is the completion budget elsewhere."""
+        """Prompt length in tokens (padded)."""
         return self.input_ids.shape[1]
 
 

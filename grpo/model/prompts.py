@@ -1,6 +1,19 @@
 """Prompt encoding: the chat text around one image and a question, and B prompts as one
-left-padded batch with their image patches (what ``Qwen2_5_VLProcessor`` would produce)."""
+left-padded batch with their image patches (what ``Qwen2_5_VLProcessor`` would produce).
 
+Images go through transformers' Qwen2-VL image processor with its PIL backend
+(``Qwen2VLImageProcessorPil``): resize to multiples of 28 px, normalise, cut into 14x14x2
+patches. transformers' combined ``Qwen2_5_VLProcessor`` is *not* used because it insists
+on a video processor, which needs torchvision. ``encode_prompts`` does the two things that
+processor adds -- expand ``<|image_pad|>`` to one token per merged patch and mark image
+tokens in ``mm_token_type_ids`` -- and a test checks the result equals the processor's.
+``mm_token_type_ids`` matters: without it Qwen2.5-VL silently falls back to 1-D positions.
+
+Chat format: one user turn ``<|vision_start|><|image_pad|>*n<|vision_end|>`` + the contract
+prompt (data.contract.format_prompt), then the assistant header. The tiny model uses no
+system prompt (its template adds none); a real Qwen model keeps its own template, which
+adds Qwen's default system prompt.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +24,6 @@ import torch
 
 from data.contract import format_prompt
 from grpo.model.load import ModelBundle, first_line
-
 
 # ----------------------------------------------------------------------------- prompt encoding
 

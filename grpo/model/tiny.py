@@ -1,7 +1,6 @@
 """The embedded tiny Qwen2.5-VL: its architecture, its tokenizer corpus, and the deterministic
 build of ``tiny-random`` (random weights, cached on first use)."""
 
-
 from __future__ import annotations
 
 import functools
@@ -17,7 +16,6 @@ from typing import Any
 import torch
 
 from data.synthetic import tokenizer_corpus
-
 
 TINY_NAME = "tiny"
 TINY_RANDOM_NAME = "tiny-random"  # the same architecture, random weights: what pretraining starts from
@@ -50,8 +48,6 @@ TINY_VISION = dict(
     fullatt_block_indexes=[1],
 )
 TINY_VOCAB = 1024
-
-
 
 
 # ----------------------------------------------------------------------------- building the tiny model

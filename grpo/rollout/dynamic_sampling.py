@@ -120,7 +120,7 @@ def _select_context(ctx: PromptContext, prompts: torch.Tensor) -> PromptContext:
     vis = torch.cat([torch.arange(int(start[p]), int(start[p] + n_vis[p]), device=ctx.image_embeds.device)
                      for p in prompts.tolist()]) if len(prompts) else torch.zeros(0, dtype=torch.long)
     am = ctx.attention_mask[prompts]
-    # Left padding: every prompt ends at column L-1; columns that are padding in every
+    # Left padding: every prompt ends at column P-1; columns that are padding in every
     # kept row only cost attention work.
     first = int((am.sum(0) > 0).nonzero()[0]) if am.numel() else 0
     return PromptContext(
@@ -133,15 +133,15 @@ def _select_context(ctx: PromptContext, prompts: torch.Tensor) -> PromptContext:
     )
 
 
-def _select_rewards(rb: Any, rows: torch.Tensor) -> Any:
+def _select_rewards(scores: Any, rows: torch.Tensor) -> Any:
     idx = rows.cpu()
-    prefix = rb.prefix
+    prefix = scores.prefix
     if prefix is not None:
         prefix = type(prefix)(R_ans=prefix.R_ans[idx], s=prefix.s[idx], scored=prefix.scored[idx],
                               rho=prefix.rho[idx], t_end=prefix.t_end[idx], a=prefix.a)
-    return type(rb)(total=rb.total[idx], components={k: v[idx] for k, v in rb.components.items()},
-                    weights=dict(rb.weights), prefix=prefix,
-                    vetoed=None if rb.vetoed is None else rb.vetoed[idx])
+    return type(scores)(total=scores.total[idx], components={k: v[idx] for k, v in scores.components.items()},
+                    weights=dict(scores.weights), prefix=prefix,
+                    vetoed=None if scores.vetoed is None else scores.vetoed[idx])
 
 
 def select_groups(r: Rollout, groups: Sequence[int]) -> Rollout:
@@ -177,20 +177,20 @@ def _pad_right(x: torch.Tensor, T: int, value: float | int | bool) -> torch.Tens
     return torch.cat([x, torch.full((*x.shape[:-1], pad), value, dtype=x.dtype, device=x.device)], -1)
 
 
-def _concat_rewards(rbs: Sequence[Any]) -> Any:
-    first = rbs[0]
+def _concat_rewards(parts: Sequence[Any]) -> Any:
+    first = parts[0]
     prefix = None
     if first.prefix is not None:
-        J = max(rb.prefix.s.shape[1] for rb in rbs)  # pad items: scored=False, s=0, rho=0, t_end=0
-        ps = [rb.prefix for rb in rbs]
+        J = max(scores.prefix.s.shape[1] for scores in parts)  # pad items: scored=False, s=0, rho=0, t_end=0
+        ps = [scores.prefix for scores in parts]
         prefix = type(first.prefix)(
             R_ans=torch.cat([p.R_ans for p in ps]), s=torch.cat([_pad_right(p.s, J, 0.0) for p in ps]),
             scored=torch.cat([_pad_right(p.scored, J, False) for p in ps]),
             rho=torch.cat([_pad_right(p.rho, J, 0.0) for p in ps]),
             t_end=torch.cat([_pad_right(p.t_end, J, 0) for p in ps]), a=first.prefix.a)
-    vetoed = None if first.vetoed is None else torch.cat([rb.vetoed for rb in rbs])
-    return type(first)(total=torch.cat([rb.total for rb in rbs]),
-                       components={k: torch.cat([rb.components[k] for rb in rbs]) for k in first.components},
+    vetoed = None if first.vetoed is None else torch.cat([scores.vetoed for scores in parts])
+    return type(first)(total=torch.cat([scores.total for scores in parts]),
+                       components={k: torch.cat([scores.components[k] for scores in parts]) for k in first.components},
                        weights=dict(first.weights), prefix=prefix, vetoed=vetoed)
 
 

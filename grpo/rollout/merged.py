@@ -65,10 +65,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from grpo.rollout import static_cache
 from grpo.model.load import ModelBundle
-from grpo.model.prompts import PromptBatch
 from grpo.model.prompt_context import PromptContext
+from grpo.model.prompts import PromptBatch
+from grpo.rollout import static_cache
 from grpo.rollout.sampler import DecodeStep, SampleOutput, sample
 from lora.layer import LoRALinear, is_linear4bit
 from lora.quant import dequantize_weight

@@ -54,10 +54,10 @@ from typing import Any, Protocol
 
 import torch
 
-from grpo.rollout import static_cache
 from grpo.model.load import ModelBundle
-from grpo.model.prompts import PromptBatch
 from grpo.model.prompt_context import PromptContext, build_prompt_context, group_rows, prompt_embeds
+from grpo.model.prompts import PromptBatch
+from grpo.rollout import static_cache
 
 
 @dataclass

@@ -9,8 +9,6 @@ from pathlib import Path
 from typing import Any
 
 
-
-
 @dataclass
 class RunFiles:
     """Where a run writes: <run_dir>/config_<phase>.json, train_log.jsonl, <phase>/step_N,
@@ -47,7 +45,9 @@ class RunFiles:
         phase, step = str(record.get("phase", "run")), int(record.get("step", 0))
         events = self._events.get(phase)
         if events is None:
-            from torch.utils.tensorboard import SummaryWriter  # optional package: imported only when asked for
+            from torch.utils.tensorboard import (
+                SummaryWriter,  # optional package: imported only when asked for
+            )
 
             events = self._events[phase] = SummaryWriter(str(self.root / "tensorboard" / phase), purge_step=step)
         for tag, value in scalars:

@@ -7,8 +7,6 @@ import threading
 from collections.abc import Iterable, Iterator
 
 
-
-
 def prefetch(items: Iterable, depth: int = 2) -> Iterator:
     """Iterate ``items`` with the next ``depth`` produced ahead, in a background thread.
 

@@ -6,8 +6,6 @@ import sys
 import time
 
 
-
-
 class Progress:
     """A one-line progress bar on a terminal; nothing otherwise (CI logs get the periodic
     lines the loops print). ``write`` prints a line without breaking the bar."""

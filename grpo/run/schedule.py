@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 import time
 
-
 from grpo.config import TrainConfig
 
 

@@ -17,15 +17,14 @@ from typing import Any
 
 import torch
 
+from grpo.config import ConfigError, TrainConfig, phase_init
+from grpo.run.files import RunFiles
 from grpo.state.checkpoint import LoadedCheckpoint, load_checkpoint, save_checkpoint
+from grpo.state.contents import adapter_tensors, base_checkpoint_of
 from grpo.state.registry import resolve
 from grpo.state.resume import is_periodic, resume_point
 from grpo.state.rng import restore_rng
-from grpo.config import ConfigError, TrainConfig, phase_init
-from grpo.state.contents import adapter_tensors, base_checkpoint_of
-from grpo.run.files import RunFiles
 from lora import lora_parameters, lora_state_dict
-
 
 GEN_KEY = "sampler_generator_state"  # checkpoint tensor: the rollout sampler's torch.Generator state
 

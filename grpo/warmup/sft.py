@@ -54,25 +54,25 @@ import torch.nn.functional as F
 from data.contract import format_response
 from data.mixture import MixtureStream
 from data.schema import Example
-from grpo.state.checkpoint import save_checkpoint
-from grpo.state.layout import CheckpointError
-from grpo.state.registry import read_registry
-from grpo.state.resume import resume_point
-from grpo.state.rng import restore_rng
 from grpo.config import ConfigError, TrainConfig, trains_from_scratch
 from grpo.evaluate import checkpoint_eval, print_eval
 from grpo.model.load import load_bundle
-from grpo.model.prompts import encode_prompts
-from grpo.warmup.perception import PerceptionHead, capture_visual_tokens, token_labels
-from grpo.run.phase_data import eval_subset, load_training_data
 from grpo.model.policy import build_policy, load_base_weights
-from grpo.state.contents import adapter_tensors, base_tensors
+from grpo.model.prompts import encode_prompts
 from grpo.run.files import RunFiles
 from grpo.run.guard import StepGuard
+from grpo.run.phase_data import eval_subset, load_training_data
 from grpo.run.prefetch import prefetch
 from grpo.run.progress import Progress
 from grpo.run.schedule import SaveClock, lr_at
 from grpo.run.stop import STOP, EvalAbandoned, Stopped, stop_message
+from grpo.state.checkpoint import save_checkpoint
+from grpo.state.contents import adapter_tensors, base_tensors
+from grpo.state.layout import CheckpointError
+from grpo.state.registry import read_registry
+from grpo.state.resume import resume_point
+from grpo.state.rng import restore_rng
+from grpo.warmup.perception import PerceptionHead, capture_visual_tokens, token_labels
 from lora import load_lora_state_dict, lora_state_dict
 
 # Families whose warm-up targets mostly follow the contract. The rest mostly answer in
@@ -142,7 +142,7 @@ def sft_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     hidden = model.model(**inputs).last_hidden_state  # [B, S, d], S = prompt + target tokens
     # Position t predicts token t+1: keep only positions whose next token is a target.
-    predict = labels[:, 1:] != -100  # [B, L-1]
+    predict = labels[:, 1:] != -100  # [B, S-1] (S: prompt + target tokens)
     h = hidden[:, :-1][predict]  # [M, d]
     logits = model.lm_head(h).float()  # [M, V]: never the full [B, S, V]
     return F.cross_entropy(logits, labels[:, 1:][predict])
