@@ -512,7 +512,7 @@ def sampled_metrics(run: Run, selector: str, k: int, cache_dir: Path) -> dict[st
     paired gap; cached by the checkpoint's state.json digest and the protocol."""
     from eval.blind import blind_gap, shuffle_images
     from eval.evaluate import EvalProtocol
-    from grpo.evaluate import evaluate_model
+    from grpo.evaluation import evaluate_model
     from grpo.state.registry import resolve
 
     cfg = run.configs["B"]

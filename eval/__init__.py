@@ -1,7 +1,7 @@
 """Evaluation: metrics and scores over completions, the blind-gap control, reports and plots.
 
 Pure Python over texts: no model and nothing from grpo/ (layers point one way). Sampling a
-model for an evaluation, and the CLI, live above in grpo/evaluate.py.
+model for an evaluation, and the CLI, live above in grpo/evaluation.py and grpo/evaluate.py.
 """
 
 from eval.evaluate import EvalProtocol, EvalResult, SubsetResult, evaluate_completions, evaluate_samples

@@ -8,7 +8,7 @@ Three entry points share every line that turns text into numbers:
         mode breakdown, and the same again on each curriculum stage subset.
     evaluate_samples(examples, sample_pass, protocol) -> EvalResult
         the same over completions a callable draws, plus the shuffled-image control.
-    grpo.evaluate.evaluate_model(bundle, examples, protocol) -> EvalResult
+    grpo.evaluation.evaluate_model(bundle, examples, protocol) -> EvalResult
         a model's completions under an EvalProtocol; lives above eval/ (it needs the
         sampler), together with the CLI ``python -m grpo.evaluate``.
 
@@ -233,7 +233,7 @@ def evaluate_samples(examples: Sequence[Example], sample_pass: Callable[[Sequenc
     over the same prompts with shuffled images (eval/blind.py), whose blind gap overall and
     per stage lands in ``result.control``.
 
-    ``sample_pass`` is whatever draws completions from a model (grpo/evaluate.py has the
+    ``sample_pass`` is whatever draws completions from a model (grpo/evaluation.py has the
     one-process and the trainer the data-parallel one): eval/ itself never sees a model.
     """
     protocol.validate()

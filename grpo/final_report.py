@@ -37,7 +37,7 @@ def write_final_report(run_dir: str | Path, last_phase: str, cfg: TrainConfig, d
     from eval.evaluate import EvalProtocol
     from eval.plots import plot_run
     from eval.report import control_summary, write_report
-    from grpo.evaluate import evaluate_model
+    from grpo.evaluation import evaluate_model
     from grpo.model.policy import policy_at
     from grpo.state.registry import resolve
 

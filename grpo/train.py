@@ -31,7 +31,7 @@ log line, eval -> gates -> checkpoint):
     4-6 run mu = optim.updates_per_batch times on the same rollouts (PPO epochs)
     7. log        one JSON line (eval/plots.py documents the format)
     every run.eval_every steps and at the end:
-    8. eval       greedy decoding on a fixed held-out subset (grpo/evaluate.py)
+    8. eval       greedy decoding on a fixed held-out subset (grpo/evaluation.py)
     9. gate       the controller changes reward weights only when those metrics say so
     10. save      atomic checkpoint + aliases latest / best_structure / best_correctness /
                   best_composite (grpo/state/checkpoint.py, grpo/state/registry.py)
@@ -84,7 +84,7 @@ from grpo.config import TrainConfig
 from grpo.controller import Controller
 from grpo.distributed import DataParallel
 from grpo.errors import NoRewardSpread
-from grpo.evaluate import checkpoint_eval, print_eval
+from grpo.evaluation import checkpoint_eval, print_eval
 from grpo.model.policy import build_policy
 from grpo.rewards import RewardModel
 from grpo.rollout.dynamic_sampling import NoSpread, dynamic_batches, groups_with_spread, no_spread_message

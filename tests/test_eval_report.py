@@ -13,7 +13,8 @@ from PIL import Image
 
 from data.schema import Example
 from eval.evaluate import EvalProtocol, evaluate_completions
-from grpo.evaluate import evaluate_model, main
+from grpo.evaluate import main
+from grpo.evaluation import evaluate_model
 from eval.plots import GATE_COLOR, PALETTE, parse_log, plot_run
 from eval.report import render_markdown, write_report
 
