@@ -122,7 +122,7 @@ for name in (\"triton\", \"transformers\", \"bitsandbytes\"):
 print(\"summary: environment recorded\")
 "'
 
-KERNEL_TESTS="tests/test_kernels_grpo_loss.py tests/test_kernels_logprob.py tests/test_rollout_fast.py"
+KERNEL_TESTS="tests/test_kernels_grpo_loss.py tests/test_kernels_logprob.py tests/test_rollout_merged.py"
 if [ "$DRY_RUN" = 1 ]; then
   run env       15  bash -c "$ENV_INFO" "$PY"
   run tests     120 "$PY" -m pytest -x $KERNEL_TESTS
