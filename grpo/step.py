@@ -20,7 +20,7 @@ The fast paths plug in behind named seams, not as branches here:
     Learner.rollout  who samples: the KV-cache sampler (grpo/rollout/sampler.py) or a merged
                      copy of the policy (grpo/rollout/merged.py)
     Learner.backend  who computes advantages and the loss: the Triton kernels on CUDA or their
-                     PyTorch references (kernels/), the same numbers either way
+                     PyTorch references (kernels/), equal within the kernels' tested tolerances
     Learner.gather   how a step's micro-batches are collected: ``plain_batches``, or DAPO's
                      dynamic sampling (grpo/rollout/dynamic_sampling.py)
     Hooks            what the harness does around the step; the defaults are one process

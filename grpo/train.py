@@ -12,9 +12,10 @@ staged, metric-gated curriculum of the staged-GRPO paper (docs/design.md):
     B       stage 1 .7 + stage 2 .3, correctness-heavy, from A:best_structure
     C       stage 2 .6 + stage 3 .4, tolerance on, from B:best_composite
 
-One GRPO step (one rollout batch of B prompts) is grpo/step.py; ``run_grpo_phase`` below is
-the harness around it (the data stream, data parallelism, the non-finite guard, timing, the
-log line, eval -> gates -> checkpoint):
+One GRPO step (one rollout batch of B prompts), steps 1-6 below, is grpo/step.py, the file
+to read first; ``run_grpo_phase`` here is the harness around it (the data stream, data
+parallelism, the non-finite guard, timing) and steps 7-10 (the log line, eval -> gates ->
+checkpoint):
 
     1. sample     G completions per prompt; each prompt (and its image) is encoded once and
                   its KV cache copied G times (grpo/rollout/sampler.py; the tiny preset decodes

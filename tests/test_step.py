@@ -1,0 +1,81 @@
+"""grpo/step.py on its own, with the default Hooks (one process, no harness around it): what a
+reader of the core can run. One step's loss is GRPO written as loops, only the LoRA
+parameters move, and the default hooks are exactly a one-process DataParallel's."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from data.synthetic import generate
+from grpo.config import phase_preset
+from grpo.distributed import DataParallel
+from grpo.model.logprobs import completion_logprobs
+from grpo.model.policy import build_policy
+from grpo.rewards import RewardModel
+from grpo.step import Hooks, Learner, grpo_step, sample_and_score
+from lora import lora_parameters
+from test_levers import plain_grpo_loss
+
+
+def learner(lr: float = 5e-2) -> Learner:
+    cfg = phase_preset("A")
+    cfg.sampling.G, cfg.sampling.max_new_tokens, cfg.phase.prompts_per_step = 4, 12, 2
+    cfg.optim.lr, cfg.model.device = lr, "cpu"
+    bundle = build_policy(cfg, "cpu", verbose=False)
+    opt = torch.optim.AdamW(lora_parameters(bundle.model), lr=lr, weight_decay=0.0)
+    rewards = RewardModel(cfg.rewards, cfg.sampling.max_new_tokens, tokenizer=bundle.tokenizer)
+    return Learner(bundle, opt, rewards, cfg, torch.Generator().manual_seed(0), backend="torch")
+
+
+def test_one_step_is_grpo_written_as_loops_and_moves_only_the_adapter():
+    torch.manual_seed(0)
+    ln = learner()
+    model = ln.bundle.model
+    examples = iter(generate("train", 1, 16, seed=0))
+    drawn = []
+
+    def draw(n):
+        r = sample_and_score(ln, [next(examples) for _ in range(n)], temperature=1.0)
+        drawn.append(r)
+        return r
+
+    lora = {id(p) for p in lora_parameters(model)}
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    frozen_before = {n: p.detach().clone() for n, p in model.named_parameters() if id(p) not in lora}
+    result = grpo_step(ln, draw, step=0, temperature=1.0)
+
+    (r,) = drawn  # one micro-batch of 2 prompts x G = 4
+    assert r.out.completion_ids.shape[0] == 8 and len(result.updates) == 1 and len(result.logs) == 1
+    assert float(result.logs[0].stats.zero_spread_frac) < 1, "no group with reward spread: nothing is tested"
+    # The loss the step took, recomputed from scratch: log-probs under the policy as it was
+    # (restored), the advantages as per-group z-scores, the clipped objective as loops.
+    after = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    model.load_state_dict(before)
+    with torch.no_grad():
+        logp = completion_logprobs(model, r.out.context, r.out.completion_ids, r.out.completion_mask, 4,
+                                   temperature=1.0)
+    gold, lo, hi = plain_grpo_loss(logp, logp, r.out.completion_mask.bool(), r.scores.total, 4)
+    assert math.isclose(result.loss, float(gold), rel_tol=1e-5, abs_tol=1e-7)
+    assert lo == hi == 0  # update 1 is on-policy: ratio 1, the clip cannot bind
+    # AdamW moved every LoRA B (all zero before the first step) and nothing else.
+    changed = [k for k in after if not torch.equal(after[k], before[k])]
+    assert changed and all("lora_" in k for k in changed)
+    assert all(not torch.equal(after[k], before[k]) for k in after if k.endswith("lora_B.weight"))
+    model.load_state_dict(after)
+    assert all(torch.equal(p, frozen_before[n]) for n, p in model.named_parameters() if id(p) not in lora)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+def test_the_default_hooks_are_a_one_process_data_parallel(loss_type):
+    """The core without a harness computes what the trainer computes in one process."""
+    g = torch.Generator().manual_seed(1)
+    masks = [(torch.rand(6, 9, generator=g) > 0.3).long(), (torch.rand(4, 5, generator=g) > 0.5).long()]
+    assert Hooks().loss_shares(loss_type, masks) == DataParallel().loss_shares(loss_type, masks)
+    values = torch.randn(8, 3, generator=g)
+    for scale in ("group", "batch", "none"):
+        mine, theirs = Hooks().batch_scaled(values, scale, 0.0), DataParallel().advantage_inputs(values, scale)
+        assert torch.equal(mine[0], theirs[0]) and mine[1] == theirs[1]
+    assert Hooks().global_loss(1.25) == DataParallel().all_reduce_sum(1.25)
