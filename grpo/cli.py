@@ -33,7 +33,7 @@ from grpo.model.load import ModelLoadError
 from grpo.model.policy import check_policy_config
 from grpo.run.files import RunFiles
 from grpo.run.phase_data import load_training_data
-from grpo.run.runtime import pick_device, seed_everything, set_threads
+from grpo.run.runtime import keep_freed_memory, pick_device, seed_everything, set_threads
 from grpo.run.stop import STOP, EvalAbandoned, StopNow, Stopped, exit_code, signal_name, stop_message
 from grpo.state.checkpoint import load_checkpoint
 from grpo.state.compat import check_compatible, check_init_compatible, check_resumable
@@ -191,6 +191,7 @@ def main(argv: list[str] | None, run_phase: Callable[[TrainConfig, RunFiles, str
 
 def _main(argv: list[str], run_phase: Callable[[TrainConfig, RunFiles, str, DataParallel], None]) -> int:
     hf_logging.disable_progress_bar()  # one "Loading weights" bar per model load is noise in a training log
+    keep_freed_memory()  # a step's buffers are reused by the next, not unmapped and faulted in again
     if "-h" in argv or "--help" in argv:
         print(HELP + describe_fields())
         return 0
