@@ -25,7 +25,7 @@ group's advantages unit-sized, however small its spread. When the G completions 
 prompt tie on correctness and format and differ only in a tie-breaker (brevity, weight .2),
 dividing by that group's tiny std turns "be a little shorter" into an advantage as large as
 "be right" in a group that splits on correctness (the per-question weighting Dr. GRPO
-criticises; a suspect when a phase's completions shrink). ``std_floor`` divides by
+criticises, and a suspect when completions shrink under a brevity term). ``std_floor`` divides by
 
     max(std, std_floor) + eps               (scale="group" or "batch"; 0 = off, the default)
 

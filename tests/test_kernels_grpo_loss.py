@@ -609,3 +609,32 @@ def test_kernels_compile_for_a_gpu_without_one():
     if res.returncode != 0 and "ptxas" in res.stderr and "No such file" in res.stderr:
         pytest.skip("triton's bundled ptxas is not available on this platform")
     assert res.returncode == 0 and "compiled" in res.stdout, res.stderr[-3000:]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_one_advantages_shape_equals_the_spec_on_both_paths(backend):
+    """group_advantages returns one factored shape whatever computes it; its values(T) is the
+    reference's A: bit for bit in row mode on the reference path (the trainer's default), to
+    float rounding in prefix mode and on the kernel path."""
+    N, T, G = 12, 7, 3
+    g = torch.Generator().manual_seed(5)
+    r = torch.randint(0, 4, (N,), generator=g).float().to(DEVICE)
+    comps, w = torch.rand(N, 2, generator=g).to(DEVICE), torch.tensor([0.7, 0.3]).to(DEVICE)
+    exact = backend == "torch"
+    for kw, spec in ((dict(rewards=r), gl.grpo_advantages_reference(r, G)),
+                     (dict(reward_components=comps, component_weights=w),
+                      gl.grpo_advantages_reference(comps, G, weights=w))):
+        adv = gl.group_advantages(G=G, backend=backend, **kw)
+        assert adv.mode == "row" and adv.coef.shape[0] == N and adv.token is None
+        if exact:
+            assert torch.equal(adv.values(), spec[0])
+        torch.testing.assert_close(adv.values(), spec[0], rtol=1e-6, atol=1e-6)
+        assert torch.equal(adv.zero_spread(), spec[1])
+    prefix = make_prefix(N, T, 3)
+    adv = gl.group_advantages(G=G, prefix=prefix, T=T, backend=backend)
+    spec_adv, spec_zero = gl.prefix_advantages_reference(prefix, T, G)
+    assert adv.mode == "prefix" and adv.values(T).shape == (N, T)
+    torch.testing.assert_close(adv.values(T), spec_adv, rtol=1e-6, atol=1e-6)
+    assert torch.equal(adv.zero_spread(), spec_zero)
+    with pytest.raises(ValueError, match="needs the completion length T"):
+        adv.values()
