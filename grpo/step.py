@@ -288,5 +288,5 @@ def grpo_step(learner: Learner, draw: Callable[[int], Rollout], step: int, tempe
             if not hooks.optimizer_step(learner.opt, u, result.loss):
                 break
         result.grad_norm = float(gnorm)
-        result.updates.append(UpdateResult(u, result.loss, float(gnorm), lr, stats_u))
+        result.updates.append(UpdateResult(u, result.loss, result.grad_norm, lr, stats_u))
     return result

@@ -188,8 +188,8 @@ def run_grpo_phase(cfg: TrainConfig, files: RunFiles, device: str, dp: DataParal
     controller = Controller(dict(cfg.rewards.weights), cfg.sampling.max_new_tokens,
                             temperature=cfg.sampling.temperature, phase=phase)
     gen = torch.Generator(device=device).manual_seed(dp.sampling_seed(cfg.run.seed))  # the sampler's own RNG
-    state = TrainState(phase, model, opt, stream, controller, gen, cfg.run.seed, dp)
-    first, eval_pending = state.restore(start)
+    state = TrainState(phase, model, opt, stream, controller, gen, cfg.run.seed, dp, files, start, cfg.to_json())
+    first, eval_pending = state.restore()
     if cfg.optim.lr == 0:  # config.validate accepts lr 0 in GRPO phases only, as this control
         print(f"phase {phase}: optim.lr = 0, the frozen-policy control: prompts are sampled, scored, logged, "
               "evaluated and checkpointed exactly as in training, and the policy is never updated")
@@ -207,7 +207,7 @@ def run_grpo_phase(cfg: TrainConfig, files: RunFiles, device: str, dp: DataParal
     bar, clock = Progress(cfg.phase.steps, f"phase {phase}", first), SaveClock(cfg)
 
     def save(done: int, result=None, pending: bool = False) -> None:
-        state.save(files, done, start, cfg.to_json(), result, pending)
+        state.save(done, result, pending)
         clock.saved()
 
     def evaluate_and_save(done: int) -> None:

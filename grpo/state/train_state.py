@@ -97,10 +97,12 @@ class TrainState:
     generator: torch.Generator  # the sampler's
     seed: int
     dp: Any  # grpo.distributed.DataParallel (world 1 in one process)
+    files: RunFiles  # where the checkpoints go
+    start: StartPoint  # what this phase started from: restore reads its resume, save records its base
+    config_json: str  # the phase's resolved config, saved with every checkpoint
     zero_spread_since_eval: list[float] = field(default_factory=list)
 
-    def save(self, files: RunFiles, done: int, start: StartPoint, config_json: str, result=None,
-             pending: bool = False) -> None:
+    def save(self, done: int, result=None, pending: bool = False) -> None:
         """The checkpoint after ``done`` steps: with its evaluation ``result`` (metrics, scores,
         every alias), or periodic (``latest`` only; with what the next evaluation's gates read,
         and whether this step's evaluation was abandoned: ``restore`` then says to redo it)."""
@@ -110,17 +112,18 @@ class TrainState:
                        **self.dp.generator_states(GEN_KEY, self.generator))
         if not self.dp.is_main:
             return
-        base = str(start.base.relative_to(files.root)) if start.base else None
+        root, base = self.files.root, self.start.base
+        base = str(base.relative_to(root)) if base else None
         sched = {"step": done} if result is not None else {
             "step": done, "zero_spread_since_eval": list(self.zero_spread_since_eval), "eval_pending": pending}
-        save_checkpoint(files.root, self.phase, done, tensors=tensors, optimizer=self.opt,
+        save_checkpoint(root, self.phase, done, tensors=tensors, optimizer=self.opt,
                         scheduler_state=sched, controller_state=self.controller.state_dict(),
                         data_position=self.stream.position, metrics=result.flat() if result is not None else {},
                         scores=result.scores if result is not None else {},
-                        config_json=config_json, extra={"kind": "adapter", "base": base},
+                        config_json=self.config_json, extra={"kind": "adapter", "base": base},
                         periodic=result is None)
 
-    def restore(self, start: StartPoint) -> tuple[int, bool]:
+    def restore(self) -> tuple[int, bool]:
         """Put a resume's state back; -> (the step to continue at (0 = new), whether that
         step's evaluation is pending). The adapter was loaded with the policy (start.adapter).
 
@@ -128,6 +131,7 @@ class TrainState:
         reward model), so the restored RNG state is what the next step of a straight run
         would have drawn from.
         """
+        start = self.start
         if start.resume is None:
             path = start.init.path if start.init is not None else None
             print(f"phase {self.phase}: starting from {start.init_name}" + (f" ({path})" if path else ""))
