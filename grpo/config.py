@@ -131,7 +131,13 @@ class ModelConfig:
     image_size: int = 112
     """Side of the synthetic images in pixels (112 px = 16 visual tokens after merging)."""
     gradient_checkpointing: bool = False
-    """Recompute activations in backward to save memory (useful for the 7B)."""
+    """Recompute each decoder layer's activations in backward instead of keeping them (every pass with grad runs in training mode so that transformers honours it; the 7B needs it)."""
+    max_pixels: int = 0
+    """Largest image area in pixels handed to Qwen's processor (real images are resized to fit, as Qwen's own processor does; one visual token per 28x28 px); 0 = the checkpoint's processor config."""
+    min_pixels: int = 0
+    """Smallest image area in pixels (smaller images are upscaled to it); 0 = the checkpoint's processor config."""
+    max_prompt_tokens: int = 0
+    """Prompts longer than this many tokens (visual tokens included) are skipped and counted in the log line (0 = no cap)."""
     device: str = "auto"
     """'auto' (cuda if available, else cpu), 'cpu' or 'cuda[:i]'."""
 
@@ -195,7 +201,11 @@ class OptimConfig:
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value (0 = off)."""
     accumulation: int = 1
-    """Micro-batches accumulated per optimiser step."""
+    """Rollout batches (of phase.prompts_per_step prompts x G) sampled and accumulated per optimiser step."""
+    micro_batch_rows: int = 0
+    """Rows (completions) per training pass: the policy and reference log-probs, the loss and backward run over micro-batches of this many rows of each rollout batch, gradients accumulated (TRL's per_device_train_batch_size); whole groups, so a multiple of G; 0 = all rows of the rollout batch in one pass."""
+    logits_chunk_tokens: int = 1024
+    """Completion tokens per LM-head chunk in the log-prob passes: the logits exist for one chunk at a time and are recomputed in backward (whole rows: max(1, this // T) rows per chunk)."""
     beta: float = 0.0
     """KL penalty coefficient (k3 estimator) against the reference (LoRA disabled)."""
     eps_low: float = 0.2
@@ -330,6 +340,12 @@ class TrainConfig:
             (bool(lo.targets) and all(t.strip() for t in lo.targets),
              f"lora.targets={','.join(lo.targets)!r}: name at least one module suffix, e.g. q_proj,v_proj"),
             (lo.dtype in ("float32", "bfloat16", "float16"), f"lora.dtype={lo.dtype!r}: use float32 or bfloat16"),
+            # The ratio compares the trainer's log-probs with the sampler's: with dropout in the
+            # training pass the two would be different functions of the same weights.
+            (not (grpo and lo.dropout > 0),
+             f"lora.dropout={lo.dropout}: GRPO phase {p.name} scores completions with the sampler's own function "
+             f"(the importance ratio compares the two), and dropout would make them differ; use 0 in GRPO phases "
+             f"(--warmup.lora.dropout applies to the SFT warm-up alone)"),
             # lr 0 is the frozen-policy control of a GRPO phase (bench/learning.py): the same
             # prompts, samples, rewards, log lines, evals and checkpoints as a training run, with
             # a policy that never moves -- the baseline a training curve is read against. The
@@ -361,6 +377,14 @@ class TrainConfig:
              "rewards.random_reward with rewards.rubric_mode prefix: the control replaces scalar rewards; "
              "use rubric_mode sequence"),
             (o.accumulation >= 1, f"optim.accumulation={o.accumulation}: must be >= 1"),
+            (o.micro_batch_rows >= 0, f"optim.micro_batch_rows={o.micro_batch_rows}: must be >= 0 (0 = all rows at once)"),
+            # Whole groups: a group's G rows share one prompt (issue: the prompt once per group)
+            # and one advantage baseline, so a micro-batch never splits one.
+            (o.micro_batch_rows == 0 or (o.micro_batch_rows % s.G == 0 and (p.prompts_per_step * s.G) % o.micro_batch_rows == 0),
+             f"optim.micro_batch_rows={o.micro_batch_rows}: must be a multiple of sampling.G={s.G} (whole groups) that "
+             f"divides the rollout batch's {p.prompts_per_step} x {s.G} = {p.prompts_per_step * s.G} rows, e.g. "
+             f"{s.G} or {p.prompts_per_step * s.G}; 0 = all rows at once"),
+            (o.logits_chunk_tokens >= 1, f"optim.logits_chunk_tokens={o.logits_chunk_tokens}: must be >= 1"),
             (o.beta >= 0, f"optim.beta={o.beta}: must be >= 0"),
             (0 <= o.eps_low < 1, f"optim.eps_low={o.eps_low}: must be in [0, 1) (the ratio's lower clip is 1 - eps_low)"),
             (o.eps_high >= 0, f"optim.eps_high={o.eps_high}: must be >= 0"),
@@ -393,6 +417,13 @@ class TrainConfig:
             (re.fullmatch(r"auto|cpu|cuda(:\d+)?", m.device) is not None,
              f"model.device={m.device!r}: use auto, cpu, cuda or cuda:N"),
             (m.image_size >= 28, f"model.image_size={m.image_size}: must be >= 28 (two 14-px patches)"),
+            (m.max_pixels >= 0 and m.min_pixels >= 0,
+             f"model.max_pixels={m.max_pixels}, model.min_pixels={m.min_pixels}: must be >= 0 (0 = the processor's own)"),
+            (m.max_pixels == 0 or m.max_pixels >= 28 * 28,
+             f"model.max_pixels={m.max_pixels}: must be >= {28 * 28} (one 28x28 visual token), or 0"),
+            (not (m.max_pixels and m.min_pixels and m.min_pixels > m.max_pixels),
+             f"model.min_pixels={m.min_pixels} > model.max_pixels={m.max_pixels}: the smallest area must not exceed the largest"),
+            (m.max_prompt_tokens >= 0, f"model.max_prompt_tokens={m.max_prompt_tokens}: must be >= 0 (0 = no cap)"),
             (ru.rubric_mode in ("sequence", "prefix"), f"rewards.rubric_mode={ru.rubric_mode!r}: use sequence or prefix"),
             (0 <= ru.prefix_answer_weight <= 1, f"rewards.prefix_answer_weight={ru.prefix_answer_weight}: must be in [0, 1]"),
             (p.steps >= 0, f"phase.steps={p.steps}: must be >= 0"),

@@ -19,7 +19,11 @@ from grpo.state.registry import read_registry
 from grpo.state.resume import phase_finished
 
 # Config fields that only say how to run, not what a checkpoint's weights mean.
-RUNTIME_ONLY_FIELDS = {"model.device", "model.gradient_checkpointing"}
+# (optim.micro_batch_rows and optim.logits_chunk_tokens are in "optim", which _meaning never reads:
+# they change how a step is computed, not what it computes.)
+# The image and prompt bounds change what enters the model, not what its weights mean.
+RUNTIME_ONLY_FIELDS = {"model.device", "model.gradient_checkpointing", "model.max_pixels", "model.min_pixels",
+                       "model.max_prompt_tokens"}
 
 
 def _meaning(cfg: dict[str, Any], kind: str | None = None) -> dict[str, Any]:
