@@ -9,10 +9,9 @@ this first. Names and shapes used throughout:
     T  completion tokens (the longest completion of the rollout batch, <= sampling.max_new_tokens)
     mu optimiser updates per rollout batch (optim.updates_per_batch; PPO's epochs)
 
-A step samples optim.accumulation rollout batches (the sampler decodes each batch's N rows
-together). The training passes -- log-probs, loss, backward -- then take each batch a
-*training micro-batch* of optim.micro_batch_rows rows (whole groups) at a time: backward
-keeps the activations of every row a pass runs, so this is what bounds memory.
+A step samples optim.accumulation rollout batches, each decoded N rows at once. The training
+passes (log-probs, loss, backward) take a batch a *micro-batch* of optim.micro_batch_rows rows
+(whole groups) at a time: backward keeps the activations of every row a pass runs.
 
 GRPO in one paragraph: for each prompt, sample a group of G answers, score each with the
 reward, and use the reward's z-score within the group as every token's advantage (no value

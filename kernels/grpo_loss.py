@@ -163,6 +163,7 @@ def micro_batch_share(loss_type: str, mask: torch.Tensor, rows: slice) -> float:
         return float((mask[start:stop] != 0).sum()) / max(float((mask != 0).sum()), 1.0)
     return (stop - start) / mask.shape[0]
 
+
 # The finalisation kernel's LOSS_TYPE codes, one per name of LOSS_TYPES.
 LOSS_GRPO = tl.constexpr(0)
 LOSS_BNPO = tl.constexpr(1)

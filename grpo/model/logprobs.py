@@ -20,10 +20,8 @@ all T of them. What this file does to make that cheap:
   recomputes its logits from the kept hidden states instead of autograd keeping every
   chunk's [rows, T, V] (64 rows x 256 tokens of Qwen's 152k vocabulary are 5 GB in bf16),
   so the logits and their gradient exist for one chunk at a time, at the price of one more
-  LM-head matmul per chunk in backward. (kernels.logprob.token_logprobs_from_hidden does the
-  same inside one autograd Function on a bare weight, bench/logprob.py times it; here the
-  head stays the model's own module, so whatever the head is -- tied, quantised, adapted --
-  is what runs.)
+  LM-head matmul per chunk in backward. (kernels.logprob.token_logprobs_from_hidden does it
+  on a bare weight; here the head stays the model's own module, whatever it is.)
 - The log-softmax goes through ``kernels.logprob.token_logprobs`` (Triton on CUDA, the
   PyTorch reference on CPU): log p(target) without an fp32 [N, T, V] copy on the GPU.
 - The pass with grad runs the language model in training mode: transformers' activation
@@ -36,8 +34,7 @@ Temperature: the logits are divided by the sampler's temperature (pass the same 
 so this is the same function as the sampler's ``logprobs``; temperature 0 (greedy
 sampling) is scored at 1.
 
-Micro-batches: the trainer calls these once per training micro-batch (whole groups,
-``PromptContext.prompts``), so N here is the micro-batch's rows, not the rollout batch's.
+The trainer calls these once per training micro-batch (``PromptContext.prompts``): N rows here.
 """
 
 from __future__ import annotations
