@@ -51,6 +51,13 @@ def check_policy_config(cfg: TrainConfig) -> None:
         raise ConfigError(f"--lora.targets {','.join(cfg.lora.targets)}: {err}") from None
 
 
+def input_bounds(cfg: TrainConfig) -> dict[str, int]:
+    """load_bundle's bounds on what enters the model, from the config (0 = the checkpoint's
+    processor config for the pixel bounds, no cap for the prompt length)."""
+    m = cfg.model
+    return dict(max_pixels=m.max_pixels, min_pixels=m.min_pixels, max_prompt_tokens=m.max_prompt_tokens)
+
+
 def build_policy(cfg: TrainConfig, device: str, base_ckpt: Path | None = None, verbose: bool = True) -> Any:
     """Model bundle with the base (from ``base_ckpt`` if given), 4-bit if configured, LoRA injected."""
     from grpo.model.load import load_bundle
@@ -58,7 +65,7 @@ def build_policy(cfg: TrainConfig, device: str, base_ckpt: Path | None = None, v
     from lora import inject_lora
 
     dtype = getattr(torch, cfg.model.dtype)
-    bundle = load_bundle(cfg.model.name, dtype=dtype, device="cpu", seed=cfg.run.seed)
+    bundle = load_bundle(cfg.model.name, dtype=dtype, device="cpu", seed=cfg.run.seed, **input_bounds(cfg))
     if base_ckpt is not None:
         load_base_weights(bundle.model, load_checkpoint(base_ckpt).tensors)
     bundle.model.to(device)
