@@ -117,7 +117,9 @@ def build_sft_batch(bundle, examples: Sequence[Example], targets: Sequence[str],
     Returns model inputs plus ``labels`` [B, S] with -100 everywhere except target tokens.
     ``image_only``: the prompt is the image without the question (the perception stage).
     """
-    prompts = encode_prompts(bundle, examples, image_only=image_only)
+    # max_prompt_tokens=0: the warm-up trains on every example (its targets follow the prompts
+    # row for row); the cap bounds the GRPO passes and evaluations.
+    prompts = encode_prompts(bundle, examples, image_only=image_only, max_prompt_tokens=0)
     tok = bundle.tokenizer
     tgt = [tok(t, add_special_tokens=False)["input_ids"] + [bundle.eos_token_id] for t in targets]
     B, P = prompts.input_ids.shape
