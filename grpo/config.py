@@ -137,7 +137,7 @@ class ModelConfig:
     min_pixels: int = 0
     """Smallest image area in pixels (smaller images are upscaled to it); 0 = the checkpoint's processor config."""
     max_prompt_tokens: int = 0
-    """Prompts longer than this many tokens (visual tokens included) are skipped and counted in the log line (0 = no cap)."""
+    """Prompts longer than this many tokens (visual tokens included) are skipped and counted: in GRPO draws (the step's log line) and evaluations (the eval line); the SFT warm-up trains on every example (0 = no cap)."""
     device: str = "auto"
     """'auto' (cuda if available, else cpu), 'cpu' or 'cuda[:i]'."""
 
@@ -536,6 +536,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     "qwen7b": {
         "model.name": "Qwen/Qwen2.5-VL-7B-Instruct", "model.dtype": "bfloat16", "model.load_in_4bit": True,
         "model.image_size": 448, "model.gradient_checkpointing": True, "model.device": "cuda",
+        # Real images are resized into [56^2, 448^2] px like the synthetic renders (which 448^2
+        # leaves as they are): at most 256 visual tokens per image, not Qwen's 16384.
+        "model.max_pixels": 448 * 448, "model.min_pixels": 56 * 56,
         "sampling.max_new_tokens": 256, "sampling.G": 8, "optim.lr": 1e-5, "phase.prompts_per_step": 8,
     },
 }

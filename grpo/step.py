@@ -120,10 +120,10 @@ def sample_and_score(learner: Learner, examples: list, temperature: float, hooks
         out = learner.rollout(learner.bundle, prompts, G=G, max_new_tokens=L, temperature=temperature,
                               top_k=cfg.sampling.top_k, top_p=cfg.sampling.top_p, generator=learner.generator)
     with hooks.timed("rewards"):
-        examples = [examples[i] for i in prompts.kept]  # a prompt whose image failed to encode is dropped
+        examples = [examples[i] for i in prompts.kept]  # a bad image or a prompt over the cap was dropped
         scores = learner.rewards([examples[row // G] for row in range(len(out.texts))], out.texts,
                                  num_tokens=content_tokens(out), completion_ids=out.completion_ids)
-    return Rollout(examples, out, scores)
+    return Rollout(examples, out, scores, prompts.counts)
 
 
 # ----------------------------------------------------------------------------- 3. advantages
