@@ -12,6 +12,14 @@ all T of them. What this file does to make that cheap:
   sampling (grpo/prompt_context.PromptContext, frozen tower, no grad) are scattered into
   the B prompt embeddings, which are then indexed to serve the B*G rows. A rerun would
   cost 2G vision passes per prompt per step (policy + reference).
+- The prompt once per group (``shared_prefix``, the default, optim.shared_prefix): a group's
+  G rows share the prompt, and causal attention means no prompt position sees a completion,
+  so grpo/model/shared_prefix.py runs the B prompts once ([B, P, d]) next to the N
+  completions ([N, T, d]), each completion attending to its prompt's keys/values copied G
+  times; autograd sums the G copies' gradients into the one prompt pass. The same log-probs
+  and gradients as the full-row pass below (``completion_hidden_states``: the prompt in all
+  N rows, [N, P + T, d]), kept as the reference, at 1/G of the prompt's compute and saved
+  activations.
 - Logits only at completion positions: the transformer runs on all P + T positions (P prompt
   tokens), but the LM head runs only on the T hidden states that predict completion tokens
   (positions P-1 .. P+T-2).
