@@ -206,6 +206,8 @@ class OptimConfig:
     """Rows (completions) per training pass: the policy and reference log-probs, the loss and backward run over micro-batches of this many rows of each rollout batch, gradients accumulated (TRL's per_device_train_batch_size); whole groups, so a multiple of G; 0 = all rows of the rollout batch in one pass."""
     logits_chunk_tokens: int = 1024
     """Completion tokens per LM-head chunk in the log-prob passes: the logits exist for one chunk at a time and are recomputed in backward (whole rows: max(1, this // T) rows per chunk)."""
+    shared_prefix: bool = True
+    """The log-prob passes run each group's prompt through the language model once (B rows) and attend the G completions to its keys and values (grpo/model/shared_prefix.py): the same log-probs and gradients as running the prompt in all B*G rows (False: the full-row pass, the reference), with 1/G of the prompt's compute and saved activations."""
     beta: float = 0.0
     """KL penalty coefficient (k3 estimator) against the reference (LoRA disabled)."""
     eps_low: float = 0.2
