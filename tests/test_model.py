@@ -224,6 +224,30 @@ def test_default_dir_is_reused():
     assert (default_model_dir() / "model.safetensors").is_file()
 
 
+def test_a_rank_other_than_0_builds_a_whole_copy(tmp_path, monkeypatch):
+    """In a data-parallel run every rank builds the cache and the first rename wins; transformers'
+    save_pretrained writes nothing but on rank 0 of a process group, so rank 1's copy had no
+    weights. Here transformers is told it runs as rank 1 of a process group."""
+    import transformers.distributed.mixin as mixin
+
+    monkeypatch.setattr(mixin, "_is_torch_distributed_initialized", lambda: True)
+    monkeypatch.setattr(mixin, "_get_torch_distributed_rank", lambda: 1)
+    out = build_tiny_model(tmp_path / "rank1", seed=3, corpus=SMALL_CORPUS)
+    assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+    load_bundle(str(out))
+
+
+def test_an_incomplete_cached_copy_is_one_clear_error(tmp_path, monkeypatch):
+    from grpo.model.tiny import TINY_VERSION, _corpus_fingerprint
+
+    monkeypatch.setenv("VLGRPO_CACHE", str(tmp_path))
+    target = tmp_path / f"{TINY_VERSION}-{_corpus_fingerprint(0)}"
+    target.mkdir()
+    (target / "vlgrpo_build.json").write_text("{}")  # what a rank that saved nothing left behind
+    with pytest.raises(ModelLoadError, match="has no config.json, model.safetensors: delete that directory"):
+        load_bundle("tiny-random")
+
+
 def test_clear_load_errors(tmp_path, monkeypatch):
     with pytest.raises(ModelLoadError, match="'/no/such/model' does not exist"):
         load_bundle("/no/such/model")

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from grpo.model import shipped
-from grpo.model.tiny import TINY_NAME, TINY_RANDOM_NAME, default_model_dir
+from grpo.model.tiny import TINY_NAME, TINY_RANDOM_NAME, TinyCacheError, default_model_dir
 
 
 class ModelLoadError(RuntimeError):
@@ -102,7 +102,10 @@ def _resolve_source(name_or_path: str, seed: int) -> tuple[str, bool]:
         except shipped.ShippedModelError as err:
             raise ModelLoadError(str(err)) from None
     if name_or_path == TINY_RANDOM_NAME:
-        return str(default_model_dir(seed)), True
+        try:
+            return str(default_model_dir(seed)), True
+        except TinyCacheError as err:
+            raise ModelLoadError(str(err)) from None
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():

@@ -21,6 +21,7 @@ TINY_NAME = "tiny"
 TINY_RANDOM_NAME = "tiny-random"  # the same architecture, random weights: what pretraining starts from
 TINY_VERSION = "tiny-qwen2.5-vl-v1"  # bump when the config, tokenizer or corpus changes
 TINY_IMAGE_SIZE = 112  # px; 112/14 = 8x8 = 64 patches -> 16 visual tokens after the 2x2 merge
+MODEL_FILES = ("config.json", "model.safetensors")  # what a built copy must hold besides the tokenizer
 
 # The tiny architecture. Text: 4 layers, d=128, GQA 4 query / 2 KV heads of dim 32;
 # M-RoPE sections [4, 6, 6] are Qwen's [16, 24, 24] scaled to head_dim 32 (sum = 32/2).
@@ -48,6 +49,10 @@ TINY_VISION = dict(
     fullatt_block_indexes=[1],
 )
 TINY_VOCAB = 1024
+
+
+class TinyCacheError(RuntimeError):
+    """The cached tiny-random model cannot be used as it is (the message says what to do)."""
 
 
 # ----------------------------------------------------------------------------- building the tiny model
@@ -110,7 +115,16 @@ def build_tiny_model(out_dir: str | os.PathLike, seed: int = 0, corpus: Sequence
         torch.manual_seed(seed)
         model = Qwen2_5_VLForConditionalGeneration(config)
     out.mkdir(parents=True, exist_ok=True)
+    # Once a torch.distributed process group exists, transformers' save_pretrained writes the
+    # config and weights on rank 0 only (it assumes the ranks share one model, so that one
+    # writer is enough) and returns quietly elsewhere. This copy is each process's own: in a data-parallel run all
+    # ranks build the cache at once, and when rank 1 won the race to rename its copy into place
+    # the cache held a tokenizer but no config or weights, and every later load failed.
+    model.should_save_on_this_rank = lambda is_main_process: True
     model.save_pretrained(out)
+    missing = [f for f in MODEL_FILES if not (out / f).is_file()]
+    if missing:
+        raise RuntimeError(f"building the tiny model wrote no {', '.join(missing)} in {out}")
     tokenizer.save_pretrained(out)
     tiny_image_processor().save_pretrained(out)
     meta = {"version": TINY_VERSION, "seed": seed, "corpus": source, "corpus_size": len(corpus),
@@ -143,6 +157,10 @@ def default_model_dir(seed: int = 0) -> Path:
     name = f"{TINY_VERSION}-{_corpus_fingerprint(seed)}" + ("" if seed == 0 else f"-seed{seed}")
     target = root / name
     if (target / "vlgrpo_build.json").exists():
+        missing = [f for f in MODEL_FILES if not (target / f).is_file()]
+        if missing:  # a copy saved on a rank where save_pretrained wrote nothing (see build_tiny_model)
+            raise TinyCacheError(f"the cached tiny model {target} has no {', '.join(missing)}: delete that "
+                                 f"directory and the next run rebuilds it")
         return target
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=name + ".tmp-", dir=root))
