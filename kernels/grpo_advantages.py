@@ -130,6 +130,8 @@ class Advantages:
         micro-batch never re-normalises."""
         if not 0 <= start < stop <= self.num_rows // self.G:
             raise ValueError(f"groups({start}, {stop}): need 0 <= start < stop <= {self.num_rows // self.G} groups")
+        if (start, stop) == (0, self.num_rows // self.G):
+            return self
         rows = slice(start * self.G, stop * self.G)
         pick = lambda x, sl: None if x is None else x[sl]  # noqa: E731
         return Advantages(self.G, self.mode, coef=pick(self.coef, rows), t_end=pick(self.t_end, rows),
