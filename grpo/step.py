@@ -4,10 +4,14 @@ This file is the algorithm. grpo/train.py is the harness around it (the data str
 parallelism, the non-finite guard, timing, the log line, eval -> gates -> checkpoint); read
 this first. Names and shapes used throughout:
 
-    B  prompts per micro-batch          G  completions per prompt (one *group*)
+    B  prompts per rollout batch        G  completions per prompt (one *group*)
     N  = B * G rows, each prompt's G rows contiguous
-    T  completion tokens (the longest completion of the micro-batch, <= sampling.max_new_tokens)
+    T  completion tokens (the longest completion of the rollout batch, <= sampling.max_new_tokens)
     mu optimiser updates per rollout batch (optim.updates_per_batch; PPO's epochs)
+
+A step samples optim.accumulation rollout batches, each decoded N rows at once. The training
+passes (log-probs, loss, backward) take a batch a *micro-batch* of optim.micro_batch_rows rows
+(whole groups) at a time: backward keeps the activations of every row a pass runs.
 
 GRPO in one paragraph: for each prompt, sample a group of G answers, score each with the
 reward, and use the reward's z-score within the group as every token's advantage (no value
@@ -38,13 +42,14 @@ import torch
 
 from grpo.config import TrainConfig
 from grpo.model.logprobs import completion_logprobs, reference_logprobs
+from grpo.model.prompt_context import training_micro_batches
 from grpo.model.prompts import encode_prompts
 from grpo.rewards import RewardBatch, RewardModel
 from grpo.rollout.dynamic_sampling import FillStats
 from grpo.rollout.sampler import Rollout, content_tokens, sample
 from grpo.run.schedule import lr_at
 from kernels.grpo_advantages import Advantages, PrefixRubrics, group_advantages
-from kernels.grpo_loss import GRPOStats, grpo_loss
+from kernels.grpo_loss import GRPOStats, grpo_loss, micro_batch_share
 from lora import disable_adapters
 
 
@@ -223,6 +228,7 @@ def grpo_step(learner: Learner, draw: Callable[[int], Rollout], step: int, tempe
     """
     cfg, model, params = learner.cfg, learner.bundle.model, learner.params
     G, mu, opts = cfg.sampling.G, cfg.optim.updates_per_batch, loss_options(cfg)
+    chunk = cfg.optim.logits_chunk_tokens
 
     # ---- 1-2. sample B prompts x G completions and score them, every micro-batch first
     # (dapo divides by the whole step's token count; dynamic sampling needs the rewards)
@@ -250,28 +256,42 @@ def grpo_step(learner: Learner, draw: Callable[[int], Rollout], step: int, tempe
         stats_u, loss_sum = [], 0.0
         for k, r in enumerate(batch):
             ids, mask, ctx = r.out.completion_ids, r.out.completion_mask, r.out.context
+            parts = training_micro_batches(ctx.B, G, cfg.optim.micro_batch_rows)
             # ---- 4. log-probs [N, T]: the reference's (LoRA off, no grad, once per batch) and the policy's
-            with hooks.timed("logprobs"):
-                if cfg.optim.beta > 0 and ref_logp[k] is None:
-                    ref_logp[k] = reference_logprobs(model, ctx, ids, mask, G, temperature=temperature,
-                                                     ref_context=lambda: disable_adapters(model))
-                logp = completion_logprobs(model, ctx, ids, mask, G, temperature=temperature)
+            if cfg.optim.beta > 0 and ref_logp[k] is None:
+                with hooks.timed("logprobs"):
+                    ref_logp[k] = torch.cat([reference_logprobs(model, ctx.prompts(b0, b1), ids[rows], mask[rows], G,
+                                                                temperature=temperature, chunk_tokens=chunk,
+                                                                ref_context=lambda: disable_adapters(model))
+                                             for b0, b1, rows in parts])
+            logps = []
+            for b0, b1, rows in parts:  # a training micro-batch: groups b0..b1-1, forward then backward
+                pick = lambda x: None if x is None else x[rows]  # noqa: E731
+                with hooks.timed("logprobs"):
+                    logp = completion_logprobs(model, ctx.prompts(b0, b1), ids[rows], mask[rows], G,
+                                               temperature=temperature, chunk_tokens=chunk)
 
-            # ---- 5. loss: ratio to old, clipped; + beta * k3 KL to the reference; aggregated; backward.
-            # sampler_logp: the rollout's own log-probs (the mismatch stats, and the rollout
-            # correction's weights when a merged copy sampled)
-            with hooks.timed("backward"):
-                loss, stats = grpo_loss(logp, mask.float(), G=G, advantages=adv[k], old_logp=old_logp[k],
-                                        ref_logp=ref_logp[k], num_active_tokens=active_tokens,
-                                        sampler_logp=r.out.logprobs, backend=learner.backend, **opts)
-                if u == 0:
-                    old_logp[k] = logp.detach()
-                loss = loss * shares[k] / n_micro
-                if torch.isfinite(loss):  # a host sync per micro-batch: the price of the NaN guard
-                    loss.backward()
-                loss_sum += float(loss.detach())
+                # ---- 5. loss: ratio to old, clipped; + beta * k3 KL to the reference; aggregated; backward.
+                # sampler_logp: the rollout's own log-probs (mismatch stats, rollout correction weights).
+                # The share makes the micro-batches' losses sum to the rollout batch's.
+                with hooks.timed("backward"):
+                    loss, stats = grpo_loss(logp, mask[rows].float(), G=G, advantages=adv[k].groups(b0, b1),
+                                            old_logp=pick(old_logp[k]), ref_logp=pick(ref_logp[k]),
+                                            num_active_tokens=active_tokens, sampler_logp=pick(r.out.logprobs),
+                                            backend=learner.backend, **opts)
+                    loss = loss * shares[k] / n_micro * micro_batch_share(cfg.optim.loss_type, mask, rows)
+                    if torch.isfinite(loss):  # a host sync per micro-batch: the price of the NaN guard
+                        loss.backward()
+                    loss_sum += float(loss.detach())
+                logps.append(logp.detach())
+            logp = torch.cat(logps)
+            if len(parts) > 1:  # the diagnostics of the whole batch, as one pass reports them (no grad: cheap)
+                _, stats = grpo_loss(logp, mask.float(), G=G, advantages=adv[k], old_logp=old_logp[k],
+                                     ref_logp=ref_logp[k], num_active_tokens=active_tokens,
+                                     sampler_logp=r.out.logprobs, backend=learner.backend, **opts)
             stats_u.append(stats)
             if u == 0:
+                old_logp[k] = logp
                 result.logs.append(MicroBatchLog(r.scores, stats, r.out))
 
         # ---- 6. update: the step's loss (a non-finite one skips the update), the gradient

@@ -123,6 +123,18 @@ class Advantages:
         covers = torch.arange(T, device=self.coef.device)[None, :, None] <= self.t_end[:, None, :]  # [N, T, C]
         return (self.coef[:, None, :] * covers).sum(-1)
 
+    def groups(self, start: int, stop: int) -> "Advantages":
+        """The advantages of groups start..stop-1 (rows start*G .. stop*G-1): a training
+        micro-batch. Advantages are computed once over the whole rollout batch (the z-scores
+        are per group, the batch std of scale="batch" over every row), then sliced: a
+        micro-batch never re-normalises."""
+        if not 0 <= start < stop <= self.num_rows // self.G:
+            raise ValueError(f"groups({start}, {stop}): need 0 <= start < stop <= {self.num_rows // self.G} groups")
+        rows = slice(start * self.G, stop * self.G)
+        pick = lambda x, sl: None if x is None else x[sl]  # noqa: E731
+        return Advantages(self.G, self.mode, coef=pick(self.coef, rows), t_end=pick(self.t_end, rows),
+                          constant=pick(self.constant, slice(start, stop)), token=pick(self.token, rows))
+
     def zero_spread(self, mask: torch.Tensor | None = None) -> torch.Tensor:
         """[B] bool: groups whose advantages are all zero (token mode: on the active tokens of ``mask``)."""
         if self.mode != "token":

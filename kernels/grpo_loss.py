@@ -141,6 +141,29 @@ IMPORTANCE = ("token", "sequence")
 CORRECTIONS = ("off", "token", "sequence")  # rollout correction level (sampler vs trainer)
 CORRECTION_MODES = ("truncate", "mask")
 
+
+def micro_batch_share(loss_type: str, mask: torch.Tensor, rows: slice) -> float:
+    """The factor that turns the loss of rows ``rows`` alone into their part of the loss of
+    the whole batch (mask [N, T]): sum over micro-batches of share * loss = the batch's loss,
+    so their gradients sum to the batch's gradient. Every aggregation is a sum over rows
+    divided by a normaliser (module docstring); a micro-batch divides by its own:
+
+        grpo, dr_grpo  n_rows / N        both average over rows (dr_grpo: N * max_len)
+        bnpo           M_rows / M        a token mean: the micro-batch's active tokens over the batch's
+        dapo           1                 already divided by the whole batch's num_active_tokens
+
+    Exactly 1.0 for the whole batch, so one micro-batch is the one-pass loss bit for bit.
+    bnpo reads the mask: two host syncs."""
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type={loss_type!r}: use one of {LOSS_TYPES}")
+    start, stop, _ = rows.indices(mask.shape[0])
+    if (start, stop) == (0, mask.shape[0]) or loss_type == "dapo":
+        return 1.0
+    if loss_type == "bnpo":
+        return float((mask[start:stop] != 0).sum()) / max(float((mask != 0).sum()), 1.0)
+    return (stop - start) / mask.shape[0]
+
+
 # The finalisation kernel's LOSS_TYPE codes, one per name of LOSS_TYPES.
 LOSS_GRPO = tl.constexpr(0)
 LOSS_BNPO = tl.constexpr(1)

@@ -161,7 +161,7 @@ def fake_rollout(pids: list[int], has_spread, prefix: bool = False) -> Rollout:
     cids = torch.tensor([[1000 * p + g] * T for p in pids for g in range(G_FAKE)])
     cmask = torch.ones(N, T, dtype=torch.long)
     out = SampleOutput(completion_ids=cids, completion_mask=cmask, logprobs=-cids.float() / 1e4,
-                       sampler_logprobs=-cids.float() / 1e4, finished=torch.ones(N, dtype=torch.bool),
+                       filtered_logprobs=-cids.float() / 1e4, finished=torch.ones(N, dtype=torch.bool),
                        truncated=torch.zeros(N, dtype=torch.bool),
                        texts=[f"p{p}g{g}" for p in pids for g in range(G_FAKE)],
                        prompt_index=group_rows(B, G_FAKE), G=G_FAKE, context=ctx)

@@ -55,12 +55,12 @@ def _full_forward_logprobs(bundle, prompts, ids, mask, temperature=1.0):
     return torch.log_softmax(logits, -1).gather(-1, ids[..., None]).squeeze(-1) * mask
 
 
-@pytest.mark.parametrize("chunk_rows,temperature", [(1, 1.0), (3, 0.7), (100, 1.3)])
-def test_equals_full_forward(bundle, batch, chunk_rows, temperature):
+@pytest.mark.parametrize("chunk_tokens,temperature", [(1, 1.0), (3 * T, 0.7), (10_000, 1.3)])
+def test_equals_full_forward(bundle, batch, chunk_tokens, temperature):
     prompts, ids, mask = batch
     ctx = build_prompt_context(bundle.model, prompts)
     with torch.no_grad():
-        ours = completion_logprobs(bundle.model, ctx, ids, mask, G, temperature=temperature, chunk_rows=chunk_rows)
+        ours = completion_logprobs(bundle.model, ctx, ids, mask, G, temperature=temperature, chunk_tokens=chunk_tokens)
         ref = _full_forward_logprobs(bundle, prompts, ids, mask, temperature)
     assert ours.shape == (2 * G, T) and ours.dtype == torch.float32
     torch.testing.assert_close(ours, ref, rtol=0, atol=2e-5)

@@ -138,7 +138,7 @@ def test_sampling_logprobs_equal_full_forward(sharp, prompts, decode):
                                    temperature=temperature)
     torch.testing.assert_close(ours, out.logprobs, rtol=0, atol=2e-5)
     # The filtered (actually sampled) distribution puts at least as much mass on the token.
-    assert (out.sampler_logprobs >= out.logprobs - 1e-6).all()
+    assert (out.filtered_logprobs >= out.logprobs - 1e-6).all()
 
 
 # ----------------------------------------------------------------------------- seeds, stopping

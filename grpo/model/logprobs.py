@@ -12,29 +12,39 @@ all T of them. What this file does to make that cheap:
   sampling (grpo/prompt_context.PromptContext, frozen tower, no grad) are scattered into
   the B prompt embeddings, which are then indexed to serve the B*G rows. A rerun would
   cost 2G vision passes per prompt per step (policy + reference).
-- Logits only at completion positions: the transformer runs on all P + T positions (P prompt tokens), but
-  the LM head runs only on the T hidden states that predict completion tokens
-  (positions P-1 .. P+T-2), in row chunks.
+- Logits only at completion positions: the transformer runs on all P + T positions (P prompt
+  tokens), but the LM head runs only on the T hidden states that predict completion tokens
+  (positions P-1 .. P+T-2).
+- Logits never whole: the LM head and the log-softmax run a chunk of whole rows at a time
+  (``chunk_tokens`` completion tokens). With grad each chunk is checkpointed: backward
+  recomputes its logits from the kept hidden states instead of autograd keeping every
+  chunk's [rows, T, V] (64 rows x 256 tokens of Qwen's 152k vocabulary are 5 GB in bf16),
+  so the logits and their gradient exist for one chunk at a time, at the price of one more
+  LM-head matmul per chunk in backward. (kernels.logprob.token_logprobs_from_hidden does it
+  on a bare weight; here the head stays the model's own module, whatever it is.)
 - The log-softmax goes through ``kernels.logprob.token_logprobs`` (Triton on CUDA, the
-  PyTorch reference on CPU): log p(target) without an fp32 [N, T, V] copy.
+  PyTorch reference on CPU): log p(target) without an fp32 [N, T, V] copy on the GPU.
+- The pass with grad runs the language model in training mode: transformers' activation
+  checkpointing (``model.gradient_checkpointing``) recomputes a decoder layer in backward
+  only when the layer is training, and an eval-mode pass would silently keep every
+  activation. Qwen2.5-VL has no dropout and GRPO phases refuse LoRA dropout
+  (grpo/config.py), so training mode is the same function as the sampler's eval mode.
 
 Temperature: the logits are divided by the sampler's temperature (pass the same value),
 so this is the same function as the sampler's ``logprobs``; temperature 0 (greedy
 sampling) is scored at 1.
 
-Chunking caveat: without grad (reference pass) a chunk's logits are freed before the next
-chunk, so peak memory is one chunk of [rows, T, V]. With grad, autograd keeps every
-chunk's logits for backward; chunking then only bounds the transient fp32 copies.
-A fused lm_head + log-softmax (never materialising logits) is the next step and is left out.
+The trainer calls these once per training micro-batch (``PromptContext.prompts``): N rows here.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import ContextManager
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from grpo.model.prompt_context import PromptContext, completion_position_ids, group_rows, prompt_embeds
 from kernels.logprob import token_logprobs
@@ -52,20 +62,43 @@ def _check_shapes(ctx: PromptContext, completion_ids: torch.Tensor, completion_m
                          f"{tuple(completion_ids.shape)}")
 
 
+@contextlib.contextmanager
+def training_mode(module: torch.nn.Module, on: bool = True) -> Iterator[None]:
+    """Run ``module`` in training mode (``on``), then give every submodule back its own mode."""
+    modes = [(m, m.training) for m in module.modules()]
+    if on:
+        module.train()
+    try:
+        yield
+    finally:
+        for m, was in modes:
+            m.training = was
+
+
 def completion_hidden_states(
     model, ctx: PromptContext, completion_ids: torch.Tensor, completion_mask: torch.Tensor, G: int,
 ) -> torch.Tensor:
-    """Final hidden states at the T positions that predict completion tokens: [N, T, d]."""
+    """Final hidden states at the T positions that predict completion tokens: [N, T, d].
+
+    With grad, the language model runs in training mode (module docstring: activation
+    checkpointing); without, in the mode it is in."""
     rows = group_rows(ctx.B, G, completion_ids.device)
     T = completion_ids.shape[1]
     # [N, P + T, d]: prompt embeddings (visual tokens in) per row, then completion tokens.
     embeds = torch.cat([prompt_embeds(model, ctx)[rows], model.get_input_embeddings()(completion_ids)], 1)
     attention_mask = torch.cat([ctx.attention_mask[rows], completion_mask.to(ctx.attention_mask.dtype)], 1)
     position_ids = torch.cat([ctx.position_ids[:, rows], completion_position_ids(ctx, rows, T)], 2)
-    out = model.model(inputs_embeds=embeds, attention_mask=attention_mask, position_ids=position_ids,
-                      use_cache=False)
+    with training_mode(model.model.language_model, on=torch.is_grad_enabled()):
+        out = model.model(inputs_embeds=embeds, attention_mask=attention_mask, position_ids=position_ids,
+                          use_cache=False)
     # The token at position P + t is predicted by the hidden state at P + t - 1.
     return out.last_hidden_state[:, ctx.P - 1 : ctx.P + T - 1]
+
+
+def _chunk_logprobs(lm_head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor,
+                    temperature: float, backend: str) -> torch.Tensor:
+    """One chunk: hidden [rows, T, d] -> logits [rows, T, V] (the only place they exist) -> [rows, T]."""
+    return token_logprobs(lm_head(hidden), targets, temperature=temperature, backend=backend)
 
 
 def completion_logprobs(
@@ -76,28 +109,31 @@ def completion_logprobs(
     G: int,
     *,
     temperature: float = 1.0,
-    chunk_rows: int = 8,
+    chunk_tokens: int = 1024,
     backend: str = "auto",
 ) -> torch.Tensor:
     """log softmax(lm_head(h) / temperature)[o_t] for B*G completions: [N, T] fp32, 0 where masked.
 
     Runs under the caller's grad mode and adapter state: call it plainly for the policy,
-    or use ``reference_logprobs`` for the reference.
+    or use ``reference_logprobs`` for the reference. ``chunk_tokens``: completion tokens
+    per LM-head chunk (whole rows, at least one).
     """
     _check_shapes(ctx, completion_ids, completion_mask, G)
-    if chunk_rows < 1:
-        raise ValueError(f"chunk_rows={chunk_rows!r}: must be >= 1")
+    if not isinstance(chunk_tokens, int) or chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens={chunk_tokens!r}: must be an int >= 1")
     temperature = 1.0 if temperature == 0 else float(temperature)
     hidden = completion_hidden_states(model, ctx, completion_ids, completion_mask, G)  # [N, T, d]
     lm_head = model.get_output_embeddings()
+    rows = max(1, chunk_tokens // max(1, hidden.shape[1]))
     out = []
-    for start in range(0, hidden.shape[0], chunk_rows):
+    for start in range(0, hidden.shape[0], rows):
         # contiguous: a strided [rows, T, d] slice makes torch's no-grad matmul copy the
         # expanded lm_head weight (the reference pass: ~50 s per chunk at the 7B on a CPU)
-        h = hidden[start : start + chunk_rows].contiguous()
-        logits = lm_head(h)  # [rows, T, V]: the only place logits exist
-        out.append(token_logprobs(logits, completion_ids[start : start + chunk_rows],
-                                  temperature=temperature, backend=backend))
+        h, y = hidden[start : start + rows].contiguous(), completion_ids[start : start + rows]
+        if h.requires_grad:  # keep h only; backward recomputes this chunk's logits
+            out.append(checkpoint(_chunk_logprobs, lm_head, h, y, temperature, backend, use_reentrant=False))
+        else:
+            out.append(_chunk_logprobs(lm_head, h, y, temperature, backend))
     return torch.cat(out, 0) * completion_mask.to(torch.float32)
 
 
@@ -110,7 +146,7 @@ def reference_logprobs(
     *,
     ref_context: Callable[[], ContextManager] | None = None,
     temperature: float = 1.0,
-    chunk_rows: int = 8,
+    chunk_tokens: int = 1024,
     backend: str = "auto",
 ) -> torch.Tensor:
     """The reference policy's log-probs: no grad, inside ``ref_context()``.
@@ -121,4 +157,4 @@ def reference_logprobs(
     """
     with torch.no_grad(), (ref_context() if ref_context is not None else contextlib.nullcontext()):
         return completion_logprobs(model, ctx, completion_ids, completion_mask, G,
-                                   temperature=temperature, chunk_rows=chunk_rows, backend=backend)
+                                   temperature=temperature, chunk_tokens=chunk_tokens, backend=backend)

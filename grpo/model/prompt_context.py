@@ -55,6 +55,28 @@ class PromptContext:
         """Prompt length in tokens (padded)."""
         return self.input_ids.shape[1]
 
+    def prompts(self, start: int, stop: int) -> "PromptContext":
+        """The context of prompts start..stop-1 alone (a training micro-batch of whole groups).
+
+        The visual tokens are stored concatenated in prompt order, so prompt b's rows of
+        ``image_embeds`` start after the visual tokens of prompts 0..b-1. The padded length P
+        is kept: every position id is explicit, so a shorter slice would be equally right,
+        but equal shapes keep a micro-batch's numbers those of the whole batch."""
+        if not 0 <= start < stop <= self.B:
+            raise ValueError(f"prompts({start}, {stop}): need 0 <= start < stop <= B = {self.B}")
+        if (start, stop) == (0, self.B):
+            return self
+        n_vis = self.image_mask.sum(1).tolist()  # [B] visual tokens per prompt (a host sync)
+        first, last = sum(n_vis[:start]), sum(n_vis[:stop])
+        return PromptContext(
+            input_ids=self.input_ids[start:stop],
+            attention_mask=self.attention_mask[start:stop],
+            position_ids=self.position_ids[:, start:stop],
+            next_position=self.next_position[start:stop],
+            image_embeds=self.image_embeds[first:last],
+            image_mask=self.image_mask[start:stop],
+        )
+
 
 def mrope_positions(model, prompts: PromptBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """(position_ids [3, B, P], next_position [B]) from transformers' own get_rope_index."""
@@ -111,6 +133,18 @@ def prompt_embeds(model, ctx: PromptContext) -> torch.Tensor:
 def group_rows(B: int, G: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """[B*G] prompt index of every completion row: rows b*G .. b*G+G-1 belong to prompt b."""
     return torch.arange(B, device=device).repeat_interleave(G)
+
+
+def training_micro_batches(B: int, G: int, rows: int) -> list[tuple[int, int, slice]]:
+    """(first group, end group, row slice) of each training pass over a rollout batch of B
+    groups, ``rows`` rows (whole groups) at a time; 0 = all at once. The sampler decodes all
+    B*G rows together (its batch is its speed), but backward keeps every activation of the
+    rows a pass runs, so the training passes take them a micro-batch at a time
+    (optim.micro_batch_rows). Whole groups: a group's rows share one prompt and one baseline."""
+    if G < 1 or rows < 0:
+        raise ValueError(f"training_micro_batches: G={G} must be >= 1 and rows={rows} >= 0")
+    per = B if rows == 0 else max(1, rows // G)
+    return [(b, min(b + per, B), slice(b * G, min(b + per, B) * G)) for b in range(0, B, per)]
 
 
 def completion_position_ids(ctx: PromptContext, rows: torch.Tensor, T: int) -> torch.Tensor:

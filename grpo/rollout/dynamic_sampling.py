@@ -155,7 +155,7 @@ def select_groups(r: Rollout, groups: Sequence[int]) -> Rollout:
     rows = (g[:, None] * G + torch.arange(G, device=dev)).flatten()
     sub = SampleOutput(
         completion_ids=out.completion_ids[rows], completion_mask=out.completion_mask[rows],
-        logprobs=out.logprobs[rows], sampler_logprobs=out.sampler_logprobs[rows],
+        logprobs=out.logprobs[rows], filtered_logprobs=out.filtered_logprobs[rows],
         finished=out.finished[rows], truncated=out.truncated[rows],
         texts=[out.texts[i] for i in rows.tolist()], prompt_index=group_rows(len(groups), G, dev), G=G,
         context=_select_context(out.context, g.to(out.context.input_ids.device)),
@@ -217,7 +217,7 @@ def concat_rollouts(rs: Sequence[Rollout], pad_id: int) -> Rollout:
         completion_ids=torch.cat([_pad_right(o.completion_ids, T, pad_id) for o in outs]),
         completion_mask=torch.cat([_pad_right(o.completion_mask, T, 0) for o in outs]),
         logprobs=torch.cat([_pad_right(o.logprobs, T, 0.0) for o in outs]),
-        sampler_logprobs=torch.cat([_pad_right(o.sampler_logprobs, T, 0.0) for o in outs]),
+        filtered_logprobs=torch.cat([_pad_right(o.filtered_logprobs, T, 0.0) for o in outs]),
         finished=torch.cat([o.finished for o in outs]), truncated=torch.cat([o.truncated for o in outs]),
         texts=[t for o in outs for t in o.texts], prompt_index=group_rows(n_prompts, G, dev), G=G, context=ctx,
     )

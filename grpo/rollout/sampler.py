@@ -25,7 +25,7 @@ Which log-prob is returned: ``logprobs`` is log softmax(logits / temperature)[to
 temperature-scaled distribution *before* top-k / top-p filtering. That is the quantity
 grpo/model/logprobs.py recomputes (GRPO's old log-prob and the policy's log-prob must be the same
 function, or the importance ratio is biased at step 0); top-k / top-p are treated as part
-of the sampler, not of the policy, as in TRL. ``sampler_logprobs`` is the log-prob under
+of the sampler, not of the policy, as in TRL. ``filtered_logprobs`` is the log-prob under
 the distribution actually sampled from (after filtering), for diagnostics. With
 temperature 0 (greedy) both are taken at temperature 1.
 
@@ -66,8 +66,8 @@ class SampleOutput:
 
     completion_ids: torch.Tensor  # [N, T] long, pad after the stop token
     completion_mask: torch.Tensor  # [N, T] long, 1 up to and including the stop token
-    logprobs: torch.Tensor  # [N, T] fp32, log p_T(token) unfiltered (what the loss uses), 0 on padding
-    sampler_logprobs: torch.Tensor  # [N, T] fp32, log p under the top-k/top-p filtered distribution
+    logprobs: torch.Tensor  # [N, T] fp32, log p_T(token) unfiltered, 0 on padding: the loss's sampler_logp
+    filtered_logprobs: torch.Tensor  # [N, T] fp32, log p under the top-k/top-p filtered distribution
     finished: torch.Tensor  # [N] bool, emitted a stop token
     truncated: torch.Tensor  # [N] bool, hit max_new_tokens without one
     texts: list[str]  # decoded completions, no special tokens, no stop token
@@ -212,7 +212,7 @@ def decode_n_tokens(
     """Decode up to max_new_tokens for N rows sharing ``cache``.
 
     first_logits [N, V]: logits after the prompt; next_position [N]; attention_mask [N, P]
-    over the P prompt columns. Returns (tokens [N, T], logprobs [N, T], sampler_logprobs
+    over the P prompt columns. Returns (tokens [N, T], logprobs [N, T], filtered_logprobs
     [N, T], done [N] bool). ``step_fn`` (token [N], position [N], attention_mask [N, P + t + 1])
     -> logits [N, V] replaces decode_one_token over ``cache`` (a DecodeHook's step); it keeps
     every row, so it runs without compaction.
@@ -363,7 +363,7 @@ def sample(
         completion_ids=tokens,
         completion_mask=mask,
         logprobs=logps * mask,
-        sampler_logprobs=logqs * mask,
+        filtered_logprobs=logqs * mask,
         finished=done,
         truncated=~done,
         texts=texts,

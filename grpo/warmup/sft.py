@@ -73,7 +73,7 @@ from grpo.state.registry import read_registry
 from grpo.state.resume import resume_point
 from grpo.state.rng import restore_rng
 from grpo.warmup.perception import PerceptionHead, capture_visual_tokens, token_labels
-from lora import load_lora_state_dict, lora_state_dict
+from lora import enable_gradient_checkpointing, load_lora_state_dict, lora_state_dict
 
 # Families whose warm-up targets mostly follow the contract. The rest mostly answer in
 # free form. (Counting scenes, line plots, cylinders and region sums are "sloppy".)
@@ -229,6 +229,8 @@ def run_warmup(cfg: TrainConfig, files: RunFiles, device: str) -> None:
     if not tiny:  # a pretrained model: warm up a LoRA, keep the contract strict
         bundle = build_policy(cfg, device)
         model = bundle.model
+    elif cfg.model.gradient_checkpointing:  # build_policy enables it for the LoRA path
+        enable_gradient_checkpointing(model)
     head = None
     if tiny and cfg.optim.perception_weight > 0:
         if not any(ex.marks for s in train for ex in train[s]):  # a family may draw none (geometry)

@@ -1,0 +1,295 @@
+"""Training micro-batches, activation checkpointing that recomputes, logits that are never whole.
+
+The sampler decodes a whole rollout batch (B prompts x G); the training passes take it
+``optim.micro_batch_rows`` rows (whole groups) at a time, gradients accumulated. What is
+pinned here:
+
+- the pieces, model-free: the group slices, ``PromptContext.prompts``, ``Advantages.groups``
+  and ``micro_batch_share``: for every aggregation and advantage mode, the shared losses of
+  the micro-batches sum to the one-pass loss and their gradients to its gradient;
+- a real ``grpo_step`` on the tiny model, the same rollouts trained in one pass and in
+  micro-batches of one and two groups (uneven: 3 groups): equal loss, equal gradient of every
+  update, equal logged statistics, for every loss type, with mu = 2, the KL reference pass
+  and the rollout correction;
+- activation checkpointing inside a real ``grpo_step``: every decoder layer's MLP runs again
+  in backward (counted, not the flag), and the sampler's function is unchanged;
+- what autograd keeps: with checkpointing far less than without, and with grad no
+  [rows, T, V] logits tensor is kept, whatever the chunk.
+
+Tolerances: the micro-batch path sums the same terms in another order. Float32 sums of n
+terms of size |x| differ by ~n * eps * |x|, so each comparison allows a few eps (1.2e-7)
+times the magnitude of what was summed (the largest gradient entry, the loss's terms).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+from data.synthetic import generate
+from grpo.config import phase_preset
+from grpo.model.logprobs import completion_logprobs
+from grpo.model.policy import build_policy
+from grpo.model.prompt_context import training_micro_batches
+from grpo.rewards import RewardModel
+from grpo.rewards.compose import RewardBatch
+from grpo.step import Hooks, Learner, grpo_step, sample_and_score
+from kernels.grpo_advantages import PrefixRubrics, group_advantages
+from kernels.grpo_loss import LOSS_TYPES, grpo_loss, micro_batch_share
+from lora import enable_gradient_checkpointing, lora_parameters
+
+EPS32 = torch.finfo(torch.float32).eps
+G = 4
+
+
+# ----------------------------------------------------------------------------- the pieces
+
+
+def test_group_slices_cover_the_batch_in_whole_groups():
+    assert training_micro_batches(3, 4, 0) == [(0, 3, slice(0, 12))]
+    assert training_micro_batches(3, 4, 4) == [(0, 1, slice(0, 4)), (1, 2, slice(4, 8)), (2, 3, slice(8, 12))]
+    assert training_micro_batches(3, 4, 8) == [(0, 2, slice(0, 8)), (2, 3, slice(8, 12))]  # the last one shorter
+    with pytest.raises(ValueError, match="rows=-1"):
+        training_micro_batches(3, 4, -1)
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("mode", ["row", "prefix", "token"])
+@pytest.mark.parametrize("importance,correction", [("token", "off"), ("sequence", "sequence"), ("token", "token")])
+def test_shared_micro_batch_losses_sum_to_the_one_pass_loss(loss_type, mode, importance, correction):
+    gen = torch.Generator().manual_seed(7)
+    B, T = 3, 9
+    N = B * G
+    mask = (torch.rand(N, T, generator=gen) > 0.3).long()
+    mask[5] = 0  # a row with no active token
+    logp = -torch.rand(N, T, generator=gen) * 3
+    old = logp + 0.2 * torch.randn(N, T, generator=gen)  # mu > 1: the clip binds
+    ref = logp + 0.1 * torch.randn(N, T, generator=gen)
+    sampler = old + 0.05 * torch.randn(N, T, generator=gen)
+    if mode == "row":
+        adv = group_advantages(torch.randn(N, generator=gen), G, backend="torch")
+    elif mode == "prefix":
+        J = 2
+        prefix = PrefixRubrics(R_ans=torch.randn(N, generator=gen), s=torch.rand(N, J, generator=gen),
+                               scored=torch.rand(N, J, generator=gen) > 0.2, rho=torch.tensor([0.6, 0.4]),
+                               t_end=torch.randint(0, T, (N, J), generator=gen).int(), a=0.5)
+        adv = group_advantages(prefix=prefix, G=G, T=T, backend="torch")
+    else:
+        adv = group_advantages(token_adv=torch.randn(N, T, generator=gen), G=G, mask=mask, T=T, backend="torch")
+    opts = dict(G=G, old_logp=old, ref_logp=ref, beta=0.04, loss_type=loss_type, importance=importance,
+                max_len=12, num_active_tokens=float(mask.sum()) + 5, sampler_logp=sampler, correction=correction,
+                backend="torch")
+    x = logp.clone().requires_grad_()
+    whole, _ = grpo_loss(x, mask.float(), advantages=adv, **opts)
+    whole.backward()
+    y = logp.clone().requires_grad_()
+    parts = 0.0
+    for b0, b1, rows in training_micro_batches(B, G, G):
+        sub = {k: (v[rows] if isinstance(v, torch.Tensor) else v) for k, v in opts.items()}
+        loss, _ = grpo_loss(y[rows], mask[rows].float(), advantages=adv.groups(b0, b1), **sub)
+        loss = loss * micro_batch_share(loss_type, mask, rows)
+        loss.backward()
+        parts = parts + float(loss.detach())
+    assert y.grad.abs().max() > 0, "no gradient: nothing is compared"
+    # the loss is a mean of N*T terms of size <= |A| ratio + beta kl: a few eps of their sum
+    scale = float(x.grad.abs().sum() * mask.sum()) + 1.0
+    assert math.isclose(parts, float(whole.detach()), abs_tol=8 * EPS32 * scale)
+    assert torch.allclose(y.grad, x.grad, rtol=0, atol=8 * EPS32 * float(x.grad.abs().max()) * G)
+
+
+def test_micro_batch_share_is_exactly_one_for_the_whole_batch():
+    mask = (torch.rand(8, 5) > 0.5).long()
+    for loss_type in LOSS_TYPES:
+        assert micro_batch_share(loss_type, mask, slice(0, 8)) == 1.0
+    assert micro_batch_share("grpo", mask, slice(0, 4)) == 0.5
+    assert micro_batch_share("dapo", mask, slice(0, 4)) == 1.0
+    with pytest.raises(ValueError, match="loss_type='mean'"):
+        micro_batch_share("mean", mask, slice(0, 4))
+
+
+# ----------------------------------------------------------------------------- a real step
+
+
+def _learner(cfg, state=None, checkpointing=False) -> Learner:
+    bundle = build_policy(cfg, "cpu", verbose=False)
+    if state is not None:
+        bundle.model.load_state_dict(state)
+    if checkpointing:
+        enable_gradient_checkpointing(bundle.model)
+    opt = torch.optim.SGD(lora_parameters(bundle.model), lr=cfg.optim.lr)  # linear in the gradient
+    rewards = RewardModel(cfg.rewards, cfg.sampling.max_new_tokens, tokenizer=bundle.tokenizer)
+    return Learner(bundle, opt, rewards, cfg, torch.Generator().manual_seed(0), backend="torch")
+
+
+class _Record(Hooks):
+    """The default one-process hooks, recording each update's gradient before the optimiser step."""
+
+    def __init__(self):
+        self.grads: list[list[torch.Tensor]] = []
+        self.params: list[torch.nn.Parameter] = []
+
+    def optimizer_step(self, opt, update, loss):
+        self.grads.append([p.grad.detach().clone() for p in self.params])
+        return super().optimizer_step(opt, update, loss)
+
+
+def _config(loss_type="grpo", mu=1, beta=0.0, correction="off"):
+    cfg = phase_preset("A")
+    cfg.sampling.G, cfg.sampling.max_new_tokens, cfg.phase.prompts_per_step = G, 10, 3
+    cfg.optim.lr, cfg.model.device = 1e-3, "cpu"
+    cfg.optim.loss_type, cfg.optim.updates_per_batch, cfg.optim.beta = loss_type, mu, beta
+    cfg.optim.rollout_correction = correction
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def rollouts():
+    """One rollout batch of 3 prompts x G, sampled once (LoRA B = 0: any setting samples the
+    same), with rewards of guaranteed spread in every group so every update has a gradient."""
+    torch.manual_seed(0)
+    ln = _learner(_config())
+    examples = generate("train", 1, 3, seed=0)
+    r = sample_and_score(ln, examples, temperature=1.0)
+    total = torch.tensor([0.0, 1.0, 2.5, -1.0] * 3)
+    r.scores = RewardBatch(total=total, components={"correctness": total}, weights={"correctness": 1.0})
+    # Make LoRA B non-zero so that the policy differs from the base: the reference pass and
+    # the KL term then carry gradient too.
+    state = {k: v.clone() for k, v in ln.bundle.model.state_dict().items()}
+    g = torch.Generator().manual_seed(3)
+    for k in state:
+        if k.endswith("lora_B.weight"):
+            state[k] = 0.05 * torch.randn(state[k].shape, generator=g)
+    return r, state
+
+
+def _run(rollout_and_state, cfg, checkpointing=False):
+    rollout, state = rollout_and_state
+    ln = _learner(cfg, state, checkpointing)
+    hooks = _Record()
+    hooks.params = ln.params
+    result = grpo_step(ln, lambda n: copy.deepcopy(rollout), step=0, temperature=1.0, hooks=hooks)
+    return result, hooks.grads, ln
+
+
+@pytest.mark.parametrize("loss_type,mu,beta,correction", [
+    ("grpo", 2, 0.04, "sequence"), ("bnpo", 1, 0.04, "off"), ("dr_grpo", 2, 0.0, "token"), ("dapo", 2, 0.04, "off"),
+])
+def test_micro_batches_equal_the_one_pass_update(rollouts, loss_type, mu, beta, correction):
+    cfg = _config(loss_type, mu, beta, correction)
+    whole, whole_grads, _ = _run(rollouts, cfg)
+    assert len(whole.updates) == mu
+    for rows in (G, 2 * G):  # one group per pass; two groups then one (uneven)
+        cfg.optim.micro_batch_rows = rows
+        part, part_grads, _ = _run(rollouts, cfg)
+        assert len(part.updates) == mu
+        for u in range(mu):
+            gmax = max(float(g.abs().max()) for g in whole_grads[u])
+            assert gmax > 0, "no gradient: nothing is compared"
+            for a, b in zip(part_grads[u], whole_grads[u]):
+                assert torch.allclose(a, b, rtol=0, atol=64 * EPS32 * gmax), (rows, u, float((a - b).abs().max()), gmax)
+            assert math.isclose(part.updates[u].loss, whole.updates[u].loss, rel_tol=1e-5, abs_tol=1e-6)
+            for name, v in whole.updates[u].stats[0].to_dict().items():
+                assert math.isclose(float(getattr(part.updates[u].stats[0], name)), float(v),
+                                    rel_tol=1e-5, abs_tol=1e-6), (name, rows, u)
+
+
+def test_micro_batch_rows_must_be_whole_groups_dividing_the_batch():
+    from grpo.config import ConfigError
+
+    cfg = _config()
+    for bad in (-1, 3, 8):  # negative; not whole groups; 8 does not divide 3 x 4 = 12
+        cfg.optim.micro_batch_rows = bad
+        with pytest.raises(ConfigError, match=f"optim.micro_batch_rows={bad}"):
+            cfg.validate()
+    cfg.optim.micro_batch_rows = 4
+    cfg.validate()
+
+
+# ----------------------------------------------------------------------------- checkpointing
+
+
+def _count_mlp_calls(model):
+    """Count the language model's MLP forwards with grad, in forward and in backward. The
+    forward method itself is wrapped: torch's recompute does not run module hooks."""
+    counts = {"forward": 0, "backward": 0}
+
+    def counting(forward):
+        def wrapped(*args, **kwargs):
+            if torch.is_grad_enabled():  # the sampler's no-grad decode is not counted
+                counts["backward" if torch._C._current_graph_task_id() >= 0 else "forward"] += 1
+            return forward(*args, **kwargs)
+        return wrapped
+
+    layers = model.model.language_model.layers
+    for layer in layers:
+        layer.mlp.forward = counting(layer.mlp.forward)
+    return counts, len(layers)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_checkpointing_recomputes_every_layer_inside_a_real_step(rollouts, checkpointing):
+    cfg = _config("grpo", 1, 0.0)
+    cfg.optim.micro_batch_rows = G  # 3 training micro-batches
+    rollout, state = rollouts
+    ln = _learner(cfg, state, checkpointing)
+    counts, n_layers = _count_mlp_calls(ln.bundle.model)
+    hooks = _Record()
+    hooks.params = ln.params
+    grpo_step(ln, lambda n: copy.deepcopy(rollout), step=0, temperature=1.0, hooks=hooks)
+    assert counts["forward"] == 3 * n_layers
+    assert counts["backward"] == (3 * n_layers if checkpointing else 0)
+    assert not ln.bundle.model.training  # the pass with grad gave every module its mode back
+    if checkpointing:  # and the recomputed update is the plain one
+        _, plain_grads, _ = _run(rollouts, cfg, checkpointing=False)
+        gmax = max(float(g.abs().max()) for g in plain_grads[0])
+        assert all(torch.allclose(a, b, rtol=0, atol=8 * EPS32 * gmax) for a, b in zip(hooks.grads[0], plain_grads[0]))
+
+
+def _saved_bytes(fn):
+    """What autograd keeps for backward while ``fn`` runs: (total bytes, shapes), via saved-tensor hooks."""
+    seen: dict[int, torch.Tensor] = {}
+
+    def pack(t):
+        seen.setdefault(t.untyped_storage().data_ptr(), t)  # one storage counted once
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    total = sum(t.untyped_storage().nbytes() for t in seen.values())
+    return total, [tuple(t.shape) for t in seen.values()], out
+
+
+def test_what_autograd_keeps_checkpointing_and_chunked_logits(rollouts):
+    rollout, state = rollouts
+    cfg = _config()
+    out = rollout.out
+    kept = {}
+    for checkpointing in (False, True):
+        ln = _learner(cfg, state, checkpointing)
+        model = ln.bundle.model
+        V = model.get_output_embeddings().weight.shape[0]
+        for chunk in (1, 10_000):  # one row per chunk; every row in one chunk
+            total, shapes, logp = _saved_bytes(lambda: completion_logprobs(
+                model, out.context, out.completion_ids, out.completion_mask, G, chunk_tokens=chunk))
+            assert logp.requires_grad
+            # no logits are kept for backward: the chunks recompute them
+            assert not [s for s in shapes if s and s[-1] == V], shapes
+            kept[checkpointing, chunk] = total
+    # checkpointing keeps each layer's input instead of everything inside the layer
+    assert kept[True, 1] < 0.5 * kept[False, 1] and kept[True, 10_000] < 0.5 * kept[False, 10_000], kept
+
+
+def test_the_training_pass_is_the_samplers_function(rollouts):
+    """Training mode (checkpointing on) and the sampler's eval mode give the same log-probs."""
+    rollout, state = rollouts
+    out = rollout.out
+    ln = _learner(_config(), state, checkpointing=True)
+    model = ln.bundle.model
+    with torch.no_grad():
+        evaluated = completion_logprobs(model, out.context, out.completion_ids, out.completion_mask, G)
+    trained = completion_logprobs(model, out.context, out.completion_ids, out.completion_mask, G)
+    assert trained.requires_grad
+    assert torch.allclose(trained.detach(), evaluated, rtol=0, atol=1e-5)
