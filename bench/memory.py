@@ -83,8 +83,10 @@ class LiveBytes(TorchDispatchMode):
     Every operator's outputs pass through ``__torch_dispatch__``; a storage not seen before
     is counted once (a view or an in-place result shares its storage) and uncounted when it
     is freed (``weakref.finalize`` on the storage, which PyTorch keeps as one Python object
-    while it lives). ``known`` storages (weights, optimiser state) exist already and are
-    never counted here. ``label`` names the phase new storages are charged to; ``peaks``
+    while it lives). ``known`` storages (weights, gradients, optimiser state) exist already:
+    they are counted from the start, under "resident", until freed (a step frees the
+    previous gradients before its backward). So ``live`` is every byte of tensor storage the
+    process holds for the model and the step. ``label`` names the phase new storages are charged to; ``peaks``
     keeps, per label, the largest total seen while that label was current and the live
     bytes by label at that moment. Not seen: scratch memory an operator allocates and frees
     inside itself (e.g. a matmul's workspace), and tensors made outside PyTorch's operators.
@@ -97,14 +99,15 @@ class LiveBytes(TorchDispatchMode):
         self.label = "other"
         self.by_label: dict[str, int] = defaultdict(int)
         self.peaks: dict[str, tuple[int, dict[str, int]]] = {}
-        for t in known:
-            self.seen[t.untyped_storage()] = 0
+        with self.labelled("resident"):
+            for t in known:
+                self._track(t, peak=False)
 
     def _freed(self, nbytes: int, label: str) -> None:
         self.live -= nbytes
         self.by_label[label] -= nbytes
 
-    def _track(self, t: torch.Tensor) -> None:
+    def _track(self, t: torch.Tensor, peak: bool = True) -> None:
         if t.device.type == "meta":
             return
         st = t.untyped_storage()
@@ -115,6 +118,8 @@ class LiveBytes(TorchDispatchMode):
         weakref.finalize(st, self._freed, n, self.label)
         self.live += n
         self.by_label[self.label] += n
+        if not peak:
+            return
         best = self.peaks.get(self.label)
         if best is None or self.live > best[0]:
             self.peaks[self.label] = (self.live, dict(self.by_label))
@@ -138,11 +143,11 @@ class LiveBytes(TorchDispatchMode):
 
 class CudaPeaks:
     """LiveBytes' interface on CUDA, read from the caching allocator itself: the peak of
-    ``torch.cuda.max_memory_allocated`` per label above the resident bytes (the statistic
-    is read and reset at every label change)."""
+    ``torch.cuda.max_memory_allocated`` per label (the statistic is read and reset at every
+    label change)."""
 
-    def __init__(self, resident: int):
-        self.resident, self.label, self.peaks = resident, "other", {}
+    def __init__(self):
+        self.label, self.peaks = "other", {}
 
     def __enter__(self):
         torch.cuda.synchronize()
@@ -154,7 +159,7 @@ class CudaPeaks:
 
     def _close(self) -> None:
         torch.cuda.synchronize()
-        top = torch.cuda.max_memory_allocated() - self.resident
+        top = torch.cuda.max_memory_allocated()
         self.peaks[self.label] = (max(top, self.peaks.get(self.label, (0, {}))[0]), {})
         torch.cuda.reset_peak_memory_stats()
 
@@ -203,8 +208,9 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
 
 
 def resident_tensors(model: torch.nn.Module, opt: torch.optim.Optimizer | None) -> list[torch.Tensor]:
-    """Every tensor a step starts with: parameters, buffers, NF4 statistics, AdamW's moments."""
+    """Every tensor a step starts with: parameters, their gradients, buffers, NF4 statistics, AdamW's moments."""
     out = [*model.parameters(), *model.buffers()]
+    out += [p.grad for p in model.parameters() if p.grad is not None]
     for p in model.parameters():
         state = getattr(p, "quant_state", None)
         if state is not None:
@@ -215,8 +221,9 @@ def resident_tensors(model: torch.nn.Module, opt: torch.optim.Optimizer | None) 
 
 
 def init_adamw_state(opt: torch.optim.Optimizer) -> None:
-    """Create AdamW's moments now (a step at lr 0 on zero gradients), so a measured step is
-    a steady-state one: its moments exist before it, as from the second step on."""
+    """Create AdamW's moments now (a step at lr 0 on zero gradients) and keep the gradients,
+    so a measured step is a steady-state one: moments and the previous step's gradients
+    exist when it starts (grpo_step frees the gradients only before its backward)."""
     params = [p for g in opt.param_groups for p in g["params"]]
     lrs = [g["lr"] for g in opt.param_groups]
     for g in opt.param_groups:
@@ -224,7 +231,6 @@ def init_adamw_state(opt: torch.optim.Optimizer) -> None:
     for p in params:
         p.grad = torch.zeros_like(p)
     opt.step()
-    opt.zero_grad(set_to_none=True)
     for g, lr in zip(opt.param_groups, lrs):
         g["lr"] = lr
 
@@ -234,9 +240,9 @@ def init_adamw_state(opt: torch.optim.Optimizer) -> None:
 
 def measured_step(bundle, cfg, examples, *, early_stop: bool = True) -> dict[str, int]:
     """Run ONE grpo.step.grpo_step (the trainer's core) on ``bundle`` with ``cfg`` and return
-    the peak bytes per phase: {"resident", "sampling", "reference", "policy"} (the phase
-    entries are the peak above the resident tensors: LiveBytes on a CPU, the CUDA
-    allocator's own statistics on a GPU).
+    the bytes at its start ("resident": weights, LoRA, gradients, AdamW's moments) and the
+    peak of every byte held during each phase ("sampling", "reference", "policy"):
+    LiveBytes on a CPU, the CUDA allocator's own statistics on a GPU.
 
     ``early_stop``: row 0's last completion token is made a stop, as if it had finished one
     token early. A random model never stops, and a batch where no row is padded lets
@@ -259,10 +265,7 @@ def measured_step(bundle, cfg, examples, *, early_stop: bool = True) -> dict[str
     resident = resident_tensors(model, opt)
     if merged is not None:
         resident += [t for layer in merged.weights for pair in layer.values() for t in pair if t is not None]
-    on_cuda = bundle.device.type == "cuda"
-    if on_cuda:
-        torch.cuda.synchronize()
-    tracker = CudaPeaks(torch.cuda.memory_allocated()) if on_cuda else LiveBytes(resident)
+    tracker = CudaPeaks() if bundle.device.type == "cuda" else LiveBytes(resident)
 
     class Labels(Hooks):  # grpo_step's own timing sections name the phases
         def timed(self, part):
@@ -292,10 +295,8 @@ def measured_step(bundle, cfg, examples, *, early_stop: bool = True) -> dict[str
 
 
 def planned_phases(plan: Plan) -> dict[str, int]:
-    """The plan in measured_step's terms: resident, and each phase's bytes above it."""
-    resident = plan.phase_bytes("resident")
-    return dict(resident=resident, **{ph: plan.phase_bytes(ph) - resident for ph in ("sampling", "reference", "policy")
-                                      if ph in plan.phases})
+    """The plan in measured_step's terms: resident, and each phase's peak (resident included)."""
+    return dict(resident=plan.phase_bytes("resident"), **{ph: plan.phase_bytes(ph) for ph in plan.phases})
 
 
 # ----------------------------------------------------------------------------- models
@@ -426,13 +427,31 @@ def qwen7b_measurement(cfg, layers: list[int], tokens: list[int], image_px: int)
         ext = []
         for T in tokens:
             for phase in ("sampling", "policy"):
-                m1, m2, m4 = (points[(L, T)][0][phase] for L in (1, 2, 4))
+                m1, m2, m4 = (points[(L, T)][0][phase] - points[(L, T)][0]["resident"] for L in (1, 2, 4))
                 slope = m2 - m1
                 ext.append({"T": T, "phase": phase, "per layer MiB": f"{slope / MiB:.2f}",
                             "4 layers from 1,2 MiB": f"{(m1 + 3 * slope) / MiB:.1f}", "measured 4 MiB": f"{m4 / MiB:.1f}",
                             "error": f"{(m1 + 3 * slope - m4) / m4:+.2%}"})
-        print("# extrapolation in depth: the 4-layer peak from the 1- and 2-layer ones (bytes per layer are the slope)")
+        print("# extrapolation in depth: each phase's peak above the resident bytes, at 4 layers from the 1- and "
+              "2-layer ones (the slope is the bytes per layer)")
         print_table(ext, ["T", "phase", "per layer MiB", "4 layers from 1,2 MiB", "measured 4 MiB", "error"])
+    if len(tokens) >= 2:  # extrapolation in length: bytes per added completion token, measured and planned
+        t1, t2 = tokens[0], tokens[-1]
+        ext = []
+        for L in layers:
+            for phase in ("sampling", "policy"):
+                (g1, w1), (g2, w2) = ((points[(L, t)][0][phase], points[(L, t)][1][phase]) for t in (t1, t2))
+                ext.append({"layers": L, "phase": phase, "measured KiB/token": f"{(g2 - g1) / (t2 - t1) / 1024:.1f}",
+                            "planned KiB/token": f"{(w2 - w1) / (t2 - t1) / 1024:.1f}"})
+        print(f"# extrapolation in length: bytes per completion token ({t1} -> {t2} tokens, 2 rows)")
+        print_table(ext, ["layers", "phase", "measured KiB/token", "planned KiB/token"])
+    per_layer, n = saved_per_layer(bundle, examples, T=tokens[0])
+    sh = shapes_of_model(bundle.model, cfg)
+    S = n // 2
+    planned = n * layer_saved_per_token(sh) + 2 * S * S * sh.compute_bytes
+    print(f"# saved-tensor hooks, one decoder layer without checkpointing, {n} tokens: {per_layer / n:,.0f} B/token "
+          f"measured, {planned / n:,.0f} planned ({layer_saved_per_token(sh):,} B/token + the [2, 1, S, S] mask bias); "
+          f"the 7B's 28 layers would keep {28 * per_layer / n / 1024:,.0f} KiB per token without checkpointing")
     return rows
 
 
@@ -543,7 +562,7 @@ def gpu_check(budget_s: float) -> int:
         P = prompt_len_of(bundle, cfg, examples[: cfg.phase.prompts_per_step])
         plan = plan_step(shapes_of_model(bundle.model, cfg), cfg, device="cuda" if cuda else "cpu", prompt_len=P)
         want = planned_phases(plan)
-        peak_got = got["resident"] + max(got[ph] for ph in ("sampling", "reference", "policy"))
+        peak_got = max(got[ph] for ph in ("sampling", "reference", "policy"))
         worst = max(worst, abs(plan.peak / peak_got - 1))
         rows += compare_rows(name, got, want)
         rows.append({"run": name, "phase": "PEAK", "measured MiB": f"{peak_got / MiB:.1f}",

@@ -23,8 +23,9 @@ from grpo.run.memory_plan import GiB, check_fits, layer_saved_per_token, need_by
 
 @pytest.fixture(scope="module")
 def tiny():
+    # checkpointing on, the 7B's setting: the plan's per-layer terms are the checkpointed ones
     cfg = phase_config("A", "tiny", {"model.device": "cpu", "sampling.G": "2", "phase.prompts_per_step": "2",
-                                     "sampling.max_new_tokens": "6"}, "A")
+                                     "sampling.max_new_tokens": "6", "model.gradient_checkpointing": "true"}, "A")
     return cfg, build_policy(cfg, "cpu", verbose=False)
 
 
@@ -52,8 +53,6 @@ def test_one_layer_saves_what_the_plan_counts_op_by_op(tiny):
 
 def test_a_whole_step_allocates_what_the_plan_predicts(tiny):
     cfg, bundle = tiny
-    cfg = copy.deepcopy(cfg)
-    cfg.model.gradient_checkpointing = True  # the 7B's setting: the plan's per-layer terms are the checkpointed ones
     examples = generate("train", 1, 6, seed=1, image_size=cfg.model.image_size)
     got = measured_step(bundle, cfg, examples)
     want = planned_phases(plan_step(shapes_of_model(bundle.model, cfg), cfg, device="cpu",

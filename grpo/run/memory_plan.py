@@ -66,11 +66,13 @@ CUDA_OVERHEAD = int(1.0 * GiB)  # CUDA context + cuBLAS workspaces + graph pools
 # NF4 storage per weight (lora/quant.py: blocks of 64, double quantisation): 4-bit codes, one
 # 8-bit absmax per block, one fp32 absmax per 256 blocks.
 NF4_BYTES_PER_WEIGHT = 0.5 + 1 / 64 + 4 / (64 * 256)
-# Measured (bench/memory.py): the gradients alive at the peak of one decoder layer's
-# backward, on top of what the layer saved, per token: a multiple of the MLP's width and of
-# the hidden size, each in the compute dtype.
-BACKWARD_EXTRA_I = 3.0
-BACKWARD_EXTRA_H = 4.0
+# Measured (one 7B-width decoder layer, NF4 + LoRA, bf16, forward then backward under
+# bench/memory.py's LiveBytes, 192 and 384 tokens): the backward's peak is what the layer
+# saved, one dequantised weight, and 47 KB per token more -- about one [tokens, I] and one and
+# a half [tokens, d] gradients in the compute dtype (autograd frees each saved tensor as soon
+# as the op that needed it has run, so the gradients never coexist with all of the saves).
+BACKWARD_EXTRA_I = 1.0
+BACKWARD_EXTRA_H = 1.5
 
 
 @dataclass(frozen=True)
