@@ -30,15 +30,16 @@ def tiny():
 
 
 def test_live_bytes_counts_a_storage_once_and_until_it_is_freed():
-    known = torch.zeros(10)
+    known = torch.zeros(10)  # resident from the start: 40 bytes
     with LiveBytes([known]) as t:
         a = torch.empty(1000, dtype=torch.float32)
-        view, _ = a.t(), known.view(2, 5)  # a view of a new tensor, a view of a known one: nothing new
-        assert t.live == 4000
+        view, known_view = a.t(), known.view(2, 5)  # a view of a new tensor, a view of a known one: nothing new
+        assert t.live == 40 + 4000
         del a, view
-        assert t.live == 0
+        assert t.live == 40
         b = torch.empty(10)
-    assert t.peak("other") == 4000 and t.live == 40 and b.numel() == 10
+        del known, known_view  # a resident tensor freed (as a step frees the previous gradients) leaves the count
+    assert t.peak("other") == 4040 and t.live == 40 and b.numel() == 10
 
 
 def test_one_layer_saves_what_the_plan_counts_op_by_op(tiny):
@@ -57,9 +58,10 @@ def test_a_whole_step_allocates_what_the_plan_predicts(tiny):
     got = measured_step(bundle, cfg, examples)
     want = planned_phases(plan_step(shapes_of_model(bundle.model, cfg), cfg, device="cpu",
                                     prompt_len=prompt_len_of(bundle, cfg, examples[:2])))
-    assert abs(got["resident"] - want["resident"]) <= 0.1 * got["resident"], (got, want)
-    for phase in ("sampling", "policy"):  # an upper bound that is not loose: within [1, 1.6] x measured
-        assert got[phase] <= want[phase] <= 1.6 * got[phase], (phase, got, want)
+    # every byte held (weights, gradients, AdamW, activations) at each phase's peak, planned within 10%
+    for phase in ("resident", "sampling", "policy"):
+        assert abs(want[phase] - got[phase]) <= 0.1 * got[phase], (phase, got, want)
+    assert got["policy"] > 1.2 * got["resident"]  # the step's own activations are a real part of what is compared
 
 
 # ----------------------------------------------------------------------------- the trainer's decision
