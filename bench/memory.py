@@ -547,7 +547,7 @@ def gpu_check(budget_s: float) -> int:
         base = config_from_argv(["--sampling.rollout", "plain"])
         base.model.gradient_checkpointing = True
         _, bundle = model_shapes(base)
-        settings, where = CPU_SETTINGS, "CPU (LiveBytes)"
+        settings, where = CPU_SETTINGS, "CPU"
     print(f"# memory plan vs measured on {where}: model built in {time.perf_counter() - t0:.0f} s", flush=True)
     rows, worst = [], 0.0
     for name, overrides in settings:

@@ -17,9 +17,10 @@ what stays resident:
                 layer's transients and one logits chunk
     policy      one training micro-batch of m rows (optim.micro_batch_rows), sequence
                 S = P + T: with activation checkpointing the input of every decoder layer
-                (L x m x S x d), the final norm's saved tensors, and in backward the larger
-                of one layer recomputed (everything autograd saves in a layer, plus the
-                gradients of its backward) and one logits chunk recomputed with its gradient
+                (L x m x S x d), and in backward the larger of one layer recomputed
+                (everything autograd saves in a layer, plus the gradients of its backward)
+                and the logits chunks' part (the final norm's saved tensors and one chunk
+                recomputed with its gradient), which is freed before the layers' backward
 
 The peak of the step is the largest of the three. Each term is a formula of the widths
 (hidden d, MLP width I, heads, KV heads, vocabulary V, layers L, compute-dtype bytes b),
@@ -317,18 +318,22 @@ def plan_step(sh: Shapes, cfg: TrainConfig, *, device: str = "cuda", micro_batch
     else:
         plan.add("policy: every layer's saved activations", "policy", L * tokens * saved,
                  f"{saved:,} B/token/layer")
-    final = tokens * ((4 * d if b < 4 else 0) + b * d) + m * T * b * d  # final norm's fp32 copy + output; chunk inputs
-    plan.add("policy: final norm + completion hidden states", "policy", final)
+    # Backward runs the logits chunks first, then the layers from the last one down. Two
+    # candidates for its peak, on top of the layer inputs: (1) the logits chunks: the final
+    # norm's saved fp32 copy and output, the completion hidden states the chunks keep, and
+    # one chunk recomputed with its gradient; all of it is freed before the layers'
+    # backward starts. (2) one layer recomputed: everything it saves, the mask bias, its
+    # gradients and one dequantised weight.
+    final = tokens * ((4 * d if b < 4 else 0) + b * d) + m * T * b * d
+    logits = final + chunk * logits_bytes_per_token(sh, device, True) + chunk * b * d
     recompute = tokens * saved + m * S * S * b if cfg.model.gradient_checkpointing else 0
-    grads = tokens * b * (BACKWARD_EXTRA_I * sh.intermediate + BACKWARD_EXTRA_H * d) + dequant_bwd
-    logits = chunk * logits_bytes_per_token(sh, device, True) + chunk * b * d
-    layer_bwd = recompute + grads
+    layer_bwd = recompute + tokens * b * (BACKWARD_EXTRA_I * sh.intermediate + BACKWARD_EXTRA_H * d) + dequant_bwd
     if layer_bwd >= logits:
         plan.add("policy backward: one layer recomputed + its gradients", "policy", layer_bwd,
-                 f"{chunk} logit tokens per chunk would need {logits / 2**20:.0f} MiB")
+                 f"the logits chunks' peak would be {logits / 2**20:,.0f} MiB ({chunk} tokens per chunk)")
     else:
-        plan.add("policy backward: one logits chunk recomputed + its gradient", "policy", logits,
-                 f"{chunk} tokens x V={V}")
+        plan.add("policy backward: final norm + one logits chunk recomputed + its gradient", "policy", logits,
+                 f"{chunk} tokens x V={V}; one layer's backward would be {layer_bwd / 2**20:,.0f} MiB")
     return plan
 
 
