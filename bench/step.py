@@ -5,6 +5,8 @@
     python -m bench.step                         # on a CPU: a scaled-down config (it says so), < 2 min on 2 cores
     python -m bench.step --smoke                 # seconds: the smallest config, for tests
     python -m bench.step --scale tiny --beta 0   # the embedded default's GRPO phases: tiny model, 4 x G=8, 48 tokens
+    python -m bench.step --scale 7b-widths --rollout plain   # CPU: the 7B's text widths, 1 layer, 1 x G=8, 256 tokens
+    python -m bench.step --prefix shared         # only the shared-prefix log-prob passes (default: both, alternated)
 
 ``--scale tiny`` is the trainer's own policy of the embedded default instead (grpo/model/policy.py
 build_policy with the tiny preset: the embedded model, NF4 base, rank-8 LoRA, fp32 compute)
@@ -25,6 +27,21 @@ the trainer does), given rank-8 LoRA on the 7 projections of every LM layer and 
 checkpointing: the ``qwen7b`` training preset. Prompts are synthetic curriculum examples at
 448 px (1024 patches -> 256 visual tokens). The tokenizer is the embedded tiny one; ids it
 does not know are decoded modulo its size, so rewards see text of realistic length.
+
+``--scale 7b-widths``: the 7B's decoder widths (hidden 3584, MLP 18944, 28 / 4 heads, M-RoPE)
+with ``--layers`` decoder layers (default 1), a 1-block vision tower at 448 px (256 visual
+tokens), 1 prompt x G = 8, 256 new tokens, fp32 compute over NF4, checkpointing on: the
+preset's prompt and completion lengths through the 7B's layer, on a CPU. Its vocabulary is
+8,192, not 152,064: the LM head is the same work on both log-prob paths, and at one layer
+the full head would outweigh the layer it is measured against (at 28 layers it is ~8% of
+the pass).
+
+Log-prob paths (``--prefix``): the shared-prefix pass (each prompt once per group,
+grpo/model/shared_prefix.py) and the full-row pass (the prompt in all G rows), each running
+the reference pass, the policy pass, the loss, backward and AdamW on the same rollouts,
+alternated within every step (the order swapped each step). "saved" is what autograd keeps
+for backward during the policy pass (saved-tensor hooks, each storage once). The step total
+counts every log-prob path that ran.
 
 One step, timed stage by stage (CUDA-synchronised; peak memory = the CUDA allocator's peak
 during the stage, above nothing):
@@ -83,6 +100,8 @@ SCALES = {  # name -> (text, vision, dtype, B, G, max_new_tokens, image px)
     "7b": (QWEN7B_TEXT, QWEN7B_VISION, torch.bfloat16, 8, 8, 256, 448),
     "cpu": (CPU_TEXT, CPU_VISION, torch.float32, 2, 4, 32, 112),
     "smoke": (SMOKE_TEXT, SMOKE_VISION, torch.float32, 1, 2, 4, 56),
+    "7b-widths": (dict(QWEN7B_TEXT, num_hidden_layers=1, vocab_size=8192),
+                  dict(QWEN7B_VISION, depth=1, fullatt_block_indexes=[0]), torch.float32, 1, 8, 256, 448),
 }
 
 
@@ -98,7 +117,7 @@ class WrappedBundle(ModelBundle):
 # ----------------------------------------------------------------------------- building the model
 
 
-def build_bundle(scale: str, device: str, four_bit: bool, checkpointing: bool) -> WrappedBundle:
+def build_bundle(scale: str, device: str, four_bit: bool, checkpointing: bool, layers: int = 0) -> WrappedBundle:
     """Random Qwen2.5-VL of the scale's config, built on ``device`` in its dtype, NF4 + LoRA;
     scale "tiny": the trainer's policy of the embedded default (its preset and LoRA)."""
     if scale == "tiny":
@@ -115,6 +134,7 @@ def build_bundle(scale: str, device: str, four_bit: bool, checkpointing: bool) -
     from lora import LoRAConfig, enable_gradient_checkpointing, inject_lora, quantize_model_4bit
 
     text, vision, dtype, *_, image_px = SCALES[scale]
+    text = dict(text, num_hidden_layers=layers or text["num_hidden_layers"])
     tiny = load_bundle("tiny")  # tokenizer and special-token ids only
     tok = tiny.tokenizer
     ids = {t: tok.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_end|>", "<|image_pad|>",
@@ -206,13 +226,11 @@ def grpo_step(bundle, examples, args, rollout_path: str, merged, stages: Stages)
     """Sample, reward, log-probs, loss, backward, optimiser step; returns decode facts."""
     from grpo.rollout.sampler import content_tokens
     from grpo.config import RewardConfig
-    from grpo.model.logprobs import completion_logprobs, reference_logprobs
     from grpo.model.prompts import encode_prompts
     from grpo.model.prompt_context import build_prompt_context
     from grpo.rewards import RewardModel
     from grpo.rollout.sampler import prefill, sample
     from kernels.grpo_loss import grpo_loss
-    from lora import disable_adapters, lora_parameters
 
     model, device = bundle.model, bundle.device
     G, L = args.G, args.max_new_tokens
@@ -228,30 +246,69 @@ def grpo_step(bundle, examples, args, rollout_path: str, merged, stages: Stages)
         rows = [examples[n // G] for n in range(len(out.texts))]
         rb = rewards(rows, out.texts, num_tokens=content_tokens(out), completion_ids=out.completion_ids)
     ids, mask = out.completion_ids, out.completion_mask
+    for prefix in args.prefixes:  # the log-prob paths, on the same rollouts
+        tag = f" [{prefix}]" if len(args.prefix_paths) > 1 else ""
+        logp, st, args.saved[prefix] = train_passes(model, out, rb.total.to(device), args, prefix == "shared", merged,
+                                                    stages, tag)
+    with torch.no_grad():  # sequence ratios (the token ones are st's): the correction's unit
+        seq_ratio = torch.exp(((logp - out.logprobs) * mask).sum(1))
+    _, tok = grpo_loss(logp, mask.float(), rb.total.to(device), G=G, sampler_logp=out.logprobs)
+    return dict(N=ids.shape[0], steps=ids.shape[1], P=prompts.input_ids.shape[1], kl=float(tok.is_kl),
+                ratio_mean=float(tok.is_ratio_mean), ratio_max=float(tok.is_ratio_max),
+                seq_ratio_max=float(seq_ratio.max()), seq_over=float(st.is_over_frac))
+
+
+def train_passes(model, out, rewards, args, shared: bool, merged, stages: Stages, tag: str):
+    """Reference and policy log-probs, loss, backward, AdamW on one sampled batch; returns
+    (the policy's log-probs, the loss statistics, bytes autograd kept during the policy pass)."""
+    from grpo.model.logprobs import completion_logprobs, reference_logprobs
+    from kernels.grpo_loss import grpo_loss
+    from lora import disable_adapters, lora_parameters
+
+    ids, mask, G = out.completion_ids, out.completion_mask, args.G
     ref = None
     if args.beta > 0:
-        with stages("ref logp (no grad)"):
-            ref = reference_logprobs(model, out.context, ids, mask, G, ref_context=lambda: disable_adapters(model))
-    with stages("logp (grad)"):
-        logp = completion_logprobs(model, out.context, ids, mask, G)
-    with stages("loss"):
-        loss, st = grpo_loss(logp, mask.float(), rb.total.to(device), G=G, ref_logp=ref, beta=args.beta, max_len=L,
-                             sampler_logp=out.logprobs, correction="sequence", correction_cap=args.cap)
-    with torch.no_grad():  # sequence ratios (the token ones are st's): the correction's unit
-        seq_ratio = torch.exp(((logp.detach() - out.logprobs) * mask).sum(1))
-    with stages("backward"):
+        with stages(f"ref logp (no grad){tag}"):
+            ref = reference_logprobs(model, out.context, ids, mask, G, shared_prefix=shared,
+                                     ref_context=lambda: disable_adapters(model))
+    kept: dict[int, int] = {}
+
+    def pack(t):  # what backward will read: each storage counted once
+        kept.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        return t
+
+    with stages(f"logp (grad){tag}"), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logp = completion_logprobs(model, out.context, ids, mask, G, shared_prefix=shared)
+    with stages(f"loss{tag}"):
+        loss, st = grpo_loss(logp, mask.float(), rewards, G=G, ref_logp=ref, beta=args.beta,
+                             max_len=args.max_new_tokens, sampler_logp=out.logprobs, correction="sequence",
+                             correction_cap=args.cap)
+    with stages(f"backward{tag}"):
         loss.backward()
-    params = lora_parameters(model)
-    with stages("optimizer"):
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
+    with stages(f"optimizer{tag}"):
+        torch.nn.utils.clip_grad_norm_(lora_parameters(model), 1.0)
         args.opt.step()
         args.opt.zero_grad(set_to_none=True)
         if merged is not None:
             merged.refresh()
-    _, tok = grpo_loss(logp.detach(), mask.float(), rb.total.to(device), G=G, sampler_logp=out.logprobs)
-    return dict(N=ids.shape[0], steps=ids.shape[1], P=prompts.input_ids.shape[1], kl=float(tok.is_kl),
-                ratio_mean=float(tok.is_ratio_mean), ratio_max=float(tok.is_ratio_max),
-                seq_ratio_max=float(seq_ratio.max()), seq_over=float(st.is_over_frac))
+    return logp.detach(), st, sum(kept.values())
+
+
+def prefix_summary(results: dict, paths: list[str], args) -> None:
+    """The training passes (log-probs + loss + backward + AdamW) of each log-prob path, and the ratios."""
+    parts = ("ref logp (no grad)", "logp (grad)", "loss", "backward", "optimizer")
+    for path in paths:
+        st = results[path][0].rows
+        tag = (lambda p: f" [{p}]") if len(args.prefix_paths) > 1 else (lambda p: "")
+        train = {p: sum(st[f"{n}{tag(p)}"][0] for n in parts if f"{n}{tag(p)}" in st) for p in args.prefix_paths}
+        logp = {p: st[f"logp (grad){tag(p)}"][0] for p in args.prefix_paths}
+        line = "; ".join(f"{p}: training passes {train[p]:.1f} ms, policy pass {logp[p]:.1f} ms, "
+                         f"saved {fmt_bytes(args.saved[p])}" for p in args.prefix_paths)
+        if len(args.prefix_paths) == 2:
+            line += (f"; full/shared: training passes {train['full'] / train['shared']:.2f}x; shared vs full: policy "
+                     f"pass time {100 * (logp['shared'] / logp['full'] - 1):+.0f}%, saved "
+                     f"{100 * (args.saved['shared'] / args.saved['full'] - 1):+.0f}%")
+        print(f"# log-prob paths ({path} rollouts): {line}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -261,6 +318,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--scale", choices=sorted(SCALES), default=None, help="default: 7b on CUDA, cpu otherwise")
     p.add_argument("--smoke", action="store_true", help="= --scale smoke (seconds)")
     p.add_argument("--rollout", choices=["plain", "merged", "both"], default="both")
+    p.add_argument("--prefix", choices=["shared", "full", "both"], default="both",
+                   help="log-prob passes: the prompt once per group (shared), in every row (full), or both alternated")
+    p.add_argument("--layers", type=int, default=0, help="decoder layers (default: the scale's; not for --scale tiny)")
     p.add_argument("--B", type=int, default=None, help="prompts per step (default: the scale's)")
     p.add_argument("--G", type=int, default=None, help="completions per prompt")
     p.add_argument("--max-new-tokens", type=int, default=None)
@@ -278,6 +338,8 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     if args.cap <= 1:
         raise SystemExit(f"--cap {args.cap}: must be > 1 (the largest pi_train / pi_sampler ratio kept)")
+    args.prefix_paths = ["shared", "full"] if args.prefix == "both" else [args.prefix]
+    args.prefixes, args.saved = list(args.prefix_paths), {}
     if scale == "7b" and device.type != "cuda":
         raise SystemExit("--scale 7b needs a CUDA GPU (~40 GB); on a CPU use the default scaled-down config, "
                          "or python -m bench.qwen7b_cpu for one step at the 7B's exact shapes (NF4, layer by layer)")
@@ -292,7 +354,8 @@ def main(argv: list[str] | None = None) -> None:
           f"{args.max_new_tokens} new tokens, {image_px} px images, beta={args.beta}, "
           f"median of {args.repeats} step(s) per path")
     t0 = time.perf_counter()
-    bundle = build_bundle(scale, str(device), four_bit=not args.no_4bit, checkpointing=device.type == "cuda")
+    bundle = build_bundle(scale, str(device), four_bit=not args.no_4bit,
+                          checkpointing=device.type == "cuda" or scale == "7b-widths", layers=args.layers)
     model = bundle.model
     n_params = count_parameters(model).total  # NF4 weights counted unpacked
     build_s = time.perf_counter() - t0
@@ -314,8 +377,10 @@ def main(argv: list[str] | None = None) -> None:
 
     runs: dict[str, list[Stages]] = {path: [] for path in paths}
     facts: dict[str, dict] = {}
-    for _ in range(args.repeats):  # alternate the paths so load changes on a shared machine hit both
-        for path in paths:
+    for i in range(args.repeats):  # alternate the paths so load changes on a shared machine hit both
+        for j, path in enumerate(paths):
+            k = i * len(paths) + j  # the log-prob paths' order swaps every step
+            args.prefixes = args.prefix_paths[::-1] if k % 2 else list(args.prefix_paths)
             stages = Stages(device)
             facts[path] = grpo_step(bundle, examples, args, path, merged if path == "merged" else None, stages)
             runs[path].append(stages)
@@ -336,6 +401,7 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(row)
     rows.append({"stage": "step total", **{f"{path} ms": f"{totals[path]:.1f}" for path in paths}})
     print_table(rows, ["stage"] + [f"{path} {c}" for path in paths for c in ("ms", "peak")])
+    prefix_summary(results, paths, args)
 
     # ---- decode table
     bw = peak_bandwidth(device)

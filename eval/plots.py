@@ -16,13 +16,19 @@ exactly this; unknown keys are ignored, so it can add more):
         "grad_norm", "lr"}; with sampling.dynamic_sampling a "dynamic" object:
         {"refills", "sampled_groups", "kept_groups", "dropped_frac", "fill"}; a "rollout"
         object, the sampler against the trainer: {"path", "correction", "mode", "cap",
-        "level", "kl", "ratio_mean", "ratio_max", "over_frac"} (grpo/run/records.py step_record).
+        "level", "kl", "ratio_mean", "ratio_max", "over_frac"} (grpo/run/records.py step_record);
+        a "prompts" object, what the step's draws put into the model (totals over ranks):
+        {"n", "visual_tokens", "visual_tokens_max", "tokens", "tokens_max" (mean / max per
+        prompt, visual tokens included in tokens), "resized_down", "resized_up" (images
+        model.max_pixels shrank / model.min_pixels enlarged), "skipped_long", "skipped_image"
+        (prompts over model.max_prompt_tokens / with a bad image, not trained on)}.
     gate line, one per controller rule that fired after a checkpoint eval:
         {"event": "gate", "phase": "A", "step": 20, "rule": "parseable_floor",
          "changes": {"parseable": [0.5, 0.75]}}                  # optional
     eval line, one per checkpoint-side evaluation:
         {"event": "eval", "phase": "A", "step": 20,
-         "metrics": {"exact_match": 0.41, "parseable_rate": 0.93, ..., "composite": 0.52}}
+         "metrics": {"exact_match": 0.41, "parseable_rate": 0.93, ..., "composite": 0.52},
+         "skipped": {"sampler_skipped": 1}}       # prompts not scored, by reason (may be empty)
 
 The x axis is the run's step across phases: phases are laid end to end in the order
 they first appear, each offset by the steps of the phases before it (so a phase that

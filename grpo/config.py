@@ -137,7 +137,7 @@ class ModelConfig:
     min_pixels: int = 0
     """Smallest image area in pixels (smaller images are upscaled to it); 0 = the checkpoint's processor config."""
     max_prompt_tokens: int = 0
-    """Prompts longer than this many tokens (visual tokens included) are skipped and counted in the log line (0 = no cap)."""
+    """Prompts longer than this many tokens (visual tokens included) are skipped and counted: in GRPO draws (the step's log line) and evaluations (the eval line); the SFT warm-up trains on every example (0 = no cap)."""
     device: str = "auto"
     """'auto' (cuda if available, else cpu), 'cpu' or 'cuda[:i]'."""
 
@@ -206,6 +206,8 @@ class OptimConfig:
     """Rows (completions) per training pass: the policy and reference log-probs, the loss and backward run over micro-batches of this many rows of each rollout batch, gradients accumulated (TRL's per_device_train_batch_size); whole groups, so a multiple of G; 0 = all rows of the rollout batch in one pass."""
     logits_chunk_tokens: int = 1024
     """Completion tokens per LM-head chunk in the log-prob passes: the logits exist for one chunk at a time and are recomputed in backward (whole rows: max(1, this // T) rows per chunk)."""
+    shared_prefix: bool = True
+    """The log-prob passes run each group's prompt through the language model once (B rows) and attend the G completions to its keys and values (grpo/model/shared_prefix.py): the same log-probs and gradients as running the prompt in all B*G rows (False: the full-row pass, the reference), with 1/G of the prompt's compute and saved activations."""
     beta: float = 0.0
     """KL penalty coefficient (k3 estimator) against the reference (LoRA disabled)."""
     eps_low: float = 0.2
@@ -536,6 +538,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     "qwen7b": {
         "model.name": "Qwen/Qwen2.5-VL-7B-Instruct", "model.dtype": "bfloat16", "model.load_in_4bit": True,
         "model.image_size": 448, "model.gradient_checkpointing": True, "model.device": "cuda",
+        # Real images are resized into [56^2, 448^2] px like the synthetic renders (which 448^2
+        # leaves as they are): at most 256 visual tokens per image, not Qwen's 16384.
+        "model.max_pixels": 448 * 448, "model.min_pixels": 56 * 56,
         "sampling.max_new_tokens": 256, "sampling.G": 8, "optim.lr": 1e-5, "phase.prompts_per_step": 8,
     },
 }

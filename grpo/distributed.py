@@ -261,6 +261,18 @@ class DataParallel:
             raise RuntimeError(f"rank {self.rank}: {bad} LoRA parameters differ between ranks; the replicas "
                                "drifted apart (a rank took a different step) -- this is a bug, please report it")
 
+    def totals_over_ranks(self, counts: dict[str, int], maxima: Sequence[str] = ()) -> dict[str, int]:
+        """Integer counts summed over ranks, the keys in ``maxima`` maxed instead (two small
+        all-reduces): the totals of what every rank drew, where ``mean_over_ranks`` would
+        pass ints through as rank 0's own."""
+        if not self.enabled:
+            return dict(counts)
+        keys = list(counts)
+        summed = self._all_reduce(torch.tensor([float(counts[k]) for k in keys], dtype=torch.float64))
+        peak = torch.tensor([float(counts[k]) for k in keys], dtype=torch.float64, device=self.device)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        return {k: int(peak[i] if k in maxima else summed[i]) for i, k in enumerate(keys)}
+
     def mean_over_ranks(self, record: dict[str, Any]) -> dict[str, Any]:
         """The same dict with every float leaf averaged over ranks (nested dicts too).
 

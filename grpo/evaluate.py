@@ -63,7 +63,13 @@ def _selector_bundle(selector: str, args: argparse.Namespace) -> Any:
     """'base' -> the base model; a checkpoint selector -> that checkpoint's policy."""
     try:
         path = _resolve_selector(selector, args)
-        return grpo.model.load.load_bundle(args.model, device=args.device) if path is None else _checkpoint_bundle(path, args)
+        if path is None:
+            bundle = grpo.model.load.load_bundle(args.model, device=args.device)
+        else:
+            bundle = _checkpoint_bundle(path, args)
+        # 0 keeps each model's own bounds: the processor config for 'base', the training config for a checkpoint
+        return grpo.model.load.set_input_bounds(bundle, args.max_pixels, args.min_pixels,
+                                                args.max_prompt_tokens or None)
     except ModelLoadError as err:
         raise ModelLoadError(f"{selector}: {err}") from None
 
@@ -83,6 +89,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--subset", default="eval_overall_numeric", choices=("eval_overall_numeric", "all"))
     p.add_argument("--limit", type=int, default=None, help="evaluate at most this many prompts")
     p.add_argument("--image-size", type=int, default=112, help="synthetic data: image side in pixels")
+    p.add_argument("--max-pixels", type=int, default=0,
+                   help="largest image area in pixels (Qwen's max_pixels); 0 = the model's own: the processor config "
+                        "for 'base', the training config for a checkpoint")
+    p.add_argument("--min-pixels", type=int, default=0,
+                   help="smallest image area in pixels (Qwen's min_pixels); 0 = the model's own")
+    p.add_argument("--max-prompt-tokens", type=int, default=0,
+                   help="skip prompts longer than this (visual tokens included; counted as sampler_skipped); "
+                        "0 = the model's own")
     p.add_argument("--completions", action="append", default=[], metavar="NAME=FILE",
                    help="score pre-generated completions (JSONL) instead of sampling; repeatable")
     p.add_argument("--samples", type=int, default=1, help="completions per prompt")
@@ -163,6 +177,12 @@ def _prepare(args: argparse.Namespace) -> tuple:
         raise ValueError(f"--limit {args.limit}: must be >= 1 (leave it out to evaluate every prompt)")
     if args.threads < 0:
         raise ValueError(f"--threads {args.threads}: must be >= 0 (0 = torch's default, 1 = the trainer's)")
+    if min(args.max_pixels, args.min_pixels, args.max_prompt_tokens) < 0:
+        raise ValueError(f"--max-pixels {args.max_pixels} --min-pixels {args.min_pixels} --max-prompt-tokens "
+                         f"{args.max_prompt_tokens}: must be >= 0 (0 = the model's own)")
+    if 0 < args.max_pixels < 28 * 28 or (args.max_pixels and args.min_pixels > args.max_pixels):
+        raise ValueError(f"--max-pixels {args.max_pixels}: must be >= 784 (one 28x28 visual token) and >= "
+                         f"--min-pixels {args.min_pixels}")
     if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
         raise ValueError(f"--device {args.device!r}: use cpu, cuda or cuda:N")
     if args.selectors and "base" in args.selectors:

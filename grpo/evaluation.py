@@ -28,9 +28,12 @@ from grpo.run.stop import check_eval
 def sample_completions(bundle: Any, examples: Sequence[Example], protocol: EvalProtocol) -> Completions:
     """One sampling pass over ``examples``: texts and content-token counts per example.
 
-    An example whose image the processor cannot encode gets no completions (eval counts it
-    as skipped). Batches of ``protocol.batch_size`` prompts, each prompt prefilled once for
-    its G = ``protocol.samples_per_prompt`` completions (grpo/rollout/sampler.py).
+    An example that cannot enter the model -- its image fails to encode, or its prompt is
+    longer than the bundle's max_prompt_tokens -- gets no completions: the evaluation counts
+    it as skipped ("sampler_skipped", printed on the eval line) and scores the others (the
+    same ones at every eval of a run, so the gates compare like with like). Batches of
+    ``protocol.batch_size`` prompts, each prompt prefilled once for its G =
+    ``protocol.samples_per_prompt`` completions (grpo/rollout/sampler.py).
     """
     G = protocol.samples_per_prompt
     completions: list[list[str]] = [[] for _ in examples]
@@ -83,6 +86,10 @@ def checkpoint_eval(bundle: Any, examples: Sequence[Example], cfg: TrainConfig, 
     return evaluate_model(bundle, examples, protocol)
 
 
+# How the eval line names eval.evaluate's skip reasons.
+SKIP_NAMES = {"sampler_skipped": "(bad image or over model.max_prompt_tokens)", "no_numeric_gold": "(no numeric gold)"}
+
+
 def print_eval(phase: str, step: int, result: EvalResult) -> None:
     """One line of headline metrics with their 95% intervals and the scores, then the blind gap."""
     m, iv = result.metrics, result.overall.intervals
@@ -92,7 +99,9 @@ def print_eval(phase: str, step: int, result: EvalResult) -> None:
         lo, hi = iv.get(key, (float("nan"), float("nan")))
         parts.append(f"{short} {m[key]:.3f} [{lo:.2f},{hi:.2f}]")
     s = result.scores
+    skipped = "".join(f"  skipped {n} {SKIP_NAMES.get(k, k)}" for k, n in sorted(result.skipped.items()))
     print(f"[{phase} eval @ {step}] n={result.overall.n_prompts} " + "  ".join(parts)
-          + f"  struct {s['structure']:.3f} corr {s['correctness']:.3f} comp {s['composite']:.3f}", flush=True)
+          + f"  struct {s['structure']:.3f} corr {s['correctness']:.3f} comp {s['composite']:.3f}" + skipped,
+          flush=True)
     for line in control_summary(f"{phase} @ {step}", result):
         print(f"  {line}", flush=True)

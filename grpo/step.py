@@ -120,10 +120,10 @@ def sample_and_score(learner: Learner, examples: list, temperature: float, hooks
         out = learner.rollout(learner.bundle, prompts, G=G, max_new_tokens=L, temperature=temperature,
                               top_k=cfg.sampling.top_k, top_p=cfg.sampling.top_p, generator=learner.generator)
     with hooks.timed("rewards"):
-        examples = [examples[i] for i in prompts.kept]  # a prompt whose image failed to encode is dropped
+        examples = [examples[i] for i in prompts.kept]  # a bad image or a prompt over the cap was dropped
         scores = learner.rewards([examples[row // G] for row in range(len(out.texts))], out.texts,
                                  num_tokens=content_tokens(out), completion_ids=out.completion_ids)
-    return Rollout(examples, out, scores)
+    return Rollout(examples, out, scores, prompts.counts)
 
 
 # ----------------------------------------------------------------------------- 3. advantages
@@ -228,7 +228,8 @@ def grpo_step(learner: Learner, draw: Callable[[int], Rollout], step: int, tempe
     """
     cfg, model, params = learner.cfg, learner.bundle.model, learner.params
     G, mu, opts = cfg.sampling.G, cfg.optim.updates_per_batch, loss_options(cfg)
-    chunk = cfg.optim.logits_chunk_tokens
+    passes = dict(temperature=temperature, chunk_tokens=cfg.optim.logits_chunk_tokens,  # the log-prob passes' options
+                  shared_prefix=cfg.optim.shared_prefix)
 
     # ---- 1-2. sample B prompts x G completions and score them, every micro-batch first
     # (dapo divides by the whole step's token count; dynamic sampling needs the rewards)
@@ -261,15 +262,13 @@ def grpo_step(learner: Learner, draw: Callable[[int], Rollout], step: int, tempe
             if cfg.optim.beta > 0 and ref_logp[k] is None:
                 with hooks.timed("logprobs"):
                     ref_logp[k] = torch.cat([reference_logprobs(model, ctx.prompts(b0, b1), ids[rows], mask[rows], G,
-                                                                temperature=temperature, chunk_tokens=chunk,
-                                                                ref_context=lambda: disable_adapters(model))
+                                                                ref_context=lambda: disable_adapters(model), **passes)
                                              for b0, b1, rows in parts])
             logps = []
             for b0, b1, rows in parts:  # a training micro-batch: groups b0..b1-1, forward then backward
                 pick = lambda x: None if x is None else x[rows]  # noqa: E731
                 with hooks.timed("logprobs"):
-                    logp = completion_logprobs(model, ctx.prompts(b0, b1), ids[rows], mask[rows], G,
-                                               temperature=temperature, chunk_tokens=chunk)
+                    logp = completion_logprobs(model, ctx.prompts(b0, b1), ids[rows], mask[rows], G, **passes)
 
                 # ---- 5. loss: ratio to old, clipped; + beta * k3 KL to the reference; aggregated; backward.
                 # sampler_logp: the rollout's own log-probs (mismatch stats, rollout correction weights).

@@ -19,7 +19,9 @@ checkpoint):
 
     1. sample     G completions per prompt; each prompt (and its image) is encoded once and
                   its KV cache copied G times (grpo/rollout/sampler.py; the tiny preset decodes
-                  from a merged copy of the policy, grpo/rollout/merged.py)
+                  from a merged copy of the policy, grpo/rollout/merged.py). Images are resized
+                  into [model.min_pixels, model.max_pixels]; a prompt longer than
+                  model.max_prompt_tokens is skipped and counted (grpo/model/prompts.py)
     2. reward     the verifier components (+ step / detail / rubric terms), weighted by the
                   controller's current weights (grpo/rewards)
     3. advantage  A = (r - mean_g) / (std_g + 1e-4) within each prompt's group of G
@@ -73,6 +75,7 @@ Simplified, on purpose:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 import time
 
@@ -81,12 +84,13 @@ import torch
 
 from data.mixture import MixtureStream
 from grpo import cli
-from grpo.config import TrainConfig
+from grpo.config import ConfigError, TrainConfig
 from grpo.controller import Controller
 from grpo.distributed import DataParallel
 from grpo.errors import NoRewardSpread
 from grpo.evaluation import checkpoint_eval, print_eval
 from grpo.model.policy import build_policy
+from grpo.model.prompts import NoPromptsLeft, PromptCounts
 from grpo.rewards import RewardModel
 from grpo.rollout.dynamic_sampling import NoSpread, dynamic_batches, groups_with_spread, no_spread_message
 from grpo.rollout.merged import MergedRollout
@@ -118,6 +122,7 @@ class PhaseHooks(Hooks):
     def begin(self, step: int) -> None:
         self.step, self.t0 = step, time.time()
         self.timing = dict(sampling=0.0, rewards=0.0, logprobs=0.0, backward=0.0)
+        self.prompts = PromptCounts()  # what this step's draws put into the model (the log line's "prompts")
 
     @contextlib.contextmanager
     def timed(self, part: str):
@@ -153,6 +158,20 @@ class PhaseHooks(Hooks):
             return False
         self.guard.succeeded()
         return True
+
+
+# Draws in a row that may keep no prompt before the run stops: a cap that fits the data
+# skips a prompt now and then, and a whole draw only when prompts_per_step is small.
+EMPTY_DRAWS = 20
+
+
+def no_prompt_message(draws: int, reason: str, cfg: TrainConfig) -> str:
+    """One line for a run whose draws keep no prompt: what the last one skipped, and the fix."""
+    m = cfg.model
+    fix = (f"raise --model.max_prompt_tokens (now {m.max_prompt_tokens}) or lower --model.max_pixels "
+           f"(now {m.max_pixels or 'the processor default'})" if "max_prompt_tokens" in reason
+           else "check the dataset's images")
+    return f"phase {cfg.phase.name}: {draws} draws in a row kept no prompt (the last: {reason}); {fix}"
 
 
 def run_grpo_phase(cfg: TrainConfig, files: RunFiles, device: str, dp: DataParallel | None = None) -> None:
@@ -223,7 +242,7 @@ def run_grpo_phase(cfg: TrainConfig, files: RunFiles, device: str, dp: DataParal
             save(done, pending=True)
             raise Stopped(stop_message(f"{phase} step {done} (its evaluation abandoned)"), STOP.signum) from None
         print_eval(phase, done, result)
-        files.write_log(dict(event="eval", phase=phase, step=done, metrics=result.flat()))
+        files.write_log(dict(event="eval", phase=phase, step=done, metrics=result.flat(), skipped=dict(result.skipped)))
         if cfg.phase.controller:
             metrics = dict(result.metrics, zero_spread=float(np.mean(state.zero_spread_since_eval)))
             for d in controller.update(metrics, result.overall.intervals, n=result.overall.n_prompts):
@@ -242,8 +261,21 @@ def run_grpo_phase(cfg: TrainConfig, files: RunFiles, device: str, dp: DataParal
         temperature = controller.temperature
 
         def draw(n: int):
-            """Steps 1-2 for the stream's next n prompts (this rank's n / world of them)."""
-            r = sample_and_score(learner, dp.shard(stream.next_batch(n)), temperature, hooks)
+            """Steps 1-2 for the stream's next n prompts (this rank's n / world of them). A prompt
+            over model.max_prompt_tokens (or with a bad image) is dropped and counted; a draw
+            that keeps none is counted and replaced by the stream's next n prompts (with data
+            parallelism on that rank alone: its stream then runs ahead of the others' until
+            a resume realigns them, no collective waits on it)."""
+            for _ in range(EMPTY_DRAWS):
+                try:
+                    r = sample_and_score(learner, dp.shard(stream.next_batch(n)), temperature, hooks)
+                    break
+                except NoPromptsLeft as e:
+                    hooks.prompts.add(e.counts)
+                    reason = e.skipped[0][1]
+            else:
+                raise ConfigError(no_prompt_message(EMPTY_DRAWS, reason, cfg))
+            hooks.prompts.add(r.prompts)
             if cfg.rewards.random_reward:  # the random-reward control (bench/learning.py): rewards cut loose,
                 # keyed by the data position, so a resumed run draws what a straight run draws
                 key = (cfg.run.seed * 1_000_003 + stream.position) * 64 + dp.rank
@@ -260,8 +292,9 @@ def run_grpo_phase(cfg: TrainConfig, files: RunFiles, device: str, dp: DataParal
             merged.refresh()  # the merged copy follows the new adapter (only the next sampling reads it)
 
         # ---- 7. log: one JSON line per rollout batch (= per optimiser step when mu = 1)
+        prompts = PromptCounts(**dp.totals_over_ranks(dataclasses.asdict(hooks.prompts), PromptCounts.MAXIMA))
         record = step_record(phase, step, result, rewards.weights, temperature, lr_at(step * mu, cfg),
-                             dict(hooks.timing, step=time.time() - hooks.t0), dp, cfg)
+                             dict(hooks.timing, step=time.time() - hooks.t0), dp, cfg, prompts)
         # with dynamic sampling the trained batch has no zero-spread group: the gate reads what was sampled
         fill = result.fill
         state.zero_spread_since_eval.append(fill.dropped_frac if fill is not None else record["zero_spread"])

@@ -85,9 +85,15 @@ def test_step():
     pytest.importorskip("bitsandbytes")
     out = cli(*DRY_RUN["step"])
     assert "SCALED DOWN" in out  # a CPU run says it is not the 7B
-    for stage in ("prompts", "sampling", "rewards", "ref logp (no grad)", "logp (grad)", "loss", "backward",
-                  "optimizer", "step total"):
+    for stage in ("prompts", "sampling", "rewards", "step total"):
         assert re.search(rf"^\s*{re.escape(stage)}\s+\d", out, re.M), stage
+    for stage in ("ref logp (no grad)", "logp (grad)", "loss", "backward", "optimizer"):  # both log-prob paths
+        for prefix in ("shared", "full"):
+            assert re.search(rf"^\s*{re.escape(stage)} \[{prefix}\]\s+\d", out, re.M), (stage, prefix)
+    for path in ("plain", "merged"):
+        assert re.search(rf"^# log-prob paths \({path} rollouts\): shared: training passes [\d.]+ ms, policy pass "
+                         rf"[\d.]+ ms, saved [\d.]+ [KMG]?i?B; full: .* full/shared: training passes [\d.]+x; "
+                         rf"shared vs full: policy pass time [+-]\d+%, saved -\d+%$", out, re.M), path
     for path in ("plain", "merged"):
         row = re.search(rf"^\s*{path}\s+2\s+4\s+\d+\s+[\d.]+\s+(\d+)", out, re.M)  # 2 rows x 4 steps decoded
         assert row and int(row.group(1)) > 0, path
@@ -208,3 +214,12 @@ def test_step_benchmark_on_the_tiny_default_reports_the_rollout_mismatch():
         kl, mean, mx, seq_max, over = map(float, row.groups())
         assert kl < 1e-4 and abs(mean - 1) < 1e-2 and 1 - 1e-2 < mx < 1.1 and seq_max < 1.5 and over == 0, row.group(0)
     assert re.search(r"^summary: GRPO step \(tiny, B=1 G=2 L=4\)", out, re.M)
+
+
+def test_step_benchmark_runs_one_log_prob_path():
+    """--prefix full: only the full-row passes, stages without a path tag, no ratio."""
+    pytest.importorskip("bitsandbytes")
+    out = cli("bench.step", "--smoke", "--rollout", "plain", "--prefix", "full")
+    assert re.search(r"^\s*logp \(grad\)\s+\d", out, re.M) and "[shared]" not in out
+    assert re.search(r"^# log-prob paths \(plain rollouts\): full: training passes [\d.]+ ms, policy pass [\d.]+ ms, "
+                     r"saved [\d.]+ [KMG]?i?B$", out, re.M)

@@ -67,12 +67,33 @@ def test_bad_overrides_name_the_problem(argv, match):
         ("loss_type", "ppo", "use grpo, bnpo, dr_grpo or dapo"),
         ("mixture", {4: 1.0}, "stages are 1, 2 and 3"),
         ("temperature", 0.0, "temperature"),
+        ("max_pixels", 783, r"model.max_pixels=783: must be >= 784 \(one 28x28 visual token\), or 0"),
+        ("min_pixels", -1, r"model.min_pixels=-1: must be >= 0 \(0 = the processor's own\)"),
+        ("max_prompt_tokens", -1, r"model.max_prompt_tokens=-1: must be >= 0 \(0 = no cap\)"),
     ],
 )
 def test_impossible_values_are_refused(key, value, match):
     cfg = apply_overrides(TrainConfig(), {key: value})
     with pytest.raises(ConfigError, match=match):
         cfg.validate()
+
+
+def test_image_bounds_must_form_a_range():
+    cfg = apply_overrides(TrainConfig(), {"max_pixels": 56 * 56, "min_pixels": 112 * 112})
+    with pytest.raises(ConfigError, match="model.min_pixels=12544 > model.max_pixels=3136"):
+        cfg.validate()
+    assert apply_overrides(cfg, {"max_pixels": 0}).validate() is cfg  # 0: the processor's own max (checked at load)
+
+
+def test_the_qwen7b_preset_bounds_its_images_and_tiny_keeps_the_checkpoints():
+    from grpo.cli import phase_config
+
+    for phase in ("warmup", "A"):
+        q = phase_config(phase, "qwen7b", {}, phase).model
+        assert (q.max_pixels, q.min_pixels, q.max_prompt_tokens) == (448 * 448, 3136, 0)
+        assert q.max_pixels // (28 * 28) == 256 and q.max_pixels == q.image_size**2  # its renders pass untouched
+        t = phase_config(phase, "tiny", {}, phase).model
+        assert (t.max_pixels, t.min_pixels) == (0, 0)
 
 
 def test_warmup_has_no_group_or_rewards_to_check():

@@ -95,6 +95,7 @@ def test_single_process_is_the_identity():
     assert dp.advantage_inputs(r, "batch") == (r, "batch")
     rec = {"loss": 0.5, "step": 3, "time": {"step": 1.5}}
     assert dp.mean_over_ranks(rec) == rec
+    assert dp.totals_over_ranks({"n": 3, "top": 7}, ("top",)) == {"n": 3, "top": 7}
     assert dp.shard(list("abcd")) == list("abcd")
 
 
@@ -183,6 +184,9 @@ def test_trainer_runs_data_parallel_end_to_end(two_ranks):
     assert [r["step"] for r in steps] == [1, 2, 3]  # rank 0 alone writes: one line per step
     assert [r["step"] for r in lines if r.get("phase") == "warmup" and "event" not in r] == [1, 2, 3, 4]  # 2 caption + 2 SFT
     assert any(r["adv_abs"] > 0 for r in steps), "no step had reward spread: replicas were never tested moving"
+    # what entered the model: summed over ranks (2 prompts each), not rank 0's own
+    assert all(r["prompts"]["n"] == 4 and r["prompts"]["visual_tokens_max"] == 16 for r in steps)
+    assert [res["totals"] for res in results] == [{"n": 3, "top": 10}] * 2  # ranks' 1 + 2 and max(0, 10)
     evals = [r for r in lines if r.get("event") == "eval" and r["phase"] == "A"]
     assert len(evals) == 1 and evals[0]["metrics"]["n"] == 4.0  # 2 + 2 prompts gathered
     from grpo.state.checkpoint import load_checkpoint
@@ -329,6 +333,8 @@ def _worker(out_dir: Path) -> None:
             result["replica_check_caught"] = True
         if dp.rank == 1:
             params[0].view(-1)[0] -= 1e-6
+
+    result["totals"] = dp.totals_over_ranks({"n": dp.rank + 1, "top": 10 * dp.rank}, ("top",))
 
     # the trainer, as torchrun -m grpo.train runs it (the process group is reused)
     from grpo.train import main

@@ -224,6 +224,15 @@ def test_default_dir_is_reused():
     assert (default_model_dir() / "model.safetensors").is_file()
 
 
+def test_a_damaged_cache_entry_is_built_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("VLGRPO_CACHE", str(tmp_path))
+    first = default_model_dir()
+    (first / "model.safetensors").unlink()  # the marker stays: the entry must not be trusted
+    again = default_model_dir()
+    assert again == first and (again / "model.safetensors").is_file()
+    load_bundle("tiny-random")  # and it loads
+
+
 def test_clear_load_errors(tmp_path, monkeypatch):
     with pytest.raises(ModelLoadError, match="'/no/such/model' does not exist"):
         load_bundle("/no/such/model")

@@ -50,6 +50,13 @@ class ModelBundle:
     image_processor: Any  # Qwen2VLImageProcessorPil
     source: str  # "tiny" or the directory / hub id it came from
     system_prompt: str | None = None  # None: whatever the chat template does by default
+    max_prompt_tokens: int = 0  # longer prompts (visual tokens included) never enter the model; 0 = no cap
+
+    @property
+    def pixel_bounds(self) -> tuple[int, int]:
+        """(min_pixels, max_pixels): the image area range Qwen's resize keeps images in."""
+        size = self.image_processor.size
+        return int(size["shortest_edge"]), int(size["longest_edge"])
 
     @property
     def device(self) -> torch.device:
@@ -141,20 +148,53 @@ def model_skeleton(name_or_path: str = TINY_NAME, seed: int = 0) -> torch.nn.Mod
         return Qwen2_5_VLForConditionalGeneration(config)
 
 
+def set_input_bounds(bundle: ModelBundle, max_pixels: int = 0, min_pixels: int = 0,
+                     max_prompt_tokens: int | None = None) -> ModelBundle:
+    """Bound what enters the model: the image area range and the prompt length, in place.
+
+    ``max_pixels`` / ``min_pixels`` are Qwen's own knobs, set on the image processor, whose
+    resize (``smart_resize``) keeps the aspect ratio, rounds both sides to multiples of 28 px
+    and scales an image whose rounded area leaves [min_pixels, max_pixels] into it: one
+    visual token per 28x28 px, so max_pixels / 784 bounds the visual tokens of one image.
+    0 keeps the processor's value (the checkpoint's preprocessor_config.json; Qwen2.5-VL
+    ships 12845056, up to 16384 visual tokens per image). With max_pixels alone, a larger
+    processor min_pixels is lowered to it: smart_resize checks the max first and would
+    otherwise upscale a small image past the max. ``max_prompt_tokens``: None keeps the
+    bundle's cap, 0 removes it (grpo.model.prompts.encode_prompts enforces it).
+    """
+    if max_pixels or min_pixels:
+        lo, hi = bundle.pixel_bounds
+        if max_pixels:
+            hi, lo = int(max_pixels), min(lo, int(max_pixels))
+        if min_pixels:
+            if min_pixels > hi:
+                raise ModelLoadError(f"model.min_pixels={min_pixels} is above the image processor's max_pixels={hi}; "
+                                     f"lower it or set --model.max_pixels as well")
+            lo = int(min_pixels)
+        bundle.image_processor.size = {"shortest_edge": lo, "longest_edge": hi}
+    if max_prompt_tokens is not None:
+        bundle.max_prompt_tokens = int(max_prompt_tokens)
+    return bundle
+
+
 def load_bundle(
     name_or_path: str = TINY_NAME,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     *,
     seed: int = 0,
-    max_pixels: int | None = None,
+    max_pixels: int = 0,
+    min_pixels: int = 0,
+    max_prompt_tokens: int = 0,
     attn_implementation: str = "sdpa",
 ) -> ModelBundle:
     """Load model, tokenizer and image processor from 'tiny', a local directory or a hub id.
 
-    ``max_pixels`` caps the image area for real models (Qwen's default, 12.8M px, turns one
-    photo into thousands of visual tokens); ``seed`` selects the tiny build. Every failure
-    is one ModelLoadError naming what was wrong and what to do.
+    ``max_pixels`` / ``min_pixels`` / ``max_prompt_tokens`` bound what enters the model
+    (``set_input_bounds``; 0 = the checkpoint's processor config, no prompt cap): Qwen's
+    default max, 12.8M px, turns one photo into thousands of visual tokens. ``seed``
+    selects the tiny build. Every failure is one ModelLoadError naming what was wrong and
+    what to do.
     """
     from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -180,8 +220,6 @@ def load_bundle(
     except Exception as e:
         fix = f"rebuild it (delete {src} and load 'tiny' again)" if local else fix_hub
         raise ModelLoadError(f"could not load the image processor from {where} ({first_line(e)}); {fix}") from None
-    if max_pixels is not None:
-        image_processor.size = {"shortest_edge": min(56 * 56, max_pixels), "longest_edge": int(max_pixels)}
     try:
         model = Qwen2_5_VLForConditionalGeneration.from_pretrained(
             src, dtype=dtype, attn_implementation=attn_implementation, **kw
@@ -194,5 +232,6 @@ def load_bundle(
                              "tokenizer's <|image_pad|>; the directory mixes two models")
     model.to(device)
     model.eval()  # no dropout anywhere: sampling and log-probs must see the same function
-    return ModelBundle(model=model, tokenizer=tokenizer, image_processor=image_processor,
-                       source=str(name_or_path) if str(name_or_path) in (TINY_NAME, TINY_RANDOM_NAME) else src)
+    bundle = ModelBundle(model=model, tokenizer=tokenizer, image_processor=image_processor,
+                         source=str(name_or_path) if str(name_or_path) in (TINY_NAME, TINY_RANDOM_NAME) else src)
+    return set_input_bounds(bundle, max_pixels, min_pixels, max_prompt_tokens)

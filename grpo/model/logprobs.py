@@ -12,6 +12,14 @@ all T of them. What this file does to make that cheap:
   sampling (grpo/prompt_context.PromptContext, frozen tower, no grad) are scattered into
   the B prompt embeddings, which are then indexed to serve the B*G rows. A rerun would
   cost 2G vision passes per prompt per step (policy + reference).
+- The prompt once per group (``shared_prefix``, the default, optim.shared_prefix): a group's
+  G rows share the prompt, and causal attention means no prompt position sees a completion,
+  so grpo/model/shared_prefix.py runs the B prompts once ([B, P, d]) next to the N
+  completions ([N, T, d]), each completion attending to its prompt's keys/values copied G
+  times; autograd sums the G copies' gradients into the one prompt pass. The same log-probs
+  and gradients as the full-row pass below (``completion_hidden_states``: the prompt in all
+  N rows, [N, P + T, d]), kept as the reference, at 1/G of the prompt's compute and saved
+  activations.
 - Logits only at completion positions: the transformer runs on all P + T positions (P prompt
   tokens), but the LM head runs only on the T hidden states that predict completion tokens
   (positions P-1 .. P+T-2).
@@ -47,6 +55,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from grpo.model.prompt_context import PromptContext, completion_position_ids, group_rows, prompt_embeds
+from grpo.model.shared_prefix import shared_prefix_hidden_states, supports
 from kernels.logprob import token_logprobs
 
 
@@ -111,6 +120,7 @@ def completion_logprobs(
     temperature: float = 1.0,
     chunk_tokens: int = 1024,
     backend: str = "auto",
+    shared_prefix: bool = True,
 ) -> torch.Tensor:
     """log softmax(lm_head(h) / temperature)[o_t] for B*G completions: [N, T] fp32, 0 where masked.
 
@@ -122,7 +132,8 @@ def completion_logprobs(
     if not isinstance(chunk_tokens, int) or chunk_tokens < 1:
         raise ValueError(f"chunk_tokens={chunk_tokens!r}: must be an int >= 1")
     temperature = 1.0 if temperature == 0 else float(temperature)
-    hidden = completion_hidden_states(model, ctx, completion_ids, completion_mask, G)  # [N, T, d]
+    hidden_states = shared_prefix_hidden_states if shared_prefix and supports(model) else completion_hidden_states
+    hidden = hidden_states(model, ctx, completion_ids, completion_mask, G)  # [N, T, d]
     lm_head = model.get_output_embeddings()
     rows = max(1, chunk_tokens // max(1, hidden.shape[1]))
     out = []
@@ -148,6 +159,7 @@ def reference_logprobs(
     temperature: float = 1.0,
     chunk_tokens: int = 1024,
     backend: str = "auto",
+    shared_prefix: bool = True,
 ) -> torch.Tensor:
     """The reference policy's log-probs: no grad, inside ``ref_context()``.
 
@@ -157,4 +169,5 @@ def reference_logprobs(
     """
     with torch.no_grad(), (ref_context() if ref_context is not None else contextlib.nullcontext()):
         return completion_logprobs(model, ctx, completion_ids, completion_mask, G,
-                                   temperature=temperature, chunk_tokens=chunk_tokens, backend=backend)
+                                   temperature=temperature, chunk_tokens=chunk_tokens, backend=backend,
+                                   shared_prefix=shared_prefix)

@@ -51,25 +51,43 @@ def check_policy_config(cfg: TrainConfig) -> None:
         raise ConfigError(f"--lora.targets {','.join(cfg.lora.targets)}: {err}") from None
 
 
+def input_bounds(cfg: TrainConfig) -> dict[str, int]:
+    """load_bundle's bounds on what enters the model, from the config (0 = the checkpoint's
+    processor config for the pixel bounds, no cap for the prompt length)."""
+    m = cfg.model
+    return dict(max_pixels=m.max_pixels, min_pixels=m.min_pixels, max_prompt_tokens=m.max_prompt_tokens)
+
+
 def build_policy(cfg: TrainConfig, device: str, base_ckpt: Path | None = None, verbose: bool = True) -> Any:
-    """Model bundle with the base (from ``base_ckpt`` if given), 4-bit if configured, LoRA injected."""
+    """Model bundle with the base (from ``base_ckpt`` if given), 4-bit if configured, LoRA injected.
+
+    The order keeps the full-precision model off the device. The weights are loaded (and a
+    base checkpoint applied) on the host; with load_in_4bit each linear layer is then
+    quantised on its way to ``device`` (its host copy crosses once, is quantised there and
+    its device copy freed, lora/quant.py), and only then do the parts kept in full precision
+    (embeddings, norms, vision tower, lm_head) move. The device so never holds more than the
+    NF4 model plus one full-precision layer -- moving the whole model first would put the
+    7B's ~16 GB of bf16 weights there. LoRA is injected last, on the device.
+    """
     from grpo.model.load import load_bundle
     from grpo.state.checkpoint import load_checkpoint
     from lora import inject_lora
 
     dtype = getattr(torch, cfg.model.dtype)
-    bundle = load_bundle(cfg.model.name, dtype=dtype, device="cpu", seed=cfg.run.seed)
+    bundle = load_bundle(cfg.model.name, dtype=dtype, device="cpu", seed=cfg.run.seed, **input_bounds(cfg))
     if base_ckpt is not None:
         load_base_weights(bundle.model, load_checkpoint(base_ckpt).tensors)
-    bundle.model.to(device)
     if cfg.model.load_in_4bit:
         from lora import quantize_model_4bit
 
+        # layer by layer onto the device, then the rest (quantize_model_4bit's last move)
         report = quantize_model_4bit(bundle.model, compute_dtype=dtype, device=device, verbose=verbose)
         if verbose:
             print(f"4-bit base: {report}")
+    else:
+        bundle.model.to(device)
     inject_lora(bundle.model, cfg.lora.to_lora(), verbose=verbose)
-    bundle.model.to(device)
+    bundle.model.to(device)  # a guard: LoRA tensors are created beside their base layer, already there
     if cfg.model.gradient_checkpointing:
         from lora import enable_gradient_checkpointing
 

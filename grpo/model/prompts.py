@@ -9,6 +9,12 @@ processor adds -- expand ``<|image_pad|>`` to one token per merged patch and mar
 tokens in ``mm_token_type_ids`` -- and a test checks the result equals the processor's.
 ``mm_token_type_ids`` matters: without it Qwen2.5-VL silently falls back to 1-D positions.
 
+Bounds (grpo/model/load.py ``set_input_bounds``): the processor resizes every image into
+[min_pixels, max_pixels] (Qwen's smart resize), and a prompt longer than the bundle's
+``max_prompt_tokens`` (visual tokens included) does not enter the model: skipped like a bad
+image, or one ValueError naming it. ``PromptBatch.counts`` says what entered and what did
+not (the training log line's "prompts" entry).
+
 Chat format: one user turn ``<|vision_start|><|image_pad|>*n<|vision_end|>`` + the contract
 prompt (data.contract.format_prompt), then the assistant header. The tiny model uses no
 system prompt (its template adds none); a real Qwen model keeps its own template, which
@@ -17,6 +23,7 @@ adds Qwen's default system prompt.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +33,51 @@ from data.contract import format_prompt
 from grpo.model.load import ModelBundle, first_line
 
 # ----------------------------------------------------------------------------- prompt encoding
+
+
+@dataclass
+class PromptCounts:
+    """What entered the model, and what did not, over one or more ``encode_prompts`` calls.
+
+    Sums and maxima, so the counts of several draws (and of several ranks) add up; the
+    training log line's "prompts" entry is ``record()`` of a step's draws.
+    """
+
+    prompts: int = 0  # prompts that entered the model
+    visual_tokens: int = 0  # their visual tokens (one per 28x28 px of the resized image), summed
+    visual_tokens_max: int = 0  # the most of one prompt
+    tokens: int = 0  # their prompt tokens (visual included), summed
+    tokens_max: int = 0
+    resized_down: int = 0  # their images max_pixels shrank (fewer visual tokens than their size gives)
+    resized_up: int = 0  # their images min_pixels enlarged
+    skipped_long: int = 0  # prompts over max_prompt_tokens: skipped
+    skipped_image: int = 0  # prompts whose image failed to preprocess: skipped
+
+    MAXIMA = ("visual_tokens_max", "tokens_max")  # combined by max; every other field by sum
+
+    def add(self, other: PromptCounts | None) -> PromptCounts:
+        """Fold ``other`` into these counts (in place); returns self."""
+        if other is not None:
+            for f in dataclasses.fields(self):
+                a, b = getattr(self, f.name), getattr(other, f.name)
+                setattr(self, f.name, max(a, b) if f.name in self.MAXIMA else a + b)
+        return self
+
+    def record(self) -> dict[str, Any]:
+        """The log line's entry: means and maxima per prompt, counts of resized images and skips."""
+        n = max(self.prompts, 1)
+        return dict(n=self.prompts, visual_tokens=self.visual_tokens / n, visual_tokens_max=self.visual_tokens_max,
+                    tokens=self.tokens / n, tokens_max=self.tokens_max, resized_down=self.resized_down,
+                    resized_up=self.resized_up, skipped_long=self.skipped_long, skipped_image=self.skipped_image)
+
+
+class NoPromptsLeft(ValueError):
+    """Every prompt of an ``encode_prompts`` call was skipped (bad images, over the prompt cap).
+    ``counts`` and ``skipped`` say which and why, so a caller can count them and draw again."""
+
+    def __init__(self, message: str, skipped: list[tuple[int, str]], counts: PromptCounts):
+        super().__init__(message)
+        self.skipped, self.counts = skipped, counts
 
 
 @dataclass
@@ -43,6 +95,7 @@ class PromptBatch:
     image_grid_thw: torch.Tensor  # [B, 3] long, (t, h, w) patch grid per image
     kept: list[int] = field(default_factory=list)  # input index of each row
     skipped: list[tuple[int, str]] = field(default_factory=list)  # (input index, reason) of dropped inputs
+    counts: PromptCounts = field(default_factory=PromptCounts)  # what entered the model and what did not
 
     def model_inputs(self) -> dict[str, torch.Tensor]:
         """The keyword arguments of Qwen2_5_VLForConditionalGeneration.forward / generate."""
@@ -52,7 +105,7 @@ class PromptBatch:
 
     def to(self, device: str | torch.device) -> PromptBatch:
         moved = {k: v.to(device) for k, v in self.model_inputs().items()}
-        return PromptBatch(**moved, kept=list(self.kept), skipped=list(self.skipped))
+        return PromptBatch(**moved, kept=list(self.kept), skipped=list(self.skipped), counts=self.counts)
 
     @property
     def n_image_tokens(self) -> torch.Tensor:
@@ -97,29 +150,62 @@ def _preprocess_image(bundle: ModelBundle, image) -> tuple[torch.Tensor, torch.T
     return out["pixel_values"], out["image_grid_thw"][0]
 
 
+def _image_hw(image) -> tuple[int, int] | None:
+    """(height, width) of a PIL image or an array the processor accepts; None if unknown."""
+    if hasattr(image, "height") and hasattr(image, "width"):  # PIL
+        return int(image.height), int(image.width)
+    try:
+        from transformers.image_utils import get_image_size, to_numpy_array
+
+        return tuple(int(x) for x in get_image_size(to_numpy_array(image)))
+    except Exception:  # noqa: BLE001 -- only a statistic depends on it
+        return None
+
+
+def resize_direction(bundle: ModelBundle, image, grid: torch.Tensor) -> int:
+    """-1 if the processor's max_pixels shrank ``image``, +1 if its min_pixels enlarged it, else 0.
+
+    Qwen's smart resize first rounds both sides to multiples of 28 px (patch 14 x merge 2)
+    and rescales only when that rounded area leaves [min_pixels, max_pixels]; so a bound
+    acted exactly when the patch grid's area differs from the rounded one.
+    """
+    hw = _image_hw(image)
+    if hw is None:
+        return 0
+    patch = int(bundle.image_processor.patch_size)
+    factor = patch * int(bundle.image_processor.merge_size)
+    rounded = round(hw[0] / factor) * factor * round(hw[1] / factor) * factor
+    area = int(grid[1]) * int(grid[2]) * patch * patch
+    return -1 if area < rounded else (1 if area > rounded else 0)
+
+
 def encode_prompts(
     bundle: ModelBundle,
     items,
     *,
     on_bad_image: str = "raise",
     image_only: bool = False,
+    max_prompt_tokens: int | None = None,
 ) -> PromptBatch:
     """Tokenise B (image, question) prompts into one left-padded batch.
 
     ``items``: a sequence of Examples (``.image`` a PIL image, ``.question``) or a tuple
-    ``(images, questions)``. ``on_bad_image="skip"`` drops an example whose image fails
-    to preprocess and records it in ``.skipped`` (training goes on); "raise" (default)
-    raises one ValueError naming the example. ``image_only``: prompts without the
-    question (the warm-up's perception stage).
+    ``(images, questions)``. A prompt that cannot enter the model -- its image fails to
+    preprocess, or it is longer than ``max_prompt_tokens`` (None: the bundle's cap; 0: no
+    cap; visual tokens included) -- is, with ``on_bad_image="skip"``, dropped and recorded
+    in ``.skipped`` and ``.counts`` (training goes on); with "raise" (default) it is one
+    ValueError naming the example. Every prompt skipped: ``NoPromptsLeft``. ``image_only``:
+    prompts without the question (the warm-up's perception stage).
     """
     if on_bad_image not in ("raise", "skip"):
         raise ValueError(f"on_bad_image={on_bad_image!r}; use 'raise' or 'skip'")
     pairs = _as_pairs(items)
     if not pairs:
         raise ValueError("encode_prompts: no prompts given")
+    cap = getattr(bundle, "max_prompt_tokens", 0) if max_prompt_tokens is None else int(max_prompt_tokens)
     tok, merge2 = bundle.tokenizer, bundle.merge_size**2
     image_pad = "<|image_pad|>"
-    rows, pixels, grids, kept, skipped = [], [], [], [], []
+    rows, pixels, grids, kept, skipped, counts = [], [], [], [], [], PromptCounts()
     for i, (image, question) in enumerate(pairs):
         if not image_only and (not isinstance(question, str) or not question.strip()):
             raise ValueError(f"encode_prompts: item {i} has no question text (got {question!r})")
@@ -129,20 +215,35 @@ def encode_prompts(
             if on_bad_image == "raise":
                 raise ValueError(f"encode_prompts: item {i}: {e}; fix the image or pass on_bad_image='skip'") from None
             skipped.append((i, str(e)))
+            counts.skipped_image += 1
             continue
         text = prompt_text(bundle, None if image_only else question)
         n_vis = int(grid.prod()) // merge2  # one LM token per 2x2 group of patches
         text = text.replace(image_pad, image_pad * n_vis, 1)
-        rows.append(tok(text, add_special_tokens=False)["input_ids"])
+        row = tok(text, add_special_tokens=False)["input_ids"]
+        if cap and len(row) > cap:  # the memory bound: a longer prompt never reaches the model
+            why = f"prompt of {len(row)} tokens ({n_vis} visual) > max_prompt_tokens={cap}"
+            if on_bad_image == "raise":
+                raise ValueError(f"encode_prompts: item {i}: {why}; raise --model.max_prompt_tokens, lower "
+                                 "--model.max_pixels, or pass on_bad_image='skip'")
+            skipped.append((i, why))
+            counts.skipped_long += 1
+            continue
+        rows.append(row)
         pixels.append(patches)
         grids.append(grid)
         kept.append(i)
+        direction = resize_direction(bundle, image, grid)
+        counts.add(PromptCounts(prompts=1, visual_tokens=n_vis, visual_tokens_max=n_vis, tokens=len(row),
+                                tokens_max=len(row), resized_down=int(direction < 0), resized_up=int(direction > 0)))
     if not rows:
-        raise ValueError(f"encode_prompts: every image failed to preprocess: {skipped}")
+        what = "every image failed to preprocess" if not counts.skipped_long else "no prompt could enter the model"
+        raise NoPromptsLeft(f"encode_prompts: {what}: {skipped}", skipped, counts)
     P = max(len(r) for r in rows)  # the padded prompt length
     if P > bundle.context_length:
         raise ValueError(f"encode_prompts: a prompt is {P} tokens, longer than the model's context "
-                         f"({bundle.context_length}); shorten the question or lower max_pixels")
+                         f"({bundle.context_length}); shorten the question, lower --model.max_pixels "
+                         "or set --model.max_prompt_tokens")
     B = len(rows)
     input_ids = torch.full((B, P), bundle.pad_token_id, dtype=torch.long)
     attention_mask = torch.zeros((B, P), dtype=torch.long)
@@ -158,4 +259,5 @@ def encode_prompts(
         image_grid_thw=torch.stack(grids, 0),
         kept=kept,
         skipped=skipped,
+        counts=counts,
     )

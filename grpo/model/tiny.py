@@ -119,6 +119,11 @@ def build_tiny_model(out_dir: str | os.PathLike, seed: int = 0, corpus: Sequence
     return out
 
 
+# What a complete cached build holds (the marker is written last, but a later deletion can
+# leave it behind without the weights).
+BUILD_FILES = ("config.json", "model.safetensors", "tokenizer.json", "preprocessor_config.json", "vlgrpo_build.json")
+
+
 @functools.lru_cache(maxsize=None)
 def _corpus_fingerprint(seed: int) -> str:
     """First 10 hex digits of sha256 over the default tokenizer corpus (memoised per process)."""
@@ -142,8 +147,10 @@ def default_model_dir(seed: int = 0) -> Path:
     root = Path(os.environ.get("VLGRPO_CACHE", Path.home() / ".cache" / "vlgrpo"))
     name = f"{TINY_VERSION}-{_corpus_fingerprint(seed)}" + ("" if seed == 0 else f"-seed{seed}")
     target = root / name
-    if (target / "vlgrpo_build.json").exists():
+    if all((target / f).is_file() for f in BUILD_FILES):
         return target
+    if target.exists():  # a damaged entry (a file deleted by hand or by a full disk): build it again
+        shutil.rmtree(target, ignore_errors=True)
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=name + ".tmp-", dir=root))
     try:
@@ -151,7 +158,7 @@ def default_model_dir(seed: int = 0) -> Path:
         try:
             os.rename(tmp, target)
         except OSError:  # another process won the race: use its copy
-            if not (target / "vlgrpo_build.json").exists():
+            if not all((target / f).is_file() for f in BUILD_FILES):
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

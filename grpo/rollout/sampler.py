@@ -89,6 +89,7 @@ class Rollout:
     examples: list[Any]  # one per prompt the sampler kept, in row-group order
     out: SampleOutput
     scores: Any  # grpo.rewards.RewardBatch of out's rows
+    prompts: Any = None  # grpo.model.prompts.PromptCounts of the call's prompts (entered, resized, skipped)
 
     @property
     def n_groups(self) -> int:

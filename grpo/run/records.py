@@ -20,9 +20,13 @@ def update_record(u: Any, dp) -> dict:
 
 
 def step_record(phase: str, step: int, result: Any, weights: dict, temperature: float, lr: float, timing: dict,
-                dp, cfg: TrainConfig) -> dict:
+                dp, cfg: TrainConfig, prompts: Any = None) -> dict:
     """The log line of one rollout batch (keys: eval/plots.py), from a grpo.step.StepResult.
     Rewards, lengths and the loss's diagnostics are those of update 1, the on-policy one.
+    "prompts" (``prompts``: the step's draws' grpo.model.prompts.PromptCounts, totals over
+    ranks): what entered the model -- n prompts, mean / max visual tokens and prompt tokens
+    per prompt -- the images max_pixels shrank and min_pixels enlarged, and the prompts
+    skipped for exceeding model.max_prompt_tokens or for an image that failed.
     "rollout": the sampler against the trainer (kernels/grpo_loss.py's is_* stats): kl =
     mean k3 estimate of KL(sampler || trainer) per token, ratio_mean / ratio_max of
     pi_train / pi_sampler and over_frac = ratios above the cap, at the correction's level
@@ -56,6 +60,8 @@ def step_record(phase: str, step: int, result: Any, weights: dict, temperature: 
         record["updates"] = updates
     if result.fill is not None:
         record["dynamic"] = result.fill.to_dict()
+    if prompts is not None:
+        record["prompts"] = prompts.record()
     return record
 
 
@@ -65,6 +71,20 @@ def progress_line(phase: str, step: int, steps: int, record: dict) -> str:
     return (f"[{phase} {step + 1}/{steps}] reward {record['reward']:.3f}  "
             + " ".join(f"{k} {v:.2f}" for k, v in record["components"].items())
             + f"  len {record['completion_len']:.1f}  zero-spread {record['zero_spread']:.2f}"
+            + prompts_summary(record.get("prompts"))
             + (f"  refills {fill['refills']} fill {fill['fill']:.2f}" if fill is not None else "")
             + (f"  clip@{len(updates)} {updates[-1]['clip_low'] + updates[-1]['clip_high']:.3f}" if updates else "")
             + f"  {record['time']['step']:.2f}s/step")
+
+
+def prompts_summary(p: dict | None) -> str:
+    """The printed line's part about what entered the model: mean/max visual tokens per
+    prompt, then, only when something happened, images resized and prompts skipped."""
+    if p is None:
+        return ""
+    text = f"  vis {p['visual_tokens']:.0f}/{p['visual_tokens_max']}"
+    if p["resized_down"] or p["resized_up"]:
+        text += f"  resized down {p['resized_down']} up {p['resized_up']}"
+    if p["skipped_long"] or p["skipped_image"]:
+        text += f"  skipped {p['skipped_long']} over max_prompt_tokens, {p['skipped_image']} bad images"
+    return text

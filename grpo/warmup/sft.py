@@ -57,7 +57,7 @@ from data.schema import Example
 from grpo.config import ConfigError, TrainConfig, trains_from_scratch
 from grpo.evaluation import checkpoint_eval, print_eval
 from grpo.model.load import load_bundle
-from grpo.model.policy import build_policy, load_base_weights
+from grpo.model.policy import build_policy, input_bounds, load_base_weights
 from grpo.model.prompts import encode_prompts
 from grpo.run.files import RunFiles
 from grpo.run.guard import StepGuard
@@ -117,7 +117,9 @@ def build_sft_batch(bundle, examples: Sequence[Example], targets: Sequence[str],
     Returns model inputs plus ``labels`` [B, S] with -100 everywhere except target tokens.
     ``image_only``: the prompt is the image without the question (the perception stage).
     """
-    prompts = encode_prompts(bundle, examples, image_only=image_only)
+    # max_prompt_tokens=0: the warm-up trains on every example (its targets follow the prompts
+    # row for row); the cap bounds the GRPO passes and evaluations.
+    prompts = encode_prompts(bundle, examples, image_only=image_only, max_prompt_tokens=0)
     tok = bundle.tokenizer
     tgt = [tok(t, add_special_tokens=False)["input_ids"] + [bundle.eos_token_id] for t in targets]
     B, P = prompts.input_ids.shape
@@ -222,7 +224,7 @@ def run_warmup(cfg: TrainConfig, files: RunFiles, device: str) -> None:
     Rank 0 only: the warm-up is not data-parallel."""
     train, val = load_training_data(cfg)
     dtype = getattr(torch, cfg.model.dtype)
-    bundle = load_bundle(cfg.model.name, dtype=dtype, device=device, seed=cfg.run.seed)
+    bundle = load_bundle(cfg.model.name, dtype=dtype, device=device, seed=cfg.run.seed, **input_bounds(cfg))
     model = bundle.model
     # tiny-random (or any directory build_tiny_model wrote) starts from random weights.
     tiny = trains_from_scratch(cfg.model.name)
