@@ -445,13 +445,10 @@ def qwen7b_measurement(cfg, layers: list[int], tokens: list[int], image_px: int)
                             "planned KiB/token": f"{(w2 - w1) / (t2 - t1) / 1024:.1f}"})
         print(f"# extrapolation in length: bytes per completion token ({t1} -> {t2} tokens, 2 rows)")
         print_table(ext, ["layers", "phase", "measured KiB/token", "planned KiB/token"])
-    per_layer, n = saved_per_layer(bundle, examples, T=tokens[0])
-    sh = shapes_of_model(bundle.model, cfg)
-    S = n // 2
-    planned = n * layer_saved_per_token(sh) + 2 * S * S * sh.compute_bytes
-    print(f"# saved-tensor hooks, one decoder layer without checkpointing, {n} tokens: {per_layer / n:,.0f} B/token "
-          f"measured, {planned / n:,.0f} planned ({layer_saved_per_token(sh):,} B/token + the [2, 1, S, S] mask bias); "
-          f"the 7B's 28 layers would keep {28 * per_layer / n / 1024:,.0f} KiB per token without checkpointing")
+    per_layer, planned, n = saved_per_layer(bundle, cfg, examples, T=tokens[0])
+    print(f"# saved-tensor hooks, one decoder layer without checkpointing ({'shared-prefix' if cfg.optim.shared_prefix else 'full-row'} "
+          f"pass, {n} tokens through it): {per_layer:,} B measured, {planned:,} B planned ({per_layer / n:,.0f} and "
+          f"{planned / n:,.0f} B per token)")
     return rows
 
 
@@ -481,16 +478,20 @@ def checkpointing_off(model):
             layer.gradient_checkpointing = flag
 
 
-def saved_per_layer(bundle, examples, G: int = 2, T: int = 8) -> tuple[int, int]:
-    """(bytes autograd saves per decoder layer, tokens): saved-tensor hooks on the policy's
-    own forward (grpo.model.logprobs.completion_hidden_states, with grad, checkpointing off)
-    at 1 and 2 layers; the difference is one layer's. Row 0 stops one token early, so the
-    attention mask is there as in a real batch."""
+def saved_per_layer(bundle, cfg, examples, G: int = 2, T: int = 8) -> tuple[int, int, int]:
+    """(bytes autograd saves per decoder layer, the plan's count, tokens through the layer):
+    saved-tensor hooks on the policy pass the config selects (the shared-prefix pass or the
+    full-row one, with grad, checkpointing off) at 1 and 2 layers; the difference is one
+    layer's. Row 0 stops one token early, so the attention mask is there as in a real batch."""
     from grpo.model.logprobs import completion_hidden_states
     from grpo.model.prompt_context import build_prompt_context
     from grpo.model.prompts import encode_prompts
+    from grpo.model.shared_prefix import shared_prefix_hidden_states, supports
+    from grpo.run.memory_plan import pass_shape
 
     model = bundle.model
+    shared = cfg.optim.shared_prefix and supports(model)
+    hidden_states = shared_prefix_hidden_states if shared else completion_hidden_states
     prompts = encode_prompts(bundle, examples[:1], on_bad_image="skip").to(bundle.device)
     with torch.no_grad():
         ctx = build_prompt_context(model, prompts)
@@ -500,10 +501,18 @@ def saved_per_layer(bundle, examples, G: int = 2, T: int = 8) -> tuple[int, int]
     total, resident = {}, resident_tensors(model, None)
     for n in (1, 2):
         with first_layers(model, n), checkpointing_off(model), saved_bytes(resident) as seen:
-            hidden = completion_hidden_states(model, ctx, ids, mask, G)
+            hidden = hidden_states(model, ctx, ids, mask, G)
         total[n] = seen["bytes"]
         del hidden
-    return total[2] - total[1], G * (ctx.P + T)
+    sh = shapes_of_model(model, cfg)
+    tokens, kv_rows, mask_elems = pass_shape(cfg, 1, G, ctx.P, T)
+    planned = (tokens * layer_saved_per_token(sh, repeated_kv=not shared) + kv_rows * sh.kv_dim * sh.compute_bytes
+               + mask_elems * sh.compute_bytes)  # + the attention kernel's float copy of the masks
+    if sh.compute_bytes == 4 and not shared:
+        # in fp32 the norms keep their inputs themselves, and the full-row pass's final norm keeps
+        # the last layer's output at any depth: the 1 -> 2 layer difference lacks that one [tokens, d]
+        planned -= tokens * sh.hidden * 4
+    return total[2] - total[1], planned, tokens
 
 
 # settings of --gpu-check: (name, trainer options on top of the qwen7b preset), in order of value

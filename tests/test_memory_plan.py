@@ -18,7 +18,7 @@ from grpo.cli import phase_config
 from grpo.config import ConfigError
 from grpo.model.policy import build_policy
 from grpo.run import memory_plan
-from grpo.run.memory_plan import GiB, check_fits, layer_saved_per_token, need_bytes, plan_step, shapes_of_model
+from grpo.run.memory_plan import GiB, check_fits, need_bytes, plan_step, shapes_of_model
 
 
 @pytest.fixture(scope="module")
@@ -42,14 +42,14 @@ def test_live_bytes_counts_a_storage_once_and_until_it_is_freed():
     assert t.peak("other") == 4040 and t.live == 40 and b.numel() == 10
 
 
-def test_one_layer_saves_what_the_plan_counts_op_by_op(tiny):
+@pytest.mark.parametrize("shared_prefix", [True, False])
+def test_one_layer_saves_what_the_plan_counts_op_by_op(tiny, shared_prefix):
     cfg, bundle = tiny
-    per_layer, tokens = saved_per_layer(bundle, generate("train", 1, 2, seed=0, image_size=cfg.model.image_size))
-    sh = shapes_of_model(bundle.model, cfg)
-    S = tokens // 2
-    # the attention kernel's mask as a float bias [G, 1, S, S] comes on top of the per-token count
-    planned = tokens * layer_saved_per_token(sh) + 2 * S * S * sh.compute_bytes
-    assert abs(per_layer - planned) <= 0.01 * planned, (per_layer, planned)
+    cfg = copy.deepcopy(cfg)
+    cfg.optim.shared_prefix = shared_prefix
+    examples = generate("train", 1, 2, seed=0, image_size=cfg.model.image_size)
+    per_layer, planned, tokens = saved_per_layer(bundle, cfg, examples)
+    assert abs(per_layer - planned) <= 0.01 * planned, (per_layer, planned, tokens)
 
 
 def test_a_whole_step_allocates_what_the_plan_predicts(tiny):

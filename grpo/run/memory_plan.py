@@ -164,30 +164,48 @@ def prompt_tokens(cfg: TrainConfig) -> int:
 # ----------------------------------------------------------------------------- per-token terms
 
 
-def layer_saved_per_token(sh: Shapes, attention_mask: bool = True) -> int:
-    """Bytes autograd saves for backward in ONE decoder layer per token (transformers'
-    Qwen2.5-VL layer, NF4 + LoRA linears, with grad, not checkpointed). Op by op, b bytes
-    per element of the compute dtype:
+def layer_saved_per_token(sh: Shapes, repeated_kv: bool = True) -> int:
+    """Bytes autograd saves for backward in ONE decoder layer per token (Qwen2.5-VL's layer,
+    NF4 + LoRA linears, with grad, not checkpointed). Op by op, b bytes per element of the
+    compute dtype:
 
-        input RMSNorm    x.to(fp32) kept for the backward of pow and mul: 4d
-                         (b = 4: no copy, it saves the layer input itself: 0 new)
+        input RMSNorm    x.to(fp32) kept for the backward of pow and mul: 4d (b = 4: no
+                         copy, it keeps the layer input itself, a new tensor per layer
+                         unless checkpointing keeps it anyway)
         q/k/v            their common input, the norm's output: b d (bnb's matmul and LoRA's
                          both save the same tensor); LoRA's rank-r middle: r b per target
         rotary           q after rotation b d (the mul by cos/sin saves only cos/sin)
-        attention        K and V repeated to every query head (transformers' SDPA path with a
-                         mask): 2 b d; the output b d; log-sum-exp 4 per head
+        attention        K and V: repeated to every query head in transformers' SDPA path
+                         with a mask (``repeated_kv``: 2 b d), or the rotated K and V as they
+                         are in the shared-prefix pass (2 b d H_kv / H); the output b d;
+                         log-sum-exp 4 per head
         o_proj           its input, the output made contiguous: b d
         post RMSNorm     the residual sum in fp32: 4d (b = 4: the sum itself, b d); output b d
         MLP              gate out, SiLU out, up out, their product: 4 b I
 
-    bf16 on the 7B: 22 d + 8 I + 4 heads + 2 r x 7 = 230,624 B per token per layer."""
+    bf16 on the 7B: 22 d + 8 I + 4 heads + 2 r x 7 = 230,624 B per token per layer with the
+    KV heads repeated, 218,336 without. (The shared-prefix pass adds, per completion row,
+    its prompt's keys and values copied: ``shared_prefix_layer_bytes``.)"""
     d, I, b = sh.hidden, sh.intermediate, sh.compute_bytes
     q_heads_dim = sh.heads * sh.head_dim
-    kv = 2 * (q_heads_dim if attention_mask else sh.kv_dim) * b
-    norm_copy = 4 * d if b < 4 else 0
+    kv = 2 * (q_heads_dim if repeated_kv else sh.kv_dim) * b
+    norm_copy = 4 * d
     norm2_in = 4 * d if b < 4 else b * d
     return (norm_copy + b * d + sh.lora_targets * sh.lora_rank * b + b * q_heads_dim + kv + b * q_heads_dim
             + 4 * sh.heads + b * d + norm2_in + b * d + 4 * b * I)
+
+
+def pass_shape(cfg: TrainConfig, prompts: int, rows: int, P: int, T: int) -> tuple[int, int, int]:
+    """(tokens through each layer, extra bytes one layer saves, attention-mask elements) of a
+    log-prob pass over ``rows`` completions of ``prompts`` prompts. Full-row pass: every row
+    is prompt + completion, rows x (P + T) tokens, masks [rows, 1, S, S]. Shared-prefix pass
+    (optim.shared_prefix, grpo/model/shared_prefix.py): each prompt once, prompts x P + rows x
+    T tokens; every completion row attends to a copy of its prompt's keys and values (the
+    extra: rows x (P + T) x 2 H_kv D per element byte), masks [prompts, 1, P, P] and
+    [rows, 1, T, P + T]."""
+    if cfg.optim.shared_prefix:
+        return prompts * P + rows * T, rows * (P + T) * 2, prompts * P * P + rows * T * (P + T)
+    return rows * (P + T), 0, rows * (P + T) ** 2
 
 
 def layer_transient_no_grad_per_token(sh: Shapes) -> int:
@@ -271,7 +289,7 @@ def plan_step(sh: Shapes, cfg: TrainConfig, *, device: str = "cuda", micro_batch
     m = o.micro_batch_rows if micro_batch_rows is None else micro_batch_rows
     m = N if m == 0 else m
     P = prompt_tokens(cfg) if prompt_len is None else prompt_len
-    S = P + T
+    S = P + T  # the sampler's sequence
     d, b, L, V = sh.hidden, sh.compute_bytes, sh.layers, sh.vocab
     plan = Plan(micro_batch_rows=m, rows=N, prompt_tokens=P, completion_tokens=T, device=device)
 
@@ -300,33 +318,34 @@ def plan_step(sh: Shapes, cfg: TrainConfig, *, device: str = "cuda", micro_batch
     dequant = dequant_bwd if device == "cuda" else 0
     plan.add("dequantised NF4 weight (one projection)", "sampling", dequant)
 
-    # ---- training passes over one micro-batch of m rows
+    # ---- training passes over one micro-batch of m rows (m / G prompts)
     chunk = min(m, max(1, o.logits_chunk_tokens // T)) * T  # completion tokens per LM-head chunk
-    mask = m * S * S * (1 + b)  # transformers' bool mask + the attention kernel's bias in b
-    tokens = m * S
+    tokens, kv_rows, mask_elems = pass_shape(cfg, max(1, m // G), m, P, T)
+    kv_extra = kv_rows * sh.kv_dim * b  # the shared-prefix pass's prompt K/V copies, per layer
+    mask = mask_elems * (1 + b)  # the bool masks + the attention kernel's bias in b
     inputs = tokens * (2 * sh.head_dim * b + 3 * 8) + m * T * 20  # rotary cos/sin, positions; ids, masks, log-probs
     if o.beta > 0:
         plan.add("reference: micro-batch inputs + mask", "reference", inputs + mask + tokens * b * d)
         plan.add("reference: one layer (no grad)", "reference",
-                 tokens * layer_transient_no_grad_per_token(sh) + dequant)
+                 tokens * layer_transient_no_grad_per_token(sh) + kv_extra + dequant)
         plan.add("reference: one logits chunk", "reference", chunk * logits_bytes_per_token(sh, device, False))
     plan.add("policy: micro-batch inputs + mask", "policy", inputs + mask)
-    saved = layer_saved_per_token(sh)
+    saved = tokens * layer_saved_per_token(sh, repeated_kv=not o.shared_prefix) + kv_extra
     if cfg.model.gradient_checkpointing:
         plan.add("policy: layer inputs kept by checkpointing", "policy", L * tokens * b * d,
-                 f"{L} x {m} rows x {S} tokens x {b * d} B")
+                 f"{L} layers x {tokens:,} tokens x {b * d} B")
     else:
-        plan.add("policy: every layer's saved activations", "policy", L * tokens * saved,
-                 f"{saved:,} B/token/layer")
+        plan.add("policy: every layer's saved activations", "policy", L * saved, f"{saved / tokens:,.0f} B/token/layer")
     # Backward runs the logits chunks first, then the layers from the last one down. Two
     # candidates for its peak, on top of the layer inputs: (1) the logits chunks: the final
     # norm's saved fp32 copy and output, the completion hidden states the chunks keep, and
     # one chunk recomputed with its gradient; all of it is freed before the layers'
     # backward starts. (2) one layer recomputed: everything it saves, the mask bias, its
     # gradients and one dequantised weight.
-    final = tokens * ((4 * d if b < 4 else 0) + b * d) + m * T * b * d
+    final_tokens = m * T if o.shared_prefix else tokens  # the shared pass norms only the T predicting positions
+    final = final_tokens * ((4 * d if b < 4 else 0) + b * d) + m * T * b * d
     logits = final + chunk * logits_bytes_per_token(sh, device, True) + chunk * b * d
-    recompute = tokens * saved + m * S * S * b if cfg.model.gradient_checkpointing else 0
+    recompute = saved + mask_elems * b if cfg.model.gradient_checkpointing else 0
     layer_bwd = recompute + tokens * b * (BACKWARD_EXTRA_I * sh.intermediate + BACKWARD_EXTRA_H * d) + dequant_bwd
     if layer_bwd >= logits:
         plan.add("policy backward: one layer recomputed + its gradients", "policy", layer_bwd,
