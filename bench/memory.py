@@ -399,7 +399,8 @@ def qwen7b_measurement(cfg, layers: list[int], tokens: list[int], image_px: int)
     from grpo.config import apply_overrides
 
     t0 = time.perf_counter()
-    bundle, _ = build_bundle(max(layers), 1, image_px, checkpointing=cfg.model.gradient_checkpointing, log=lambda *a, **k: None)
+    bundle, _ = build_bundle(max(layers), 1, image_px, checkpointing=cfg.model.gradient_checkpointing,
+                             log=lambda *a, **k: None)
     lm = bundle.model.model.language_model
     all_layers = lm.layers
     print(f"# 7B widths, {max(layers)} NF4 + LoRA layers built in {time.perf_counter() - t0:.0f} s "
@@ -430,7 +431,8 @@ def qwen7b_measurement(cfg, layers: list[int], tokens: list[int], image_px: int)
                 m1, m2, m4 = (points[(L, T)][0][phase] - points[(L, T)][0]["resident"] for L in (1, 2, 4))
                 slope = m2 - m1
                 ext.append({"T": T, "phase": phase, "per layer MiB": f"{slope / MiB:.2f}",
-                            "4 layers from 1,2 MiB": f"{(m1 + 3 * slope) / MiB:.1f}", "measured 4 MiB": f"{m4 / MiB:.1f}",
+                            "4 layers from 1,2 MiB": f"{(m1 + 3 * slope) / MiB:.1f}",
+                            "measured 4 MiB": f"{m4 / MiB:.1f}",
                             "error": f"{(m1 + 3 * slope - m4) / m4:+.2%}"})
         print("# extrapolation in depth: each phase's peak above the resident bytes, at 4 layers from the 1- and "
               "2-layer ones (the slope is the bytes per layer)")
@@ -446,7 +448,8 @@ def qwen7b_measurement(cfg, layers: list[int], tokens: list[int], image_px: int)
         print(f"# extrapolation in length: bytes per completion token ({t1} -> {t2} tokens, 2 rows)")
         print_table(ext, ["layers", "phase", "measured KiB/token", "planned KiB/token"])
     per_layer, planned, n = saved_per_layer(bundle, cfg, examples, T=tokens[0])
-    print(f"# saved-tensor hooks, one decoder layer without checkpointing ({'shared-prefix' if cfg.optim.shared_prefix else 'full-row'} "
+    path = "shared-prefix" if cfg.optim.shared_prefix else "full-row"
+    print(f"# saved-tensor hooks, one decoder layer without checkpointing ({path} "
           f"pass, {n} tokens through it): {per_layer:,} B measured, {planned:,} B planned ({per_layer / n:,.0f} and "
           f"{planned / n:,.0f} B per token)")
     return rows
@@ -618,7 +621,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpu-check", action="store_true",
                    help="bench/gpu.sh: real steps at the plan's settings on CUDA, max_memory_allocated vs the plan "
                         "(on a CPU: the tiny model at smoke sizes)")
-    p.add_argument("--budget-s", type=float, default=100.0, help="--gpu-check: start no setting after this many seconds")
+    p.add_argument("--budget-s", type=float, default=100.0,
+                   help="--gpu-check: start no setting after this many seconds")
     p.add_argument("--threads", type=int, default=1)
     args, trainer_argv = p.parse_known_args(argv)
     torch.set_num_threads(max(1, args.threads))
@@ -640,11 +644,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# memory plan of one GRPO step: {cfg.model.name}, {'NF4' if cfg.model.load_in_4bit else cfg.model.dtype} + "
           f"LoRA r={cfg.lora.rank}, {cfg.phase.prompts_per_step} prompt(s) x G={s.G} = {plan.rows} rows, "
           f"{s.max_new_tokens} new tokens, {cfg.model.image_size} px, prompt {P} tokens, beta={cfg.optim.beta}, "
-          f"rollout {s.rollout}, micro-batch {plan.micro_batch_rows} rows, logits chunk {cfg.optim.logits_chunk_tokens} "
-          f"tokens, checkpointing {'on' if cfg.model.gradient_checkpointing else 'off'}; device terms: {args.device}")
-    print(f"# {shapes.layers} layers, d={shapes.hidden}, I={shapes.intermediate}, {shapes.heads}/{shapes.kv_heads} heads, "
-          f"V={shapes.vocab}, {shapes.compute_bytes} B compute dtype; layer saves {layer_saved_per_token(shapes):,} "
-          f"B/token without checkpointing")
+          f"rollout {s.rollout}, micro-batch {plan.micro_batch_rows} rows, logits chunk "
+          f"{cfg.optim.logits_chunk_tokens} tokens, {'shared-prefix' if cfg.optim.shared_prefix else 'full-row'} "
+          f"log-prob passes, checkpointing {'on' if cfg.model.gradient_checkpointing else 'off'}; "
+          f"device terms: {args.device}")
+    saves = layer_saved_per_token(shapes, repeated_kv=not cfg.optim.shared_prefix)
+    print(f"# {shapes.layers} layers, d={shapes.hidden}, I={shapes.intermediate}, "
+          f"{shapes.heads}/{shapes.kv_heads} heads, V={shapes.vocab}, {shapes.compute_bytes} B compute dtype; "
+          f"a layer saves {saves:,} B/token without checkpointing")
     print_plan(plan)
 
     if bundle is not None:
@@ -660,8 +667,8 @@ def main(argv: list[str] | None = None) -> int:
         best = largest_fitting(shapes, cfg, budget, device=args.device, prompt_len=P)
         print(f"# on a {args.gpu_gib:g} GiB GPU: needs {need_bytes(plan) / GiB:.1f} GiB (peak + 10% allocator slack + "
               f"1 GiB CUDA context/workspaces): {'fits' if fits else 'does NOT fit'}; "
-              + (f"largest micro-batch that fits: --optim.micro_batch_rows {best[0]} (peak {best[1].peak / GiB:.1f} GiB)"
-                 if best else "no micro-batch size fits"))
+              + (f"largest micro-batch that fits: --optim.micro_batch_rows {best[0]} "
+                 f"(peak {best[1].peak / GiB:.1f} GiB)" if best else "no micro-batch size fits"))
         verdict = f", {'fits' if fits else 'does not fit'} {args.gpu_gib:g} GiB" + (
             f", micro_batch_rows {best[0]} fits" if best and not fits else "")
     print(f"peak {plan.peak / GiB:.1f} GiB ({plan.peak_phase}; {plan.summary()} GiB; micro-batch "

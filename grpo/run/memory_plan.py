@@ -61,7 +61,7 @@ import torch
 from grpo.config import ConfigError, TrainConfig
 
 GiB = 2**30
-TEXT_TOKENS = 128  # text tokens of a prompt besides its image (the synthetic curriculum's: 45-61 with the tiny tokenizer)
+TEXT_TOKENS = 128  # text tokens of a prompt besides its image (the synthetic curriculum's: 45-61, tiny tokenizer)
 ALLOCATOR_SLACK = 0.10  # reserved / allocated of the CUDA caching allocator at a training peak (fragmentation)
 CUDA_OVERHEAD = int(1.0 * GiB)  # CUDA context + cuBLAS workspaces + graph pools, outside max_memory_allocated
 # NF4 storage per weight (lora/quant.py: blocks of 64, double quantisation): 4-bit codes, one
@@ -299,7 +299,8 @@ def plan_step(sh: Shapes, cfg: TrainConfig, *, device: str = "cuda", micro_batch
     plan.add("LoRA + grads + AdamW moments", "resident", sh.lora_params * sh.lora_bytes * 4,
              f"{sh.lora_params:,} params x 4 tensors")
     if s.rollout == "merged":
-        plan.add("merged rollout copy", "resident", sh.merged_params * b, "the adapted projections in the compute dtype")
+        plan.add("merged rollout copy", "resident", sh.merged_params * b,
+                 "the adapted projections in the compute dtype")
 
     # ---- sampling: the KV cache of N rows at full length, built from the B-prompt prefill
     kv_per_token = 2 * L * sh.kv_dim * b  # K and V of every layer
