@@ -129,8 +129,13 @@ def test_the_trainer_stops_with_one_line_and_exit_2_before_any_step(monkeypatch,
     import grpo.train as train
 
     real = train.check_fits
-    fake_cuda(monkeypatch, free_gib=0.0)
-    monkeypatch.setattr(train, "check_fits", lambda model, cfg, device, world=1: real(model, cfg, "cuda", world))
+
+    def on_a_full_gpu(model, cfg, device, world=1):  # CUDA faked for the check alone (bitsandbytes asks too)
+        with monkeypatch.context() as patch:
+            fake_cuda(patch, free_gib=0.0)
+            return real(model, cfg, "cuda", world)
+
+    monkeypatch.setattr(train, "check_fits", on_a_full_gpu)
     rc = train.main(["--phase", "A", "--init", "base", "--run.run_dir", str(tmp_path / "run"), "--phase.steps", "1",
                      "--model.device", "cpu", "--run.test_per_stage", "0", "--run.train_per_stage", "8",
                      "--run.eval_size", "4"])
