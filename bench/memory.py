@@ -508,9 +508,10 @@ def saved_per_layer(bundle, cfg, examples, G: int = 2, T: int = 8) -> tuple[int,
         total[n] = seen["bytes"]
         del hidden
     sh = shapes_of_model(model, cfg)
-    tokens, kv_rows, mask_elems = pass_shape(cfg, 1, G, ctx.P, T)
-    planned = (tokens * layer_saved_per_token(sh, repeated_kv=not shared) + kv_rows * sh.kv_dim * sh.compute_bytes
-               + mask_elems * sh.compute_bytes)  # + the attention kernel's float copy of the masks
+    tokens, kv_rows, mask_elems, probs = pass_shape(cfg, 1, G, ctx.P, T, sh.heads)
+    b = sh.compute_bytes
+    planned = (tokens * layer_saved_per_token(sh, repeated_kv=not shared) + kv_rows * 2 * sh.kv_dim * b
+               + mask_elems * b)  # + the attention kernel's float copy of the masks (the CPU's terms: no scores)
     if sh.compute_bytes == 4 and not shared:
         # in fp32 the norms keep their inputs themselves, and the full-row pass's final norm keeps
         # the last layer's output at any depth: the 1 -> 2 layer difference lacks that one [tokens, d]

@@ -195,17 +195,25 @@ def layer_saved_per_token(sh: Shapes, repeated_kv: bool = True) -> int:
             + 4 * sh.heads + b * d + norm2_in + b * d + 4 * b * I)
 
 
-def pass_shape(cfg: TrainConfig, prompts: int, rows: int, P: int, T: int) -> tuple[int, int, int]:
-    """(tokens through each layer, extra bytes one layer saves, attention-mask elements) of a
-    log-prob pass over ``rows`` completions of ``prompts`` prompts. Full-row pass: every row
-    is prompt + completion, rows x (P + T) tokens, masks [rows, 1, S, S]. Shared-prefix pass
-    (optim.shared_prefix, grpo/model/shared_prefix.py): each prompt once, prompts x P + rows x
-    T tokens; every completion row attends to a copy of its prompt's keys and values (the
-    extra: rows x (P + T) x 2 H_kv D per element byte), masks [prompts, 1, P, P] and
-    [rows, 1, T, P + T]."""
+def pass_shape(cfg: TrainConfig, prompts: int, rows: int, P: int, T: int, heads: int) -> tuple[int, int, int, int]:
+    """(tokens through each layer, prompt K/V rows copied, attention-mask elements, attention
+    probabilities kept) of a log-prob pass over ``rows`` completions of ``prompts`` prompts.
+
+    Full-row pass: every row is prompt + completion, rows x (P + T) tokens, masks [rows, 1,
+    S, S]; the KV heads repeated by transformers, so a fused attention kernel takes it: no
+    probabilities kept. Shared-prefix pass (optim.shared_prefix, grpo/model/shared_prefix.py):
+    each prompt once, prompts x P + rows x T tokens; every completion row attends to a copy of
+    its prompt's keys and values (rows x (P + T) K/V rows); masks [prompts, 1, P, P] and
+    [rows, 1, T, P + T]. It asks SDPA for grouped-query attention WITH a mask, which CUDA's
+    fused kernels do not take (transformers' own SDPA path repeats the KV heads whenever there
+    is a mask for that reason): planned for CUDA as the math kernel, which keeps the scores and
+    the softmax of every head, 2 b per probability. An assumption to check on a GPU; on the
+    CPU the fp32 tiny model's count has no such term and the bf16 7B-width one 5% more than
+    the plan without it."""
     if cfg.optim.shared_prefix:
-        return prompts * P + rows * T, rows * (P + T) * 2, prompts * P * P + rows * T * (P + T)
-    return rows * (P + T), 0, rows * (P + T) ** 2
+        masks = prompts * P * P + rows * T * (P + T)
+        return prompts * P + rows * T, rows * (P + T), masks, heads * masks
+    return rows * (P + T), 0, rows * (P + T) ** 2, 0
 
 
 def layer_transient_no_grad_per_token(sh: Shapes) -> int:
@@ -321,8 +329,9 @@ def plan_step(sh: Shapes, cfg: TrainConfig, *, device: str = "cuda", micro_batch
 
     # ---- training passes over one micro-batch of m rows (m / G prompts)
     chunk = min(m, max(1, o.logits_chunk_tokens // T)) * T  # completion tokens per LM-head chunk
-    tokens, kv_rows, mask_elems = pass_shape(cfg, max(1, m // G), m, P, T)
-    kv_extra = kv_rows * sh.kv_dim * b  # the shared-prefix pass's prompt K/V copies, per layer
+    tokens, kv_rows, mask_elems, probs = pass_shape(cfg, max(1, m // G), m, P, T, sh.heads)
+    # shared-prefix: the prompt K/V copies; on CUDA the math kernel's scores and softmax (see pass_shape)
+    kv_extra = kv_rows * 2 * sh.kv_dim * b + (2 * probs * b if device == "cuda" else 0)
     mask = mask_elems * (1 + b)  # the bool masks + the attention kernel's bias in b
     inputs = tokens * (2 * sh.head_dim * b + 3 * 8) + m * T * 20  # rotary cos/sin, positions; ids, masks, log-probs
     if o.beta > 0:
