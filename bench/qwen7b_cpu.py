@@ -310,6 +310,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"# LoRA targets: {', '.join(names)} (e.g. {next(n for n, m in model.named_modules() if hasattr(m, 'lora_A'))})")
 
     args.opt = torch.optim.AdamW(lora_parameters(model), lr=1e-5)
+    args.prefix_paths = args.prefixes = ["shared"]  # the trainer's default log-prob path (bench.step --prefix compares)
+    args.saved = {}
     examples = generate("train", 1, 1, seed=0, image_size=args.image_px)
     stages = RSSStages(torch.device("cpu"))
     # Which LoRA tensors backward reached, and the gradient's size. On random weights the G

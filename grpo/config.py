@@ -203,7 +203,7 @@ class OptimConfig:
     accumulation: int = 1
     """Rollout batches (of phase.prompts_per_step prompts x G) sampled and accumulated per optimiser step."""
     micro_batch_rows: int = 0
-    """Rows (completions) per training pass: the policy and reference log-probs, the loss and backward run over micro-batches of this many rows of each rollout batch, gradients accumulated (TRL's per_device_train_batch_size); whole groups, so a multiple of G; 0 = all rows of the rollout batch in one pass."""
+    """Rows (completions) per training pass: the policy and reference log-probs, the loss and backward run over micro-batches of this many rows of each rollout batch, gradients accumulated (TRL's per_device_train_batch_size); whole groups, so a multiple of G dividing the batch's rows; 0 (or the batch's rows or more) = all rows in one pass. python -m bench.memory says which fits a GPU."""
     logits_chunk_tokens: int = 1024
     """Completion tokens per LM-head chunk in the log-prob passes: the logits exist for one chunk at a time and are recomputed in backward (whole rows: max(1, this // T) rows per chunk)."""
     shared_prefix: bool = True
@@ -382,7 +382,9 @@ class TrainConfig:
             (o.micro_batch_rows >= 0, f"optim.micro_batch_rows={o.micro_batch_rows}: must be >= 0 (0 = all rows at once)"),
             # Whole groups: a group's G rows share one prompt (issue: the prompt once per group)
             # and one advantage baseline, so a micro-batch never splits one.
-            (o.micro_batch_rows == 0 or (o.micro_batch_rows % s.G == 0 and (p.prompts_per_step * s.G) % o.micro_batch_rows == 0),
+            # (at least the batch's rows: one pass, so a preset's value survives a smaller --G or batch)
+            (o.micro_batch_rows == 0 or o.micro_batch_rows >= p.prompts_per_step * s.G
+             or (o.micro_batch_rows % s.G == 0 and (p.prompts_per_step * s.G) % o.micro_batch_rows == 0),
              f"optim.micro_batch_rows={o.micro_batch_rows}: must be a multiple of sampling.G={s.G} (whole groups) that "
              f"divides the rollout batch's {p.prompts_per_step} x {s.G} = {p.prompts_per_step * s.G} rows, e.g. "
              f"{s.G} or {p.prompts_per_step * s.G}; 0 = all rows at once"),
@@ -542,6 +544,19 @@ PRESETS: dict[str, dict[str, Any]] = {
         # leaves as they are): at most 256 visual tokens per image, not Qwen's 16384.
         "model.max_pixels": 448 * 448, "model.min_pixels": 56 * 56,
         "sampling.max_new_tokens": 256, "sampling.G": 8, "optim.lr": 1e-5, "phase.prompts_per_step": 8,
+        # Training passes of 4 groups: the memory plan predicts a 16 GiB peak at these lengths
+        # (24 GB cards fit; all 64 rows at once: 25 GiB; python -m bench.memory --preset qwen7b).
+        "optim.micro_batch_rows": 32,
+        # 7B budgets: a greedy evaluation (and its shuffled-image control) decodes eval_size x 2
+        # prompts x 256 tokens, so a smaller subset and a slower cadence than the tiny model's
+        # 200 every 20 steps; a latest-only save every 10 steps (~10 minutes of a 7B step).
+        "run.eval_size": 100, "run.eval_every": 40, "run.save_every": 10, "run.test_per_stage": 50,
+        # The merged bf16 rollout copy (--sampling.rollout merged) samples from a slightly other
+        # function than the NF4 + LoRA trainer: over 256 tokens a sequence-level ratio drifts far
+        # from 1 (its log is a sum of 256 per-token terms), so weight each token, capped at 2
+        # (TIS). With the plain path the sampler is the trainer and every weight is 1.
+        "grpo": {"optim.rollout_correction": "token", "optim.rollout_correction_mode": "truncate",
+                 "optim.rollout_correction_cap": 2.0},
     },
 }
 

@@ -3,7 +3,9 @@ reference vs autograd, and the reference against hand computations.
 
 Tolerance table. The kernel reads bf16 inputs and computes in fp32, so the bf16 "gold" is
 the fp32 reference on the upcast *same* bf16 values: what remains is summation order and,
-for bf16, the rounding of the returned gradient to bf16 (relative 2^-9).
+for bf16, the rounding of the returned gradient to bf16: under one bf16 ulp, 2^-7 relative
+(the Triton interpreter's fp32 -> bf16 cast truncates; a GPU rounds to nearest, 2^-8), so
+rtol 8e-3 holds it with 2e-4 to spare, far above the fp32 summation differences (~1e-7).
 
     quantity        fp32 (atol, rtol)     bf16 vs fp32 gold (atol, rtol)
     loss            1e-6, 1e-5            1e-6, 1e-5

@@ -2,7 +2,9 @@
 
 Tolerance table. bf16 logits are held against the fp32 reference on the upcast same values:
 the kernel accumulates in fp32 as well, so log-probs differ only by summation order; the
-bf16 gradient is rounded to bf16 (relative 2^-9).
+bf16 gradient is rounded to bf16: under one bf16 ulp, 2^-7 relative (the Triton
+interpreter's fp32 -> bf16 cast truncates; a GPU rounds to nearest, 2^-8), which rtol 8e-3
+covers with 2e-4 to spare, far above the fp32 summation differences (~1e-7).
 
     quantity          fp32 (atol, rtol)     bf16 vs fp32 gold (atol, rtol)
     log-probs         1e-5, 1e-6            1e-5, 1e-6

@@ -204,8 +204,9 @@ def test_micro_batch_rows_must_be_whole_groups_dividing_the_batch():
         cfg.optim.micro_batch_rows = bad
         with pytest.raises(ConfigError, match=f"optim.micro_batch_rows={bad}"):
             cfg.validate()
-    cfg.optim.micro_batch_rows = 4
-    cfg.validate()
+    for good in (4, 12, 32):  # a group; the batch; more than the batch (one pass, e.g. a preset's value)
+        cfg.optim.micro_batch_rows = good
+        cfg.validate()
 
 
 # ----------------------------------------------------------------------------- checkpointing

@@ -233,6 +233,19 @@ def test_a_damaged_cache_entry_is_built_again(tmp_path, monkeypatch):
     load_bundle("tiny-random")  # and it loads
 
 
+def test_a_rank_other_than_0_builds_a_whole_copy(tmp_path, monkeypatch):
+    """In a data-parallel run every rank builds the cache and the first rename wins; transformers'
+    save_pretrained writes nothing but on rank 0 of a process group, so rank 1's copy had no
+    weights. Here transformers is told it runs as rank 1 of a process group."""
+    import transformers.distributed.mixin as mixin
+
+    monkeypatch.setattr(mixin, "_is_torch_distributed_initialized", lambda: True)
+    monkeypatch.setattr(mixin, "_get_torch_distributed_rank", lambda: 1)
+    out = build_tiny_model(tmp_path / "rank1", seed=3, corpus=SMALL_CORPUS)
+    assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+    load_bundle(str(out))
+
+
 def test_clear_load_errors(tmp_path, monkeypatch):
     with pytest.raises(ModelLoadError, match="'/no/such/model' does not exist"):
         load_bundle("/no/such/model")

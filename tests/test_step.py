@@ -4,8 +4,6 @@ parameters move, and the default hooks are exactly a one-process DataParallel's.
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -57,8 +55,8 @@ def test_one_step_is_grpo_written_as_loops_and_moves_only_the_adapter():
     with torch.no_grad():
         logp = completion_logprobs(model, r.out.context, r.out.completion_ids, r.out.completion_mask, 4,
                                    temperature=1.0)
-    gold, lo, hi = plain_grpo_loss(logp, logp, r.out.completion_mask.bool(), r.scores.total, 4)
-    assert math.isclose(result.loss, float(gold), rel_tol=1e-5, abs_tol=1e-7)
+    gold, lo, hi, tol = plain_grpo_loss(logp, logp, r.out.completion_mask.bool(), r.scores.total, 4)
+    assert abs(result.loss - float(gold)) <= tol  # at ratio 1 both are ~0: tol scales with the terms, not the result
     assert lo == hi == 0  # update 1 is on-policy: ratio 1, the clip cannot bind
     # AdamW moved every LoRA B (all zero before the first step) and nothing else.
     changed = [k for k in after if not torch.equal(after[k], before[k])]

@@ -21,6 +21,7 @@ TINY_NAME = "tiny"
 TINY_RANDOM_NAME = "tiny-random"  # the same architecture, random weights: what pretraining starts from
 TINY_VERSION = "tiny-qwen2.5-vl-v1"  # bump when the config, tokenizer or corpus changes
 TINY_IMAGE_SIZE = 112  # px; 112/14 = 8x8 = 64 patches -> 16 visual tokens after the 2x2 merge
+MODEL_FILES = ("config.json", "model.safetensors")  # what a built copy must hold besides the tokenizer
 
 # The tiny architecture. Text: 4 layers, d=128, GQA 4 query / 2 KV heads of dim 32;
 # M-RoPE sections [4, 6, 6] are Qwen's [16, 24, 24] scaled to head_dim 32 (sum = 32/2).
@@ -110,7 +111,16 @@ def build_tiny_model(out_dir: str | os.PathLike, seed: int = 0, corpus: Sequence
         torch.manual_seed(seed)
         model = Qwen2_5_VLForConditionalGeneration(config)
     out.mkdir(parents=True, exist_ok=True)
+    # Once a torch.distributed process group exists, transformers' save_pretrained writes the
+    # config and weights on rank 0 only (it assumes the ranks share one model, so that one
+    # writer is enough) and returns quietly elsewhere. This copy is each process's own: in a data-parallel run all
+    # ranks build the cache at once, and when rank 1 won the race to rename its copy into place
+    # the cache held a tokenizer but no config or weights, and every later load failed.
+    model.should_save_on_this_rank = lambda is_main_process: True
     model.save_pretrained(out)
+    missing = [f for f in MODEL_FILES if not (out / f).is_file()]
+    if missing:
+        raise RuntimeError(f"building the tiny model wrote no {', '.join(missing)} in {out}")
     tokenizer.save_pretrained(out)
     tiny_image_processor().save_pretrained(out)
     meta = {"version": TINY_VERSION, "seed": seed, "corpus": source, "corpus_size": len(corpus),
@@ -121,7 +131,7 @@ def build_tiny_model(out_dir: str | os.PathLike, seed: int = 0, corpus: Sequence
 
 # What a complete cached build holds (the marker is written last, but a later deletion can
 # leave it behind without the weights).
-BUILD_FILES = ("config.json", "model.safetensors", "tokenizer.json", "preprocessor_config.json", "vlgrpo_build.json")
+BUILD_FILES = MODEL_FILES + ("tokenizer.json", "preprocessor_config.json", "vlgrpo_build.json")
 
 
 @functools.lru_cache(maxsize=None)
