@@ -295,7 +295,7 @@ def plan_step(sh: Shapes, cfg: TrainConfig, *, device: str = "cuda", micro_batch
     B, G, T = cfg.phase.prompts_per_step, s.G, s.max_new_tokens
     N = B * G
     m = o.micro_batch_rows if micro_batch_rows is None else micro_batch_rows
-    m = N if m == 0 else m
+    m = N if m == 0 or m >= N else m  # 0, or at least the batch's rows: one pass over all of them
     P = prompt_tokens(cfg) if prompt_len is None else prompt_len
     S = P + T  # the sampler's sequence
     d, b, L, V = sh.hidden, sh.compute_bytes, sh.layers, sh.vocab
