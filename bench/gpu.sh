@@ -21,8 +21,8 @@
 #   logprob     python -m bench.logprob --quick                                     60 s
 #   step        python -m bench.step   (Qwen2.5-VL-7B shapes, plain vs merged)     170 s
 #   memory      python -m bench.memory --gpu-check: real 7B-shape GRPO steps (the   120 s
-#               staged paper's setting, the qwen7b preset at micro-batches of 8
-#               and 32 rows while time remains), torch.cuda.max_memory_allocated
+#               staged paper's setting, the qwen7b preset at its micro-batches of
+#               32 rows and in one pass while time remains), torch.cuda.max_memory_allocated
 #               per phase against the memory plan's prediction
 #   sampler     python -m bench.sampler (tiny 112 px and a 90M model at 336 px)     60 s
 #                                                                           total  590 s

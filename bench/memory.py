@@ -4,6 +4,7 @@
         --sampling.max_new_tokens 64 --model.image_size 336       # the staged paper's setting
     python -m bench.memory --preset qwen7b --gpu-gib 80           # does it fit, and which micro-batch would
     python -m bench.memory --preset qwen7b --measure              # + the 7B-width measurement (minutes, 1 core)
+    python -m bench.memory --gpu-check                            # bench/gpu.sh: real 7B-shape steps on a GPU
     python -m bench.memory                                        # the tiny default: + a whole real step measured
 
 Options: the trainer's own (``--preset``, ``--phase`` and every ``--section.key value`` of
@@ -40,9 +41,10 @@ shapes, and the layer and token slopes: the plan's 28-layer, 256-token predictio
 those slopes extrapolated. On the tiny model (the default) the whole real step at the
 requested config is measured and set against the plan with ``device="cpu"``.
 
-Assumptions (see grpo/run/memory_plan.py): on a GPU attention runs in the memory-efficient
-or flash kernels (no [S, S] scores; the CPU's SDPA is measured here, and its extra is
-reported), the log-softmax in the Triton kernel (the CPU runs the PyTorch reference: its
+Assumptions (see grpo/run/memory_plan.py): on a GPU the full-row pass's attention runs in
+the memory-efficient or flash kernels (no [S, S] scores), the shared-prefix pass's (masked
+grouped-query attention, which those kernels do not take) in the math kernel, its scores and
+softmax kept; the log-softmax in the Triton kernel (the CPU runs the PyTorch reference: its
 fp32 copies are planned with device="cpu" where compared); the peak is what
 torch.cuda.max_memory_allocated reports; ``--gpu-gib`` adds the caching allocator's slack
 (+10%) and 1 GiB for the CUDA context, cuBLAS workspaces and graph pools. Completions run
@@ -523,8 +525,8 @@ def saved_per_layer(bundle, cfg, examples, G: int = 2, T: int = 8) -> tuple[int,
 GPU_SETTINGS = [
     ("staged paper: 1 x G=2, 64 tok, 336 px", {"sampling.G": 2, "phase.prompts_per_step": 1,
                                                "sampling.max_new_tokens": 64, "model.image_size": 336}),
-    ("preset 8 x G=8, 256 tok, micro 8", {"optim.micro_batch_rows": 8}),
-    ("preset 8 x G=8, 256 tok, micro 32", {"optim.micro_batch_rows": 32}),
+    ("preset 8 x G=8, 256 tok, micro 32", {"optim.micro_batch_rows": 32}),  # the preset's own
+    ("preset 8 x G=8, 256 tok, one pass", {"optim.micro_batch_rows": 0}),
 ]
 CPU_SETTINGS = [  # the same code at the tiny model's sizes (gpu.sh --dry-run)
     ("tiny 1 x G=2, 8 tok", {"sampling.G": 2, "phase.prompts_per_step": 1, "sampling.max_new_tokens": 8}),

@@ -32,10 +32,13 @@ the two constants below that are not counted op by op (``BACKWARD_EXTRA_*``).
 
 Assumptions (what a CUDA run differs in from the CPU where the terms were measured):
 
-- attention runs in PyTorch's memory-efficient / flash kernels: no [S, S] score matrix is
-  kept, only the output and a log-sum-exp per head and position; the padding mask is
-  materialised as an [m, 1, S, S] bias (transformers passes a mask whenever a row is padded
-  or stopped early, and then repeats the 4 KV heads to 28, as its SDPA path does);
+- the full-row pass's attention runs in PyTorch's memory-efficient / flash kernels: no
+  [S, S] score matrix is kept, only the output and a log-sum-exp per head and position; the
+  padding mask is materialised as an [m, 1, S, S] bias (transformers passes a mask whenever
+  a row is padded or stopped early, and then repeats the 4 KV heads to 28); the
+  shared-prefix pass (the default) asks for grouped-query attention with a mask, which the
+  fused kernels do not take, so the math kernel's scores and softmax are counted
+  (``pass_shape``);
 - the log-softmax of the log-prob passes is the Triton kernel (kernels/logprob.py: logits
   and their gradient in the compute dtype, 12 bytes per token besides); on a CPU it is the
   PyTorch reference, whose fp32 copies are counted instead (``device="cpu"``);
