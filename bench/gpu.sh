@@ -20,15 +20,21 @@
 #   grpo_loss   python -m bench.grpo_loss --quick                                   45 s
 #   logprob     python -m bench.logprob --quick                                     60 s
 #   step        python -m bench.step   (Qwen2.5-VL-7B shapes, plain vs merged)     170 s
+#   memory      python -m bench.memory --gpu-check: real 7B-shape GRPO steps (the   120 s
+#               staged paper's setting, the qwen7b preset at its micro-batches of
+#               32 rows and in one pass while time remains), torch.cuda.max_memory_allocated
+#               per phase against the memory plan's prediction
 #   sampler     python -m bench.sampler (tiny 112 px and a 90M model at 336 px)     60 s
-#                                                                           total  470 s
+#                                                                           total  590 s
+# The timeouts add up to more than BUDGET: parts usually finish well inside theirs, and
+# when they do not, the last ones are skipped (recorded as such) rather than overrunning.
 #
 # Needs: python with CUDA torch, triton, transformers 5.x, bitsandbytes, tokenizers,
 # safetensors, pillow, numpy, pytest (PYTHON=... picks the interpreter). No hub access:
 # every model is built locally (the tiny one is cached under $VLGRPO_CACHE or ~/.cache).
 set -u
 
-ALL_PARTS="env tests grpo_loss logprob step sampler"
+ALL_PARTS="env tests grpo_loss logprob step memory sampler"
 DRY_RUN=0
 PARTS=$ALL_PARTS
 while [ $# -gt 0 ]; do
@@ -37,7 +43,7 @@ while [ $# -gt 0 ]; do
     --parts) [ $# -ge 2 ] || { echo "bench/gpu.sh: --parts needs a comma-separated list of: ${ALL_PARTS// /,}" >&2; exit 2; }
              PARTS=${2//,/ }; shift ;;
     --parts=*) PARTS=${1#--parts=}; PARTS=${PARTS//,/ } ;;
-    -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,35p' "$0"; exit 0 ;;
     *) echo "bench/gpu.sh: unknown argument '$1'; use --dry-run, --parts LIST or nothing" >&2; exit 2 ;;
   esac
   shift
@@ -129,6 +135,7 @@ if [ "$DRY_RUN" = 1 ]; then
   run grpo_loss 45  "$PY" -m bench.grpo_loss --quick --shape 8 64 --reps 3
   run logprob   60  "$PY" -m bench.logprob --quick --shape 2 8 --vocab 1000 --hidden 64 --reps 3
   run step      170 "$PY" -m bench.step --smoke
+  run memory    120 "$PY" -m bench.memory --gpu-check
   run sampler   60  "$PY" -m bench.sampler --model tiny --B 1 --G 2 --max-new-tokens 4 --repeats 1
 else
   run env       15  bash -c "$ENV_INFO" "$PY"
@@ -136,6 +143,7 @@ else
   run grpo_loss 45  "$PY" -m bench.grpo_loss --quick
   run logprob   60  "$PY" -m bench.logprob --quick
   run step      170 "$PY" -m bench.step
+  run memory    120 "$PY" -m bench.memory --gpu-check --budget-s 75
   run sampler   60  "$PY" -m bench.sampler
 fi
 

@@ -97,6 +97,7 @@ from grpo.rollout.merged import MergedRollout
 from grpo.rollout.sampler import sample
 from grpo.run.files import RunFiles
 from grpo.run.guard import StepGuard
+from grpo.run.memory_plan import check_fits
 from grpo.run.phase_data import eval_subset, load_training_data
 from grpo.run.progress import Progress
 from grpo.run.records import progress_line, step_record
@@ -197,6 +198,8 @@ def run_grpo_phase(cfg: TrainConfig, files: RunFiles, device: str, dp: DataParal
     # GPU, the compute dtype on a CPU) refreshed after every batch (grpo/rollout/merged.py: no
     # NF4 dequantisation and no separate LoRA matmuls per decode step).
     merged = MergedRollout(model) if cfg.sampling.rollout == "merged" else None
+    # On CUDA: the predicted peak of a step, and one line instead of an OOM mid-step when it cannot fit
+    check_fits(model, cfg, device, world=dp.world)
 
     # ---- data, rewards, controller; then a resume puts back everything a straight run holds
     train, val = load_training_data(cfg)

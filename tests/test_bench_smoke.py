@@ -44,7 +44,7 @@ DRY_RUN = dry_run_commands()
 
 
 def test_gpu_sh_dry_run_lists_every_kernel_and_step_benchmark():
-    assert set(DRY_RUN) == {"grpo_loss", "logprob", "step", "sampler"}
+    assert set(DRY_RUN) == {"grpo_loss", "logprob", "step", "memory", "sampler"}
     assert all(cmd[0] == f"bench.{part}" for part, cmd in DRY_RUN.items())
 
 
@@ -109,6 +109,37 @@ def test_step_benchmark_refuses_7b_without_a_gpu():
         pytest.skip("a GPU is present")
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
         step.main(["--scale", "7b"])
+
+
+def test_memory_gpu_check_dry_run():
+    # gpu.sh's memory part on a CPU: the tiny model's real steps against the plan, one row per phase
+    pytest.importorskip("bitsandbytes")
+    out = cli(*DRY_RUN["memory"])
+    for setting in ("tiny 1 x G=2, 8 tok", "tiny 2 x G=2, 8 tok, micro 2"):
+        for phase in ("resident", "sampling", "policy", "PEAK"):
+            assert re.search(rf"^\s*{re.escape(setting)}\s+{phase}\s+[\d.]+\s+[\d.]+\s+[\d.]+$", out, re.M), (setting, phase)
+    assert re.search(r"^summary: memory plan vs LiveBytes on CPU: 2 setting\(s\), step peak within [\d.]+%$", out, re.M)
+
+
+def test_memory_plan_of_the_tiny_default_measures_its_step():
+    pytest.importorskip("bitsandbytes")
+    out = cli("bench.memory", "--sampling.G", "2", "--phase.prompts_per_step", "1", "--sampling.max_new_tokens", "4",
+              "--gpu-gib", "80")
+    for component in ("KV cache", "LoRA + grads + AdamW moments", "policy backward"):
+        assert component in out, component
+    assert table_rows(out, "tiny", "policy") and table_rows(out, "tiny", "sampling")  # measured against planned
+    assert "on a 80 GiB GPU" in out and ": fits;" in out
+    assert re.search(r"^peak \d+\.\d GiB \(policy; .*fits 80 GiB\)$", out.splitlines()[-1])
+
+
+def test_memory_plan_of_the_7b_meets_the_staged_papers_budget():
+    """The 7B on the meta device (no download, seconds): the staged paper's setting is
+    planned under 12 GiB, and with 12 GiB the command names no smaller micro-batch."""
+    out = cli("bench.memory", "--preset", "qwen7b", "--sampling.G", "2", "--phase.prompts_per_step", "1",
+              "--sampling.max_new_tokens", "64", "--model.image_size", "336", "--gpu-gib", "16")
+    last = out.splitlines()[-1]
+    peak = float(re.match(r"^peak (\d+\.\d) GiB \(", last).group(1))
+    assert 6.0 < peak <= 12.0 and "fits 16 GiB" in last, last
 
 
 def test_sampler():

@@ -1,0 +1,427 @@
+"""The memory plan: the predicted peak of one GRPO step, by component, from the shapes alone.
+
+One GRPO step (grpo/step.py) goes through three phases, each with its own peak on top of
+what stays resident:
+
+    resident    base weights (NF4 codes + statistics, and everything kept in the compute
+                dtype: embeddings, lm_head, vision tower, norms, biases), the LoRA
+                parameters, their gradients and AdamW's two moments, the merged rollout
+                copy (sampling.rollout = merged)
+    sampling    the KV cache of the N = B x G rows at its full length (prompt + budget),
+                the prefill of the B prompts (their transformers cache, copied G times into
+                the static cache, and one layer's activations in flight), the per-token
+                logits transients of N rows, one dequantised NF4 weight, and the
+                plain sampler's compaction (it gathers the cache of the rows still running
+                into new buffers while the old ones exist: x 1.375 at worst)
+    reference   (beta > 0) the no-grad pass of one training micro-batch: one decoder
+                layer's transients and one logits chunk
+    policy      one training micro-batch of m rows (optim.micro_batch_rows), sequence
+                S = P + T: with activation checkpointing the input of every decoder layer
+                (L x m x S x d), and in backward the larger of one layer recomputed
+                (everything autograd saves in a layer, plus the gradients of its backward)
+                and the logits chunks' part (the final norm's saved tensors and one chunk
+                recomputed with its gradient), which is freed before the layers' backward
+
+The peak of the step is the largest of the three. Each term is a formula of the widths
+(hidden d, MLP width I, heads, KV heads, vocabulary V, layers L, compute-dtype bytes b),
+written out op by op in ``layer_saved_per_token`` and the functions below. bench/memory.py
+measures the same terms by running the real step (allocation tracking and saved-tensor
+hooks, on the CPU) at the 7B's widths with 1, 2 and 4 layers and two token counts, and on
+the whole tiny model, and prints predicted against measured: that is the calibration of
+the two constants below that are not counted op by op (``BACKWARD_EXTRA_*``).
+
+Assumptions (what a CUDA run differs in from the CPU where the terms were measured):
+
+- the full-row pass's attention runs in PyTorch's memory-efficient / flash kernels: no
+  [S, S] score matrix is kept, only the output and a log-sum-exp per head and position; the
+  padding mask is materialised as an [m, 1, S, S] bias (transformers passes a mask whenever
+  a row is padded or stopped early, and then repeats the 4 KV heads to 28); the
+  shared-prefix pass (the default) asks for grouped-query attention with a mask, which the
+  fused kernels do not take, so the math kernel's scores and softmax are counted
+  (``pass_shape``);
+- the log-softmax of the log-prob passes is the Triton kernel (kernels/logprob.py: logits
+  and their gradient in the compute dtype, 12 bytes per token besides); on a CPU it is the
+  PyTorch reference, whose fp32 copies are counted instead (``device="cpu"``);
+- the numbers are what ``torch.cuda.max_memory_allocated`` reports. The caching allocator
+  reserves more (fragmentation: ``ALLOCATOR_SLACK``), and the CUDA context, cuBLAS
+  workspaces and CUDA-graph pools (``CUDA_OVERHEAD``) are not in that count: ``need_bytes``
+  adds both when comparing with a GPU's memory;
+- completions run to the full budget (T = sampling.max_new_tokens), and a prompt is
+  ``prompt_tokens(cfg)`` long: its visual tokens plus ``TEXT_TOKENS`` of text, or
+  model.max_prompt_tokens when that cap is set.
+
+Cheap by design (a few hundred multiplications): the trainer calls it at the start of every
+GRPO phase on CUDA (``check_fits``) and stops with one line when the step cannot fit.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import torch
+
+from grpo.config import ConfigError, TrainConfig
+
+GiB = 2**30
+TEXT_TOKENS = 128  # text tokens of a prompt besides its image (the synthetic curriculum's: 45-61, tiny tokenizer)
+ALLOCATOR_SLACK = 0.10  # reserved / allocated of the CUDA caching allocator at a training peak (fragmentation)
+CUDA_OVERHEAD = int(1.0 * GiB)  # CUDA context + cuBLAS workspaces + graph pools, outside max_memory_allocated
+# NF4 storage per weight (lora/quant.py: blocks of 64, double quantisation): 4-bit codes, one
+# 8-bit absmax per block, one fp32 absmax per 256 blocks.
+NF4_BYTES_PER_WEIGHT = 0.5 + 1 / 64 + 4 / (64 * 256)
+# Measured (one 7B-width decoder layer, NF4 + LoRA, bf16, forward then backward under
+# bench/memory.py's LiveBytes, 192 and 384 tokens): the backward's peak is what the layer
+# saved, one dequantised weight, and 47 KB per token more -- about one [tokens, I] and one and
+# a half [tokens, d] gradients in the compute dtype (autograd frees each saved tensor as soon
+# as the op that needed it has run, so the gradients never coexist with all of the saves).
+BACKWARD_EXTRA_I = 1.0
+BACKWARD_EXTRA_H = 1.5
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """What the memory of a step depends on, read off a model (``shapes_of_model``)."""
+
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    compute_bytes: int  # 2 (bf16) or 4 (fp32)
+    quantized_bytes: int  # NF4 codes + statistics of the 4-bit linears (0 without 4-bit)
+    dense_bytes: int  # every other parameter and buffer of the base, in its own dtype
+    lora_params: int
+    lora_bytes: int  # bytes per LoRA parameter (its dtype)
+    lora_targets: int  # adapted projections per decoder layer
+    lora_rank: int
+    merged_params: int  # weights of the projections the merged rollout copy holds
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    @property
+    def largest_projection(self) -> int:
+        """Weights of the widest decoder projection (MLP: d x I), the size of one dequantised NF4 weight."""
+        return self.hidden * self.intermediate
+
+
+def shapes_of_model(model: torch.nn.Module, cfg: TrainConfig) -> Shapes:
+    """The shapes of a built policy (base + LoRA). Parameters still on the meta device (a
+    model built without storage, bench/memory.py) count as they will be stored: the
+    language model's linears in NF4 when model.load_in_4bit, the rest in the compute dtype."""
+    from lora.inject import lora_modules
+
+    t = model.config.text_config
+    b = torch.finfo(getattr(torch, cfg.model.dtype)).bits // 8
+    lora = lora_modules(model)
+    lora_ids = {id(p) for m in lora.values() for p in (m.lora_A, m.lora_B)}
+    quantized = dense = lora_params = lora_bytes = 0
+    seen: set[int] = set()
+    for name, p in model.named_parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        if id(p) in lora_ids:
+            lora_params += p.numel()
+            lora_bytes = p.element_size()
+            continue
+        state = getattr(p, "quant_state", None)
+        if state is not None:
+            stats = [state.absmax, state.code] + ([state.state2.absmax, state.state2.code] if state.nested else [])
+            quantized += p.numel() * p.element_size() + sum(s.numel() * s.element_size() for s in stats)
+        elif p.is_meta and cfg.model.load_in_4bit and p.dim() == 2 and _quantizable(name, p):
+            quantized += int(p.numel() * NF4_BYTES_PER_WEIGHT)
+        else:
+            dense += p.numel() * (b if p.is_meta else p.element_size())
+    dense += sum(buf.numel() * buf.element_size() for buf in model.buffers())
+    per_layer = {n.rsplit(".", 1)[-1] for n in lora if ".layers.0." in n}
+    merged = sum(m.in_features * m.out_features for n, m in lora.items() if ".language_model." in n)
+    return Shapes(layers=t.num_hidden_layers, hidden=t.hidden_size, intermediate=t.intermediate_size,
+                  heads=t.num_attention_heads, kv_heads=t.num_key_value_heads,
+                  head_dim=getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads,
+                  vocab=t.vocab_size, compute_bytes=b, quantized_bytes=quantized, dense_bytes=dense,
+                  lora_params=lora_params, lora_bytes=lora_bytes or 4, lora_targets=len(per_layer),
+                  lora_rank=cfg.lora.rank, merged_params=merged)
+
+
+def _quantizable(name: str, p: torch.Tensor) -> bool:
+    """lora/quant.py's choice: the language model's linear weights whose in_features is a multiple of 64."""
+    return ".language_model.layers." in name and name.endswith("weight") and p.shape[1] % 64 == 0
+
+
+def prompt_tokens(cfg: TrainConfig) -> int:
+    """Tokens of one prompt: model.max_prompt_tokens when set (the trainer skips longer
+    prompts); else one visual token per 28 x 28 px of the image (max_pixels for real
+    images when set, the synthetic image's side otherwise) plus TEXT_TOKENS of text."""
+    m = cfg.model
+    if m.max_prompt_tokens > 0:
+        return m.max_prompt_tokens
+    visual = m.max_pixels // (28 * 28) if (cfg.run.data != "synthetic" and m.max_pixels) else (m.image_size // 28) ** 2
+    return visual + TEXT_TOKENS
+
+
+# ----------------------------------------------------------------------------- per-token terms
+
+
+def layer_saved_per_token(sh: Shapes, repeated_kv: bool = True) -> int:
+    """Bytes autograd saves for backward in ONE decoder layer per token (Qwen2.5-VL's layer,
+    NF4 + LoRA linears, with grad, not checkpointed). Op by op, b bytes per element of the
+    compute dtype:
+
+        input RMSNorm    x.to(fp32) kept for the backward of pow and mul: 4d (b = 4: no
+                         copy, it keeps the layer input itself, a new tensor per layer
+                         unless checkpointing keeps it anyway)
+        q/k/v            their common input, the norm's output: b d (bnb's matmul and LoRA's
+                         both save the same tensor); LoRA's rank-r middle: r b per target
+        rotary           q after rotation b d (the mul by cos/sin saves only cos/sin)
+        attention        K and V: repeated to every query head in transformers' SDPA path
+                         with a mask (``repeated_kv``: 2 b d), or the rotated K and V as they
+                         are in the shared-prefix pass (2 b d H_kv / H); the output b d;
+                         log-sum-exp 4 per head
+        o_proj           its input, the output made contiguous: b d
+        post RMSNorm     the residual sum in fp32: 4d (b = 4: the sum itself, b d); output b d
+        MLP              gate out, SiLU out, up out, their product: 4 b I
+
+    bf16 on the 7B: 22 d + 8 I + 4 heads + 2 r x 7 = 230,624 B per token per layer with the
+    KV heads repeated, 218,336 without. (The shared-prefix pass adds, per completion row,
+    its prompt's keys and values copied: ``shared_prefix_layer_bytes``.)"""
+    d, I, b = sh.hidden, sh.intermediate, sh.compute_bytes
+    q_heads_dim = sh.heads * sh.head_dim
+    kv = 2 * (q_heads_dim if repeated_kv else sh.kv_dim) * b
+    norm_copy = 4 * d
+    norm2_in = 4 * d if b < 4 else b * d
+    return (norm_copy + b * d + sh.lora_targets * sh.lora_rank * b + b * q_heads_dim + kv + b * q_heads_dim
+            + 4 * sh.heads + b * d + norm2_in + b * d + 4 * b * I)
+
+
+def pass_shape(cfg: TrainConfig, prompts: int, rows: int, P: int, T: int, heads: int) -> tuple[int, int, int, int]:
+    """(tokens through each layer, prompt K/V rows copied, attention-mask elements, attention
+    probabilities kept) of a log-prob pass over ``rows`` completions of ``prompts`` prompts.
+
+    Full-row pass: every row is prompt + completion, rows x (P + T) tokens, masks [rows, 1,
+    S, S]; the KV heads repeated by transformers, so a fused attention kernel takes it: no
+    probabilities kept. Shared-prefix pass (optim.shared_prefix, grpo/model/shared_prefix.py):
+    each prompt once, prompts x P + rows x T tokens; every completion row attends to a copy of
+    its prompt's keys and values (rows x (P + T) K/V rows); masks [prompts, 1, P, P] and
+    [rows, 1, T, P + T]. It asks SDPA for grouped-query attention WITH a mask, which CUDA's
+    fused kernels do not take (transformers' own SDPA path repeats the KV heads whenever there
+    is a mask for that reason): planned for CUDA as the math kernel, which keeps the scores and
+    the softmax of every head, 2 b per probability. An assumption to check on a GPU; on the
+    CPU the fp32 tiny model's count has no such term and the bf16 7B-width one 5% more than
+    the plan without it."""
+    if cfg.optim.shared_prefix:
+        masks = prompts * P * P + rows * T * (P + T)
+        return prompts * P + rows * T, rows * (P + T), masks, heads * masks
+    return rows * (P + T), 0, rows * (P + T) ** 2, 0
+
+
+def layer_transient_no_grad_per_token(sh: Shapes) -> int:
+    """Bytes alive inside one decoder layer without grad (prefill, reference pass), per
+    token: the MLP's gate and up outputs and their product in flight (3 b I), the residual
+    and the norm's fp32 copy (b d + 4 d)."""
+    return 3 * sh.compute_bytes * sh.intermediate + sh.compute_bytes * sh.hidden + 4 * sh.hidden
+
+
+def logits_bytes_per_token(sh: Shapes, device: str, backward: bool) -> int:
+    """One logits chunk, per completion token. CUDA (Triton kernel): the logits in the
+    compute dtype, and in backward their gradient of the same size (the kernel writes it
+    into a new buffer). CPU (PyTorch reference): the logits, an fp32 copy, the scaled copy
+    and the log-softmax (fp32), and in backward the gathered gradient scattered to [V] and
+    the log-softmax's gradient (fp32)."""
+    V, b = sh.vocab, sh.compute_bytes
+    if device == "cuda":
+        return (2 if backward else 1) * b * V
+    return (b + 3 * 4 + (2 * 4 if backward else 0)) * V
+
+
+def decode_bytes_per_row(sh: Shapes) -> int:
+    """The sampler's per-step logits transients per row (grpo/rollout/sampler.py
+    sample_token): the LM head's output, its fp32 copy, the scaled logits, the log-softmax
+    before and after filtering, the exponential draws and their log (fp32 [V] each)."""
+    return (sh.compute_bytes + 6 * 4) * sh.vocab
+
+
+# ----------------------------------------------------------------------------- the plan
+
+
+@dataclass
+class Part:
+    name: str
+    phase: str  # resident | sampling | reference | policy
+    bytes: int
+    note: str = ""
+
+
+@dataclass
+class Plan:
+    parts: list[Part] = field(default_factory=list)
+    micro_batch_rows: int = 0
+    rows: int = 0  # N = B x G of one rollout batch
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    device: str = "cuda"
+
+    def add(self, name: str, phase: str, nbytes: float, note: str = "") -> None:
+        self.parts.append(Part(name, phase, int(nbytes), note))
+
+    def phase_bytes(self, phase: str) -> int:
+        resident = sum(p.bytes for p in self.parts if p.phase == "resident")
+        return resident + sum(p.bytes for p in self.parts if p.phase == phase) if phase != "resident" else resident
+
+    @property
+    def phases(self) -> list[str]:
+        return [ph for ph in ("sampling", "reference", "policy") if any(p.phase == ph for p in self.parts)]
+
+    @property
+    def peak(self) -> int:
+        return max(self.phase_bytes(ph) for ph in self.phases)
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=self.phase_bytes)
+
+    def summary(self) -> str:
+        return " + ".join(f"{ph} {self.phase_bytes(ph) / GiB:.1f}" for ph in self.phases)
+
+
+def plan_step(sh: Shapes, cfg: TrainConfig, *, device: str = "cuda", micro_batch_rows: int | None = None,
+              prompt_len: int | None = None) -> Plan:
+    """The predicted peak of one GRPO step of ``cfg`` on a model of shapes ``sh``.
+
+    ``micro_batch_rows``: override optim.micro_batch_rows (0 = all rows); ``prompt_len``:
+    override ``prompt_tokens(cfg)``."""
+    s, o = cfg.sampling, cfg.optim
+    B, G, T = cfg.phase.prompts_per_step, s.G, s.max_new_tokens
+    N = B * G
+    m = o.micro_batch_rows if micro_batch_rows is None else micro_batch_rows
+    m = N if m == 0 or m >= N else m  # 0, or at least the batch's rows: one pass over all of them
+    P = prompt_tokens(cfg) if prompt_len is None else prompt_len
+    S = P + T  # the sampler's sequence
+    d, b, L, V = sh.hidden, sh.compute_bytes, sh.layers, sh.vocab
+    plan = Plan(micro_batch_rows=m, rows=N, prompt_tokens=P, completion_tokens=T, device=device)
+
+    # ---- resident
+    plan.add("base weights, 4-bit (NF4 codes + statistics)", "resident", sh.quantized_bytes)
+    plan.add("base weights, dense (embeddings, lm_head, vision, norms)", "resident", sh.dense_bytes)
+    plan.add("LoRA + grads + AdamW moments", "resident", sh.lora_params * sh.lora_bytes * 4,
+             f"{sh.lora_params:,} params x 4 tensors")
+    if s.rollout == "merged":
+        plan.add("merged rollout copy", "resident", sh.merged_params * b,
+                 "the adapted projections in the compute dtype")
+
+    # ---- sampling: the KV cache of N rows at full length, built from the B-prompt prefill
+    kv_per_token = 2 * L * sh.kv_dim * b  # K and V of every layer
+    S_cache = S if s.rollout == "plain" else -(-S // 64) * 64  # the merged copy rounds to 64 columns
+    cache = N * S_cache * kv_per_token
+    plan.add("KV cache (N rows x prompt + budget)", "sampling", cache, f"{kv_per_token // 1024} KiB/token")
+    plan.add("prefill cache of the B prompts (copied into it)", "sampling", B * P * kv_per_token)
+    if s.rollout == "plain":
+        plan.add("cache compaction (rows gathered while the old cache lives)", "sampling", 0.375 * cache,
+                 "worst case: a quarter of the rows stopped")
+    plan.add("prefill: one layer's activations (B prompts)", "sampling", B * P * layer_transient_no_grad_per_token(sh))
+    plan.add("decode logits transients", "sampling", N * decode_bytes_per_row(sh))
+    # bitsandbytes multiplies a batch of rows by an NF4 weight by dequantising it whole first
+    # (on CUDA inside its gemm op; a CPU forward runs a fused kernel, its backward dequantises too)
+    dequant_bwd = sh.largest_projection * b if sh.quantized_bytes else 0
+    dequant = dequant_bwd if device == "cuda" else 0
+    plan.add("dequantised NF4 weight (one projection)", "sampling", dequant)
+
+    # ---- training passes over one micro-batch of m rows (m / G prompts)
+    chunk = min(m, max(1, o.logits_chunk_tokens // T)) * T  # completion tokens per LM-head chunk
+    tokens, kv_rows, mask_elems, probs = pass_shape(cfg, max(1, m // G), m, P, T, sh.heads)
+    # shared-prefix: the prompt K/V copies; on CUDA the math kernel's scores and softmax (see pass_shape)
+    kv_extra = kv_rows * 2 * sh.kv_dim * b + (2 * probs * b if device == "cuda" else 0)
+    mask = mask_elems * (1 + b)  # the bool masks + the attention kernel's bias in b
+    inputs = tokens * (2 * sh.head_dim * b + 3 * 8) + m * T * 20  # rotary cos/sin, positions; ids, masks, log-probs
+    if o.beta > 0:
+        plan.add("reference: micro-batch inputs + mask", "reference", inputs + mask + tokens * b * d)
+        plan.add("reference: one layer (no grad)", "reference",
+                 tokens * layer_transient_no_grad_per_token(sh) + kv_extra + dequant)
+        plan.add("reference: one logits chunk", "reference", chunk * logits_bytes_per_token(sh, device, False))
+    plan.add("policy: micro-batch inputs + mask", "policy", inputs + mask)
+    saved = tokens * layer_saved_per_token(sh, repeated_kv=not o.shared_prefix) + kv_extra
+    if cfg.model.gradient_checkpointing:
+        plan.add("policy: layer inputs kept by checkpointing", "policy", L * tokens * b * d,
+                 f"{L} layers x {tokens:,} tokens x {b * d} B")
+    else:
+        plan.add("policy: every layer's saved activations", "policy", L * saved, f"{saved / tokens:,.0f} B/token/layer")
+    # Backward runs the logits chunks first, then the layers from the last one down. Two
+    # candidates for its peak, on top of the layer inputs: (1) the logits chunks: the final
+    # norm's saved fp32 copy and output, the completion hidden states the chunks keep, and
+    # one chunk recomputed with its gradient; all of it is freed before the layers'
+    # backward starts. (2) one layer recomputed: everything it saves, the mask bias, its
+    # gradients and one dequantised weight.
+    final_tokens = m * T if o.shared_prefix else tokens  # the shared pass norms only the T predicting positions
+    final = final_tokens * ((4 * d if b < 4 else 0) + b * d) + m * T * b * d
+    logits = final + chunk * logits_bytes_per_token(sh, device, True) + chunk * b * d
+    recompute = saved + mask_elems * b if cfg.model.gradient_checkpointing else 0
+    layer_bwd = recompute + tokens * b * (BACKWARD_EXTRA_I * sh.intermediate + BACKWARD_EXTRA_H * d) + dequant_bwd
+    if layer_bwd >= logits:
+        plan.add("policy backward: one layer recomputed + its gradients", "policy", layer_bwd,
+                 f"the logits chunks' peak would be {logits / 2**20:,.0f} MiB ({chunk} tokens per chunk)")
+    else:
+        plan.add("policy backward: final norm + one logits chunk recomputed + its gradient", "policy", logits,
+                 f"{chunk} tokens x V={V}; one layer's backward would be {layer_bwd / 2**20:,.0f} MiB")
+    return plan
+
+
+# ----------------------------------------------------------------------------- fitting a GPU
+
+
+def need_bytes(plan: Plan) -> int:
+    """What a GPU must have for ``plan``: its peak, the allocator's slack, the CUDA overheads."""
+    return int(plan.peak * (1 + ALLOCATOR_SLACK)) + CUDA_OVERHEAD
+
+
+def micro_batch_choices(cfg: TrainConfig) -> list[int]:
+    """optim.micro_batch_rows values the config accepts, largest first (whole groups that divide B x G)."""
+    B, G = cfg.phase.prompts_per_step, cfg.sampling.G
+    return [G * k for k in range(B, 0, -1) if B % k == 0]
+
+
+def largest_fitting(sh: Shapes, cfg: TrainConfig, budget: int, device: str = "cuda",
+                    prompt_len: int | None = None) -> tuple[int, Plan] | None:
+    """(micro_batch_rows, plan) of the largest training micro-batch whose step needs at most
+    ``budget`` bytes (``need_bytes``), or None when not even one group fits."""
+    for rows in micro_batch_choices(cfg):
+        plan = plan_step(sh, cfg, device=device, micro_batch_rows=rows, prompt_len=prompt_len)
+        if need_bytes(plan) <= budget:
+            return rows, plan
+    return None
+
+
+def check_fits(model: torch.nn.Module, cfg: TrainConfig, device: str, world: int = 1, log=print) -> Plan | None:
+    """On CUDA: print the predicted peak of one step and stop (ConfigError: one line, exit 2)
+    when it cannot fit in the memory the device has free now. The model is loaded already,
+    so its resident bytes are part of both the prediction and ``memory_allocated``: the step
+    needs the rest. With ``world`` data-parallel processes each plans its own share of the
+    rollout batch (phase.prompts_per_step / world prompts). Elsewhere (a CPU run): nothing,
+    None -- a CPU has no fixed memory to plan against and no OOM to prevent mid-step."""
+    if not str(device).startswith("cuda") or not torch.cuda.is_available():
+        return None
+    if world > 1:
+        cfg = copy.deepcopy(cfg)
+        cfg.phase.prompts_per_step = max(1, cfg.phase.prompts_per_step // world)
+    sh = shapes_of_model(model, cfg)
+    plan = plan_step(sh, cfg)
+    dev = torch.device(device)
+    free, total = torch.cuda.mem_get_info(dev)
+    held = torch.cuda.memory_allocated(dev)
+    more = need_bytes(plan) - CUDA_OVERHEAD - held  # the context exists already, and so do the weights
+    log(f"memory plan: predicted peak {plan.peak / GiB:.1f} GiB in {plan.peak_phase} ({plan.summary()} GiB; "
+        f"micro-batch {plan.micro_batch_rows} of {plan.rows} rows, prompt ~{plan.prompt_tokens} tokens); "
+        f"{free / GiB:.1f} of {total / GiB:.1f} GiB free with the model loaded", flush=True)
+    if more <= free:
+        return plan
+    fit = largest_fitting(sh, cfg, free + held + CUDA_OVERHEAD)
+    fix = (f"use --optim.micro_batch_rows {fit[0]} (predicted peak {fit[1].peak / GiB:.1f} GiB)"
+           if fit is not None and fit[0] < plan.micro_batch_rows else
+           "no training micro-batch fits: lower --sampling.max_new_tokens, --phase.prompts_per_step or "
+           "--model.image_size, or use a larger GPU")
+    raise ConfigError(f"the step does not fit on {device}: predicted peak {plan.peak / GiB:.1f} GiB "
+                      f"({plan.peak_phase}; {ALLOCATOR_SLACK:.0%} allocator slack on top) needs {more / GiB:.1f} GiB "
+                      f"beyond the loaded model and {free / GiB:.1f} GiB is free; {fix}")
