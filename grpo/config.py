@@ -544,8 +544,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         # leaves as they are): at most 256 visual tokens per image, not Qwen's 16384.
         "model.max_pixels": 448 * 448, "model.min_pixels": 56 * 56,
         "sampling.max_new_tokens": 256, "sampling.G": 8, "optim.lr": 1e-5, "phase.prompts_per_step": 8,
-        # Training passes of 4 groups: the memory plan predicts a 16 GiB peak at these lengths
-        # (24 GB cards fit; all 64 rows at once: 25 GiB; python -m bench.memory --preset qwen7b).
+        # Training passes of 4 groups: the memory plan predicts an 11.8 GiB peak at these lengths
+        # (a 16 GB card; all 64 rows at once: 16.7 GiB; python -m bench.memory --preset qwen7b).
         "optim.micro_batch_rows": 32,
         # 7B budgets: a greedy evaluation (and its shuffled-image control) decodes eval_size x 2
         # prompts x 256 tokens, so a smaller subset and a slower cadence than the tiny model's
