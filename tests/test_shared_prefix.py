@@ -381,3 +381,40 @@ def test_grpo_step_equal_on_both_paths(rollouts, loss_type, mu, beta, correction
         for name, v in full.updates[u].stats[0].to_dict().items():
             assert math.isclose(float(getattr(ours.updates[u].stats[0], name)), float(v),
                                 rel_tol=N * 4 * d * EPS32, abs_tol=1e-6), (name, u)
+
+
+def test_dynamic_samplings_joined_rollouts_equal_on_both_paths(rollouts):
+    """Dynamic sampling joins rollouts whose prompts have different padded lengths (each
+    left-padded to the longest, concat_rollouts): both log-prob paths agree on the result."""
+    import dataclasses
+
+    from test_micro_batches import _config, _learner
+
+    from data.synthetic import generate
+    from grpo.rollout.dynamic_sampling import concat_rollouts
+    from grpo.step import sample_and_score
+
+    (first, state), _ = rollouts
+    ln = _learner(_config(), state)
+    torch.manual_seed(1)
+    longer = [dataclasses.replace(ex, question=ex.question + " Read the figure carefully, then count twice.")
+              for ex in generate("train", 3, 2, seed=5)]
+    other = sample_and_score(ln, longer, temperature=1.0)
+    assert other.out.context.P != first.out.context.P, "equal prompt lengths: the padding is not exercised"
+    joined = concat_rollouts([first, other], ln.bundle.pad_token_id).out
+    model = ln.bundle.model
+    d = model.config.text_config.hidden_size
+    params = lora_parameters(model)
+    got = {}
+    for shared in (False, True):
+        for p in params:
+            p.grad = None
+        logp = completion_logprobs(model, joined.context, joined.completion_ids, joined.completion_mask, 4,
+                                   shared_prefix=shared)
+        (logp * torch.linspace(-1, 1, logp.numel()).view_as(logp)).sum().backward()
+        got[shared] = (logp.detach(), [p.grad.clone() for p in params])
+    (full, full_g), (ours, our_g) = got[False], got[True]
+    assert torch.allclose(ours, full, rtol=0, atol=4 * d * EPS32 * float(full.abs().max()))
+    gmax = max(float(g.abs().max()) for g in full_g)
+    assert gmax > 0
+    assert all(torch.allclose(a, b, rtol=0, atol=4 * d * EPS32 * gmax) for a, b in zip(our_g, full_g))
