@@ -190,7 +190,7 @@ def test_gpu_sh_dry_run(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--parts", "env,nosuch"], "unknown part 'nosuch' in --parts; use some of env,tests,grpo_loss,logprob,step,sampler"),
+    (["--parts", "env,nosuch"], "unknown part 'nosuch' in --parts; use some of env,tests,grpo_loss,logprob,step,memory,sampler"),
     (["--parts"], "--parts needs a comma-separated list of: env,tests,"),
     (["--frobnicate"], "unknown argument '--frobnicate'"),
 ])
