@@ -193,6 +193,59 @@ def _both(key: str, value: Callable[[Any], Any]) -> Callable[[dict], list[str]]:
     return lambda cfgs: [a for p in ("A", "B") for a in (f"--{p}.{key}", str(value(cfgs[p])))]
 
 
+def _value(v: Any) -> str:
+    """A resolved config value as the command line writes it (dicts name=value, tuples comma separated)."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, dict):
+        return ",".join(f"{k}={x!r}" for k, x in v.items())
+    if isinstance(v, (tuple, list)):
+        return ",".join(map(str, v))
+    return str(v)
+
+
+# What phase B keeps of its own when it becomes "phase A continued": its length, its start and
+# its eval cadence (the budget the default's B spends), and its name (the checkpoints it writes).
+_CONTINUE_KEEPS = {"phase.name", "phase.steps", "phase.init", "run.eval_every"}
+
+
+def a_continued(cfgs: dict) -> list[str]:
+    """Phase B given every setting of phase A (weights, mixture, lr, tolerance, ...) and started
+    from A's last step: A simply runs on for B's steps. Read from the resolved configs, so when
+    a phase default changes the control follows it. The controller restarts from A's preset
+    weights (each phase's controller starts from its config), and AdamW starts afresh."""
+    out = ["--B.phase.init", "A:latest"]
+    a, b = json.loads(cfgs["A"].to_json()), json.loads(cfgs["B"].to_json())
+    for section, fields in a.items():
+        for name, value in fields.items():
+            key = f"{section}.{name}"
+            if key not in _CONTINUE_KEEPS and value != b[section][name]:
+                out += [f"--B.{key}", _value(getattr(getattr(cfgs["A"], section), name))]
+    return out
+
+
+def _plus(phases: tuple[str, ...], extra: Callable[[Any], dict[str, float]], *more: str) -> Callable[[dict], list[str]]:
+    """The phases' own weights plus `extra(phase config)` (and further fixed options per phase)."""
+    return lambda cfgs: [a for p in phases for a in (f"--{p}.rewards.weights",
+                                                      _weights(cfgs[p].rewards.weights, **extra(cfgs[p])),
+                                                      *[f"--{p}.{m}" if i % 2 == 0 else m for i, m in enumerate(more)])]
+
+
+# R1-VL's StepGRPO reward is r_auc + r_val: StepRAR (1[correct] + alpha * matched key steps,
+# alpha = .1 inside the component) plus StepRVR (0/1 validity), each with weight 1; here they
+# are added to the staged paper's terms, which stay as the phase sets them.
+R1VL_WEIGHTS = {"step_rar": 1.0, "step_rvr": 1.0}
+# RewardMap: R = W (R_format + R_correct + alpha R_detail) with alpha = .5; the detail component
+# already carries W (grpo/rewards/detail.py), so its weight is alpha.
+REWARDMAP_ALPHA = 0.5
+
+
+def _rubric_weight(cfg) -> dict[str, float]:
+    """The rubric term as heavy as the phase's correctness: in sequence mode the rubric score
+    then carries about half of the reward, as prefix mode's default split a = .5 gives it."""
+    return {"rubric": cfg.rewards.weights.get("correctness", 1.0)}
+
+
 VARIANTS: dict[str, Variant] = {v.name: v for v in [
     Variant("default", "the README's main job with the defaults (every other variant is compared with it)",
             lambda cfgs: []),
@@ -218,6 +271,24 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in [
     Variant("kl_mu2", "phase B alone with the KL anchor (beta 0.04) and two updates per rollout batch, from the same "
             "A:best_structure (the two levers positive on every seed of the blind base's benchmark, together)",
             lambda cfgs: ["--B.optim.beta", "0.04", "--B.optim.updates_per_batch", "2"], shares=("A",)),
+    Variant("a_continued", "the curriculum's control: no phase B; phase A runs on for B's steps (B given every "
+            "setting of A and started from A:latest; B's eval cadence), from the same phase A",
+            a_continued, shares=("A",)),
+    Variant("no_controller", "the metric-gated controller off in A and B: each phase's preset weights fixed "
+            "throughout", _both("phase.controller", lambda c: "false")),
+    Variant("no_curriculum", "no curriculum: phase A samples phase B's stage mixture from its first step "
+            "(one mixture throughout; the reward weights still change from A to B)",
+            lambda cfgs: ["--A.phase.mixture", _value(cfgs["B"].phase.mixture)]),
+    Variant("step_rewards", "R1-VL's StepRAR + StepRVR (weight 1 each, alpha .1) added in A and B",
+            _plus(("A", "B"), lambda c: R1VL_WEIGHTS)),
+    Variant("detail", f"RewardMap's difficulty-weighted detail reward (weight alpha = {REWARDMAP_ALPHA}) added in "
+            "phase B, from the same phase A", _plus(("B",), lambda c: {"detail": REWARDMAP_ALPHA}), shares=("A",)),
+    Variant("rubrics_prefix", "V-Rubrics in phase B (rubric weight = B's correctness weight), credited to token "
+            "prefixes in the fused loss (a = .5), from the same phase A",
+            _plus(("B",), _rubric_weight, "rewards.rubric_mode", "prefix"), shares=("A",)),
+    Variant("rubrics_sequence", "the same rubric score as rubrics_prefix, as a plain sequence reward (isolates "
+            "the prefix credit), from the same phase A",
+            _plus(("B",), _rubric_weight, "rewards.rubric_mode", "sequence"), shares=("A",)),
     Variant("frozen", "frozen-policy control: phase B from the same A:best_structure with --B.optim.lr 0 "
             "(sampled, scored and logged like training; curves only)",
             lambda cfgs: ["--B.optim.lr", "0", "--B.run.test_per_stage", "0"], shares=("A",), control=True),
