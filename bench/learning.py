@@ -351,6 +351,9 @@ def plan_runs(variants: Sequence[str], seeds: Sequence[int], out: Path, base: Se
     for name in variants:
         v = VARIANTS[name]
         extra = v.args(defaults)
+        problem = reward_data_problem(name, resolve([*base, *extra], f"variant {name}"))
+        if problem:
+            raise BenchError(problem)
         for seed in seeds:
             d = out / name / f"seed{seed}"
             options = ["--run.run_dir", str(d), "--run.seed", str(seed), *base, *extra]
@@ -366,6 +369,42 @@ def plan_runs(variants: Sequence[str], seeds: Sequence[int], out: Path, base: Se
             _check_run_dir(run)
             runs.append(run)
     return runs
+
+
+def _stage_samples(cfg) -> dict[int, list]:
+    """A few training examples of each stage the phase samples (synthetic: generated; a data
+    directory: its stage subsets)."""
+    stages = [st for st, p in cfg.phase.mixture.items() if p > 0]
+    if cfg.run.data == "synthetic":
+        from data.synthetic import generate
+
+        return {st: generate("train", st, 2, cfg.run.seed, cfg.model.image_size) for st in stages}
+    from grpo.run.phase_data import load_training_data
+
+    return {st: exs[:50] for st, exs in load_training_data(cfg)[0].items() if st in stages}
+
+
+def reward_data_problem(name: str, configs: dict, samples: Callable[[Any], dict[int, list]] = _stage_samples) -> str | None:
+    """One line naming the variant, the reward component and the field its examples lack (key
+    steps, intermediates, rubrics...), or None: checked before any run starts, so a variant
+    never trains on a component that scores 0 because the data cannot feed it."""
+    from grpo.rewards.compose import _missing
+
+    for phase, cfg in configs.items():
+        if phase == "warmup":
+            continue
+        extra = [c for c in cfg.rewards.weights if c in ("step_rar", "step_rvr", "detail", "rubric")]
+        if not extra:
+            continue
+        for stage, examples in samples(cfg).items():
+            for ex in examples:
+                for comp in extra:
+                    why = _missing(comp, ex, rule_judge=True)
+                    if why:
+                        return (f"variant {name}: reward component {comp!r} of phase {phase} needs a field the data "
+                                f"({cfg.run.data}, stage {stage}) lacks: example {ex.pid!r} {why}; run the variant "
+                                "on data that has it, or leave it out")
+    return None
 
 
 def _check_run_dir(run: Run) -> None:
@@ -559,6 +598,10 @@ def greedy_metrics(model: dict) -> dict[str, dict[str, float]]:
         "parseable": _metric(m.get("parseable_rate"), *iv.get("parseable_rate", (None, None))),
         "tokens": _metric(m.get("mean_completion_tokens"), *iv.get("mean_completion_tokens", (None, None))),
     }
+    s3 = (model.get("stages") or {}).get("stage3")
+    if s3 and s3.get("n_prompts"):  # the curriculum's hardest filter (data/stages.py; stages overlap)
+        out["exact_match_stage3"] = _metric(s3["metrics"].get("exact_match"),
+                                            *s3["intervals"].get("exact_match", (None, None)))
     if ctrl and ctrl.get("n"):
         n, em_s = int(ctrl["n"]), ctrl.get("exact_match_shuffled")
         lo, hi = wilson_interval(em_s * n, n) if isinstance(em_s, (int, float)) else (None, None)
@@ -643,10 +686,60 @@ def paired_difference(run: Run, a: str, b: str) -> dict[str, float] | None:
     return _metric(g.gap, g.lo, g.hi)
 
 
-def evaluate_run(run: Run, k: int, cache_dir: Path) -> dict:
-    """bench_eval.json: the table's numbers of one finished run (greedy from its report, pass@k sampled)."""
+def _samples(run: Run, sel: str) -> list[dict]:
+    from eval.report import _safe_name
+
+    path = run.dir / "report" / f"samples_{_safe_name(sel)}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@functools.lru_cache(maxsize=8)
+def _test_key_steps(seed: int, per_stage: int, image_size: int) -> dict[str, list[list[str]]]:
+    """pid -> key steps of the report's test examples (regenerated: the same split, seed and size)."""
+    from data.synthetic import generate
+
+    return {ex.pid: ex.key_steps for s in (1, 2, 3) for ex in generate("test", s, per_stage, seed, image_size)}
+
+
+def reasoning_metrics(run: Run, sel: str) -> dict[str, dict[str, float]]:
+    """Answer-follows-reasoning, right reasoning with a wrong answer and key-step accuracy of one
+    checkpoint's greedy test completions (eval/reasoning.py), overall and on the stage-3 filter.
+    Recomputed from the report's samples file, so a report written before these metrics existed
+    gets them too."""
+    from eval.reasoning import completion_reasoning, summarize_reasoning
+
+    cfg = run.configs["B"]
+    keys = _test_key_steps(cfg.run.seed, cfg.run.test_per_stage, cfg.model.image_size)
+    recs = [{**r, **completion_reasoning(r["text"], r["gold"], keys.get(r["pid"]))} for r in _samples(run, sel)]
+    out = {}
+    for suffix, subset in (("", recs), ("_stage3", [r for r in recs if 3 in r.get("stages", [])])):
+        for key, m in summarize_reasoning(subset).items():
+            out[key + suffix] = _metric(m["value"], m["lo"], m["hi"])
+    return out
+
+
+def versus_default(run: Run, default: Run, sel: str) -> dict[str, float] | None:
+    """EM(run's sel) - EM(the default run's sel) of the same seed, paired over the same test prompts."""
+    from eval.blind import blind_gap
+
+    try:
+        g = blind_gap(_samples(run, sel), _samples(default, sel))
+    except (OSError, ValueError):
+        return None
+    return _metric(g.gap, g.lo, g.hi)
+
+
+# What evaluate_run computes: a bench_eval.json written by an older version is recomputed (its
+# greedy numbers come from the report, so that costs seconds; pass@k stays cached).
+EVAL_VERSION = 2
+
+
+def evaluate_run(run: Run, k: int, cache_dir: Path, default: Run | None = None) -> dict:
+    """bench_eval.json: the table's numbers of one finished run (greedy from its report, the
+    reasoning metrics from its samples, pass@k sampled, the paired difference from the default run)."""
     path = run.dir / "bench_eval.json"
-    want = {"pass_k": k, "pass_temperature": PASS_TEMPERATURE}
+    want = {"pass_k": k, "pass_temperature": PASS_TEMPERATURE, "version": EVAL_VERSION,
+            "versus": str(default.dir) if default is not None and default is not run else None}
     if path.is_file():
         saved = json.loads(path.read_text())
         if saved.get("protocol") == want:
@@ -656,10 +749,13 @@ def evaluate_run(run: Run, k: int, cache_dir: Path) -> dict:
         report = _report(run)
         for sel in CHECKPOINTS:
             metrics = greedy_metrics(report["models"][sel])
+            metrics.update(reasoning_metrics(run, sel))
             if k > 0:
                 metrics.update(sampled_metrics(run, sel, k, cache_dir))
             result["checkpoints"][sel] = metrics
         result["b_minus_a"] = paired_difference(run, "A:best_structure", "B:latest")
+        if default is not None and default is not run:
+            result["versus_default"] = versus_default(run, default, "B:latest")
     result["training"] = training_summary(run)
     tmp = run.dir / f".tmp-eval-{uuid.uuid4().hex[:8]}"
     tmp.write_text(json.dumps(result, indent=2))
@@ -712,8 +808,12 @@ def training_summary(run: Run) -> dict[str, float]:
 
 def columns(k: int) -> list[tuple[str, str, str]]:
     """(metric key, column header, number format) of the tables."""
-    cols = [("exact_match", "EM", "{:.3f}"), ("exact_match_shuffled", "EM shuffled", "{:.3f}"),
-            ("blind_gap", "blind gap", "{:+.3f}"), ("parseable", "parseable", "{:.3f}"), ("tokens", "tokens", "{:.1f}")]
+    cols = [("exact_match", "EM", "{:.3f}"), ("exact_match_stage3", "EM stage 3", "{:.3f}"),
+            ("exact_match_shuffled", "EM shuffled", "{:.3f}"),
+            ("blind_gap", "blind gap", "{:+.3f}"), ("parseable", "parseable", "{:.3f}"), ("tokens", "tokens", "{:.1f}"),
+            ("answer_follows", "answer follows", "{:.3f}"), ("right_reasoning_wrong", "right reasoning, wrong answer",
+                                                             "{:.3f}"),
+            ("arithmetic_right", "arithmetic right", "{:.3f}"), ("key_step_accuracy", "key steps", "{:.3f}")]
     if k > 0:
         cols += [("pass_at_k", f"pass@{k}", "{:.3f}"), ("pass_at_k_shuffled", f"pass@{k} shuffled", "{:.3f}"),
                  ("pass_gap", f"pass@{k} gap", "{:+.3f}")]
@@ -748,6 +848,7 @@ def summarize(runs: Sequence[Run], evals: dict[str, dict[int, dict]], k: int, se
                                                                          ("blind_gap_t1", "", "")]}
                                     for sel in CHECKPOINTS}
             entry["b_minus_a"] = aggregate({s: e.get("b_minus_a") for s, e in done.items()})
+            entry["versus_default"] = aggregate({s: e.get("versus_default") for s, e in done.items()})
         results[name] = entry
     return {"seeds": list(seeds), "spread": "min..max over seeds (sd in 'sd', n - 1)",
             "pass": {"k": k, "temperature": PASS_TEMPERATURE, "batch_size": PASS_BATCH},
@@ -843,7 +944,39 @@ def b_minus_a_lines(summary: dict) -> list[str]:
     return _table(["variant", "mean (min..max)", "per seed [paired 95% interval]"], rows)
 
 
-def render(summary: dict, runs: Sequence[Run], k: int, failures: list[str]) -> str:
+def variant_table(summary: dict) -> list[str]:
+    """The README's comparison: every evaluated variant's last checkpoint (B:latest) on the test split."""
+    rows = []
+    for name, e in summary["variants"].items():
+        if "checkpoints" not in e or not e["seeds"]:
+            continue
+        last = e["checkpoints"]["B:latest"]
+        rows.append([f"`{name}`", str(len(e["seeds"]))]
+                    + [_cell(last.get(key), fmt) for key, fmt in (("exact_match", "{:.3f}"),
+                                                                  ("exact_match_stage3", "{:.3f}"),
+                                                                  ("blind_gap", "{:+.3f}"),
+                                                                  ("answer_follows", "{:.3f}"),
+                                                                  ("right_reasoning_wrong", "{:.3f}"),
+                                                                  ("arithmetic_right", "{:.3f}"),
+                                                                  ("key_step_accuracy", "{:.3f}"))]
+                    + [_cell(e.get("b_minus_a"), "{:+.3f}"),
+                       "—" if name == "default" else _cell(e.get("versus_default"), "{:+.3f}")])
+    return _table(["variant", "seeds", "test EM", "EM stage 3", "blind gap", "answer follows reasoning",
+                   "right reasoning, wrong answer", "arithmetic right", "key steps", "B - A",
+                   "EM - default's"], rows)
+
+
+def versus_default_lines(summary: dict) -> list[str]:
+    rows = []
+    for name, e in summary["variants"].items():
+        agg = e.get("versus_default")
+        if agg and name != "default":
+            per = ", ".join(f"seed {p['seed']}: {p['value']:+.3f} [{p['lo']:+.3f}, {p['hi']:+.3f}]" for p in agg["per_seed"])
+            rows.append([f"`{name}`", _cell(agg, "{:+.3f}") if agg["n"] > 1 else f"{agg['mean']:+.3f}", per])
+    return _table(["variant", "mean (min..max)", "per seed [paired 95% interval]"], rows)
+
+
+def render(summary: dict, runs: Sequence[Run], k: int, failures: list[str], unfinished: Sequence[str] = ()) -> str:
     seeds = summary["seeds"]
     n_seed = f"{len(seeds)} seed{'s' if len(seeds) > 1 else ''} ({', '.join(map(str, seeds))})"
     spread = ("Cells: mean over seeds (min..max over seeds); a cell with one seed shows that run's 95% interval "
@@ -855,6 +988,12 @@ def render(summary: dict, runs: Sequence[Run], k: int, failures: list[str]) -> s
             "evaluated on the held-out synthetic test split (the end-of-run report's examples). Greedy decoding, one "
             f"sample per prompt, for EM, EM shuffled, blind gap, parseable and tokens{sampled}. {spread}"), ""]
     out += ["## Main run (defaults)", ""] + main_table(summary, k) + [""]
+    out += ["## Every variant's last checkpoint (`B:latest`; for `a_continued`, phase A continued)", "",
+            ("Test EM overall and on the stage-3 filter, the blind gap, the reasoning metrics (eval/reasoning.py), "
+             "B:latest - A:best_structure and B:latest - the default's B:latest (both paired over the same test "
+             "prompts, same seed). Cells: mean (min..max) over seeds.")] + [""] + variant_table(summary) + [""]
+    out += ["## Each variant minus the default (`B:latest` test EM, paired per seed over the same prompts)", ""]
+    out += versus_default_lines(summary) + [""]
     out += ["## Phase B's last step minus phase A (`B:latest` - `A:best_structure` test EM, paired per seed)", ""]
     out += b_minus_a_lines(summary) + [""]
     out += ["## Controls and ablations (same seeds, same base, same budget)", ""]
@@ -873,6 +1012,9 @@ def render(summary: dict, runs: Sequence[Run], k: int, failures: list[str]) -> s
                                        for r in runs if r.seed == seeds[0]] + [""]
     if failures:
         out += ["## Runs that failed (not in the tables)", ""] + [f"- {f}" for f in failures] + [""]
+    if unfinished:
+        out += ["## Runs not finished yet (not in the tables; `python -m bench.learning` with the same options "
+                "resumes them)", ""] + [f"- {n}" for n in unfinished] + [""]
     out += ["## What the numbers mean", "",
             ("EM: the SOLUTION number equals the gold. EM shuffled: the same prompts with each image swapped for another "
              "example's of the same family (eval/blind.py). Blind gap = EM - EM shuffled, with the paired interval of "
@@ -1042,6 +1184,8 @@ curves_seed<k>.png, test_checkpoints.png. Finished runs are reused, interrupted 
                    help="trainer processes at a time (default 1; each uses one thread: at most the CPU cores, "
                         "and the trainer's wall times then include the sharing)")
     p.add_argument("--plan", action="store_true", help="print every run's command line and state, run nothing")
+    p.add_argument("--report-only", action="store_true",
+                   help="train nothing: summarise the finished runs (the others are listed as not finished)")
     return p
 
 
@@ -1085,10 +1229,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.time()
     evals: dict[str, dict[int, dict]] = {}
     failures: list[str] = []
+    unfinished: list[str] = []  # --report-only: the runs left out
     STOP.install()
     STOP.listeners.append(_forward)
     try:
-        _run_all(runs, args, evals, failures)
+        _run_all(runs, args, evals, failures, unfinished)
     except StopNow as now:  # a second signal, forwarded too: the trainers stop at once
         print(f"stopped at once on a second {now}; the trainers lose their current step; the same command "
               "resumes (finished runs are reused)", file=sys.stderr)
@@ -1106,8 +1251,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return code
     STOP.uninstall()
     summary = summarize(runs, evals, args.pass_k, list(range(args.seeds)))
-    summary["failures"] = failures
-    md = render(summary, runs, args.pass_k, failures)
+    summary["failures"], summary["unfinished"] = failures, unfinished
+    md = render(summary, runs, args.pass_k, failures, unfinished)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "summary.md").write_text(md)
     from eval.report import json_safe
@@ -1125,7 +1270,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _run_all(runs: Sequence[Run], args: argparse.Namespace, evals: dict, failures: list[str]) -> None:
+def _run_all(runs: Sequence[Run], args: argparse.Namespace, evals: dict, failures: list[str],
+             unfinished: list[str]) -> None:
     """Train (or reuse) and evaluate every run, up to ``args.jobs`` trainer processes at a time.
 
     An ablation starts only once its seed's default run has finished (it copies that run's
@@ -1155,7 +1301,19 @@ def _run_all(runs: Sequence[Run], args: argparse.Namespace, evals: dict, failure
             return False
 
     def evaluate(run: Run) -> None:
-        evals.setdefault(run.variant.name, {})[run.seed] = evaluate_run(run, args.pass_k, args.out / "eval_cache")
+        main = next((r for r in runs if r.variant.name == "default" and r.seed == run.seed), None)
+        main = main if main is not None and finished(main) else None  # the paired difference needs its report
+        evals.setdefault(run.variant.name, {})[run.seed] = evaluate_run(run, args.pass_k, args.out / "eval_cache", main)
+
+    if args.report_only:  # summarise what is finished; train nothing
+        for run in runs:
+            if finished(run):
+                evaluate(run)
+            else:
+                print(f"[bench] {run.name}: {state(run).split(':')[0]}, left out (--report-only trains nothing)",
+                      flush=True)
+                unfinished.append(run.name)
+        return
 
     def fill() -> None:  # start ready runs in the free slots (none once a stop was requested)
         if STOP.requested:

@@ -12,6 +12,12 @@ from one that reasons rightly and then writes another number ("5 + 3 + 9 = 17" f
     right_reasoning_wrong   the reasoning's result equals the gold answer and the SOLUTION
                             does not: "right reasoning, wrong answer", over all completions
                             with a numeric gold; Wilson 95%.
+    arithmetic_right        every equation the reasoning writes ("5 + 3 + 9 = 17", "53 / 2 =
+                            26.5") is right: the left side, evaluated, equals the right side
+                            (exactly, or rounded to the decimals the right side shows). Over the
+                            completions with at least one such equation; Wilson 95%. A wrong
+                            sum copied faithfully into the SOLUTION is a follow, and this is
+                            where it shows.
     key_step_accuracy       the share of the example's key steps (data.schema.Example.key_steps,
                             one group of accepted spellings per step) that appear in the
                             REASONING block, matched by the soft matcher R1-VL's StepRAR pays
@@ -27,7 +33,9 @@ followed (it is; the arithmetic is what is wrong, and exact match and key steps 
 
 from __future__ import annotations
 
+import ast
 import math
+import operator
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -38,7 +46,51 @@ from eval.metrics import mean_interval, wilson_interval
 # A number as a reasoning writes it: optional sign, digits with optional thousands commas, an
 # optional decimal part (or a bare ".5"); normalize_number decides what it means.
 _NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|-?\.\d+")
-KEYS = ("answer_follows", "right_reasoning_wrong", "key_step_accuracy")
+KEYS = ("answer_follows", "right_reasoning_wrong", "arithmetic_right", "key_step_accuracy")
+# One clause of a reasoning: split at ":" ";" and at a "," or "." before a space or the end (not
+# inside "1,000" or "6.5").
+_CLAUSE = re.compile(r"[:;]|[,.](?=\s|$)")
+_EQUATION = re.compile(r"^\s*(?P<lhs>[0-9.,\s+\-*/x×÷()]*[+\-*/x×÷][0-9.,\s+\-*/x×÷()]*)=\s*(?P<rhs>-?\d[\d,]*(?:\.\d+)?)\s*$")
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+
+
+def _evaluate(expr: str) -> float | None:
+    """The value of + - * / arithmetic over plain numbers (None for anything else, or 1/0)."""
+    try:
+        node = ast.parse(expr.replace("×", "*").replace("x", "*").replace("÷", "/").strip(), mode="eval").body
+    except SyntaxError:
+        return None
+
+    def value(n: ast.AST) -> float:
+        if isinstance(n, ast.Constant) and isinstance(n.value, (int, float)) and not isinstance(n.value, bool):
+            return float(n.value)
+        if isinstance(n, ast.UnaryOp) and isinstance(n.op, ast.USub):
+            return -value(n.operand)
+        if isinstance(n, ast.BinOp) and type(n.op) in _OPS:
+            return _OPS[type(n.op)](value(n.left), value(n.right))
+        raise ValueError(type(n).__name__)
+
+    try:
+        return value(node)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def arithmetic_right(text: str) -> bool | None:
+    """Every "expression = number" clause of the REASONING evaluates to its number (None: none to check)."""
+    reasoning = parse_response(text).reasoning or ""
+    checked = []
+    for clause in _CLAUSE.split(reasoning):
+        m = _EQUATION.match(clause)
+        if not m:
+            continue
+        got, rhs = _evaluate(m["lhs"].replace(",", "")), m["rhs"].replace(",", "")
+        if got is None:
+            continue
+        decimals = len(rhs.partition(".")[2])
+        # "13 / 2 = 6.5" exact; "10 / 3 = 3.33" right to the two decimals it shows; "53 / 2 = 26" wrong
+        checked.append(abs(got - float(rhs)) < 1e-9 or (decimals > 0 and round(got, decimals) == float(rhs)))
+    return all(checked) if checked else None
 
 
 def reasoning_result(text: str) -> str | None:
@@ -75,7 +127,7 @@ def completion_reasoning(text: str, gold: str, key_steps: Sequence[Sequence[str]
     right = result is not None and is_exact(result, gold)
     wrong_answer = answer is None or not is_exact(answer, gold)
     return {"reasoning_result": result, "answer_follows": follows, "right_reasoning_wrong": right and wrong_answer,
-            "key_step_accuracy": key_step_fraction(text, key_steps)}
+            "arithmetic_right": arithmetic_right(text), "key_step_accuracy": key_step_fraction(text, key_steps)}
 
 
 def _rate(flags: Sequence[bool]) -> dict[str, float]:
@@ -91,6 +143,7 @@ def summarize_reasoning(records: Sequence[Mapping[str, Any]]) -> dict[str, dict[
     """The three numbers (value, lo, hi, n) over records that carry completion_reasoning's fields."""
     follows = [bool(r["answer_follows"]) for r in records if r.get("answer_follows") is not None]
     right_wrong = [bool(r["right_reasoning_wrong"]) for r in records if "right_reasoning_wrong" in r]
+    arithmetic = [bool(r["arithmetic_right"]) for r in records if r.get("arithmetic_right") is not None]
     by_prompt: dict[str, list[float]] = {}
     for r in records:
         if r.get("key_step_accuracy") is not None:
@@ -101,4 +154,5 @@ def summarize_reasoning(records: Sequence[Mapping[str, Any]]) -> dict[str, dict[
         keys = {"value": sum(means) / len(means), "lo": lo, "hi": hi, "n": len(means)}
     else:
         keys = {"value": math.nan, "lo": math.nan, "hi": math.nan, "n": 0}
-    return {"answer_follows": _rate(follows), "right_reasoning_wrong": _rate(right_wrong), "key_step_accuracy": keys}
+    return {"answer_follows": _rate(follows), "right_reasoning_wrong": _rate(right_wrong),
+            "arithmetic_right": _rate(arithmetic), "key_step_accuracy": keys}

@@ -166,7 +166,7 @@ def reasoning_lines(results: Mapping[str, EvalResult]) -> list[str]:
     for name, r in results.items():
         for subset, m in r.reasoning.items():
             cells = []
-            for key in ("answer_follows", "right_reasoning_wrong", "key_step_accuracy"):
+            for key in ("answer_follows", "right_reasoning_wrong", "arithmetic_right", "key_step_accuracy"):
                 v = m.get(key, {})
                 cells.append(f"{_fmt('{:.3f}', v.get('value'))} [{_fmt('{:.3f}', v.get('lo'))}, "
                              f"{_fmt('{:.3f}', v.get('hi'))}] n={v.get('n', 0)}")
@@ -174,9 +174,10 @@ def reasoning_lines(results: Mapping[str, EvalResult]) -> list[str]:
     if not rows:
         return ["None."]
     return [_table(["model", "subset", "answer follows reasoning", "right reasoning, wrong answer",
-                    "key-step accuracy"], rows), "",
+                    "arithmetic right", "key-step accuracy"], rows), "",
             "Answer follows reasoning: the SOLUTION equals the number the REASONING ends on (n = completions with "
             "both). Right reasoning, wrong answer: that number is the gold and the SOLUTION is not (n = completions). "
+            "Arithmetic right: every 'expression = number' of the REASONING is right (n = completions with one). "
             "Key-step accuracy: share of the example's key steps found in the REASONING (n = prompts with key steps)."]
 
 

@@ -5,7 +5,7 @@ import math
 
 from data.synthetic import generate
 from eval.evaluate import evaluate_completions
-from eval.reasoning import completion_reasoning, reasoning_result, summarize_reasoning
+from eval.reasoning import arithmetic_right, completion_reasoning, reasoning_result, summarize_reasoning
 from eval.report import write_report
 
 
@@ -25,12 +25,19 @@ def test_right_reasoning_with_a_wrong_answer_is_counted_as_such():
     keys = [["5", "five"], ["3"], ["5 + 3", "5+3"]]
     slip = completion_reasoning(box("red: 5. blue: 3. 5 + 3 = 8.", "9"), "8", keys)
     assert slip == {"reasoning_result": "8", "answer_follows": False, "right_reasoning_wrong": True,
-                    "key_step_accuracy": 1.0}
+                    "arithmetic_right": True, "key_step_accuracy": 1.0}
     good = completion_reasoning(box("red: five, and three more make 8.", "8"), "8", keys)
     assert (good["answer_follows"], good["right_reasoning_wrong"]) == (True, False)
     assert math.isclose(good["key_step_accuracy"], 1 / 3)  # "five" only: "three" is not a listed spelling of 3
     none = completion_reasoning(box("no idea", "4"), "8", None)
     assert none["answer_follows"] is None and none["key_step_accuracy"] is None
+
+
+def test_arithmetic_is_checked_clause_by_clause_to_the_decimals_shown():
+    assert arithmetic_right(box("column 1: 5, 3, 9. 5 + 3 + 9 = 19.", "19")) is False  # the typical slip
+    assert arithmetic_right(box("row 1: 39. row 2: 14. 39 + 14 = 53. 53 / 2 = 26.", "26")) is False
+    assert arithmetic_right(box("corner: 2 x 2 = 4. 15 - 4 = 11. 10 / 3 = 3.33. 1,000 + 5 = 1,005", "11")) is True
+    assert arithmetic_right(box("red circles: 3. x = 3", "3")) is None  # nothing to check
 
 
 def test_summaries_count_only_what_each_number_is_defined_on():
