@@ -66,6 +66,30 @@ on the test split (its policy is A's). Plots (pillow, eval/plots.py): curves_see
 frozen control; held-out val EM and blind gap at each checkpoint eval) and
 test_checkpoints.png (test EM and blind gap per checkpoint, per seed).
 
+The four papers' mechanisms, each against the default on the same seeds (paired over the same
+test prompts: each variant's last model minus the default's B:latest):
+
+    a_continued        the curriculum's control: phase A runs on for B's steps (phase B given
+                       every setting of A, started from A:latest); the staged curriculum earns
+                       its place only if B beats this
+    no_controller      the metric-gated controller off in A and B (preset weights fixed)
+    no_curriculum      phase A samples B's stage mixture from its first step
+    step_rewards       R1-VL: StepRAR + StepRVR, weight 1 each, in A and B
+    detail             RewardMap: the difficulty-weighted detail reward, weight alpha = .5, in B
+    rubrics_prefix     V-Rubrics: the rubric score credited to token prefixes in the fused loss
+    rubrics_sequence   the same rubric score and weight as a sequence reward (isolates the prefix)
+    phase_c            phase C after the default's B (``--phase C``; A and B copied), reported
+                       per stage and as C:latest - C's start (B:latest)
+
+A variant whose reward needs a field the data lacks (key steps, intermediates, rubrics) is
+refused at the start with one line naming the variant, the component and the field.
+
+Every checkpoint also gets the reasoning metrics of eval/reasoning.py, recomputed from the
+report's samples (so older reports get them too): answer follows reasoning (the SOLUTION is the
+number the reasoning ends on), right reasoning with a wrong answer, arithmetic right (every
+"a + b = c" of the reasoning is right) and key-step accuracy. ``--report-only`` summarises the
+finished runs and trains nothing (the unfinished ones are listed).
+
 The controls a claim of learning is read against: ``frozen`` (above); ``random`` (each
 completion's rewards replaced by those of a random completion of its batch: GRPO's
 mechanics -- clipping, group normalisation, the format the base already half follows --
@@ -186,6 +210,22 @@ class Variant:
     args: Callable[[dict], list[str]]  # trainer options, from the default run's resolved configs
     shares: tuple[str, ...] = ()  # phase directories copied from the default run of the same seed
     control: bool = False  # the frozen policy: a curve baseline, not evaluated on the test split
+    last: str = REQUESTED  # the last phase it trains (--phase): B, or C for the phase-C variant
+
+    @property
+    def extra_checkpoints(self) -> tuple[str, ...]:
+        """Checkpoints past the table's four (a run that goes on to phase C: C's best and last)."""
+        return () if self.last == REQUESTED else (f"{self.last}:best_composite", f"{self.last}:latest")
+
+    @property
+    def final(self) -> str:
+        """The checkpoint the variant ends on (the README table's row)."""
+        return f"{self.last}:latest"
+
+    @property
+    def before_final(self) -> str:
+        """The checkpoint its last phase starts from, as the table's "B - A" reads it."""
+        return "A:best_structure" if self.last == REQUESTED else "B:latest"
 
 
 def _both(key: str, value: Callable[[Any], Any]) -> Callable[[dict], list[str]]:
@@ -289,6 +329,8 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in [
     Variant("rubrics_sequence", "the same rubric score as rubrics_prefix, as a plain sequence reward (isolates "
             "the prefix credit), from the same phase A",
             _plus(("B",), _rubric_weight, "rewards.rubric_mode", "sequence"), shares=("A",)),
+    Variant("phase_c", "phase C (stages 2 and 3, tolerance credit) after the default's A and B, copied from the "
+            "default run; reported per stage, and C:latest - B:latest", lambda cfgs: [], shares=("A", "B"), last="C"),
     Variant("frozen", "frozen-policy control: phase B from the same A:best_structure with --B.optim.lr 0 "
             "(sampled, scored and logged like training; curves only)",
             lambda cfgs: ["--B.optim.lr", "0", "--B.run.test_per_stage", "0"], shares=("A",), control=True),
@@ -311,7 +353,7 @@ class Run:
         return f"{self.variant.name} seed{self.seed}"
 
     def command(self, python: str = "python") -> list[str]:
-        return [python, "-m", "grpo.train", "--phase", REQUESTED, *self.options]
+        return [python, "-m", "grpo.train", "--phase", self.variant.last, *self.options]
 
 
 def _config_json(configs: dict) -> dict:
@@ -331,6 +373,15 @@ def _diffs(a: Any, b: Any, where: str = "") -> list[str]:
     return [] if a == b else [f"{where}: {a!r} -> {b!r}"]
 
 
+def _later_phase(base: Sequence[str], last: str) -> list[str]:
+    """A run that goes past B gets the base's B-prefixed options for its last phase too (the
+    --quick budget: 2 steps of 2 prompts), so that phase is as short as B."""
+    if last == REQUESTED:
+        return []
+    pairs = list(zip(base[::2], base[1::2]))
+    return [a for key, value in pairs if key.startswith("--B.") for a in (f"--{last}." + key[4:], value)]
+
+
 def plan_runs(variants: Sequence[str], seeds: Sequence[int], out: Path, base: Sequence[str]) -> list[Run]:
     """Every run, its options and resolved configs, checked before anything is trained.
 
@@ -340,9 +391,9 @@ def plan_runs(variants: Sequence[str], seeds: Sequence[int], out: Path, base: Se
     from grpo.cli import phase_configs
     from grpo.config import ConfigError, parse_override_args
 
-    def resolve(options: list[str], what: str) -> dict:
+    def resolve(options: list[str], what: str, last: str = REQUESTED) -> dict:
         try:
-            return phase_configs(REQUESTED, "tiny", parse_override_args(options))
+            return phase_configs(last, "tiny", parse_override_args(options))
         except (ConfigError, ValueError) as err:
             raise BenchError(f"{what}: {err}") from None
 
@@ -351,13 +402,13 @@ def plan_runs(variants: Sequence[str], seeds: Sequence[int], out: Path, base: Se
     for name in variants:
         v = VARIANTS[name]
         extra = v.args(defaults)
-        problem = reward_data_problem(name, resolve([*base, *extra], f"variant {name}"))
+        problem = reward_data_problem(name, resolve([*base, *extra], f"variant {name}", v.last))
         if problem:
             raise BenchError(problem)
         for seed in seeds:
             d = out / name / f"seed{seed}"
-            options = ["--run.run_dir", str(d), "--run.seed", str(seed), *base, *extra]
-            run = Run(v, seed, d, options, resolve(options, f"variant {name} seed {seed}"))
+            options = ["--run.run_dir", str(d), "--run.seed", str(seed), *base, *_later_phase(base, v.last), *extra]
+            run = Run(v, seed, d, options, resolve(options, f"variant {name} seed {seed}", v.last))
             if v.shares:
                 main = next(r for r in runs if r.variant.name == "default" and r.seed == seed)
                 mine, theirs = _config_json(run.configs), _config_json(main.configs)
@@ -427,7 +478,8 @@ def _check_run_dir(run: Run) -> None:
 
 
 def _b_steps(run: Run) -> int:
-    return run.configs["B"].phase.steps
+    """The steps of the run's last phase (B, or C for a run that goes on to it)."""
+    return run.configs[run.variant.last].phase.steps
 
 
 def _latest(run_dir: Path, phase: str) -> int | None:
@@ -447,7 +499,7 @@ def _report(run: Run) -> dict | None:
         rep = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    return rep if all(c in rep.get("models", {}) for c in CHECKPOINTS) else None
+    return rep if all(c in rep.get("models", {}) for c in CHECKPOINTS + run.variant.extra_checkpoints) else None
 
 
 def finished(run: Run) -> bool:
@@ -455,10 +507,11 @@ def finished(run: Run) -> bool:
     report, its report written."""
     from grpo.state.resume import phase_finished
 
-    if not (run.dir / "B" / "registry.json").is_file() or _latest(run.dir, "B") != _b_steps(run) \
-            or not phase_finished(run.dir, "B"):
+    last = run.variant.last
+    if not (run.dir / last / "registry.json").is_file() or _latest(run.dir, last) != _b_steps(run) \
+            or not phase_finished(run.dir, last):
         return False
-    return run.configs["B"].run.test_per_stage == 0 or _report(run) is not None
+    return run.configs[last].run.test_per_stage == 0 or _report(run) is not None
 
 
 def state(run: Run) -> str:
@@ -571,9 +624,9 @@ def ensure_trained(run: Run, runs: Sequence[Run]) -> None:
             and (_latest(run.dir, "A") or 0) < a_steps:
         _train(run, [sys.executable, "-m", "grpo.train", "--phase", "A", *_phase_a_options(run)],
                f"completing the interrupted phase A (step {_latest(run.dir, 'A')} of {a_steps})")
-    _train(run, run.command(sys.executable), "training" if not (run.dir / "B").exists() else "resuming")
+    _train(run, run.command(sys.executable), "training" if not (run.dir / run.variant.last).exists() else "resuming")
     if not finished(run):
-        raise BenchError(f"{run.name}: grpo.train exited 0 but phase B is not at step {_b_steps(run)} or the "
+        raise BenchError(f"{run.name}: grpo.train exited 0 but phase {run.variant.last} is not at step {_b_steps(run)} or the "
                          f"report is missing; see {run.dir / 'train.out'}", code=1)
 
 
@@ -598,10 +651,11 @@ def greedy_metrics(model: dict) -> dict[str, dict[str, float]]:
         "parseable": _metric(m.get("parseable_rate"), *iv.get("parseable_rate", (None, None))),
         "tokens": _metric(m.get("mean_completion_tokens"), *iv.get("mean_completion_tokens", (None, None))),
     }
-    s3 = (model.get("stages") or {}).get("stage3")
-    if s3 and s3.get("n_prompts"):  # the curriculum's hardest filter (data/stages.py; stages overlap)
-        out["exact_match_stage3"] = _metric(s3["metrics"].get("exact_match"),
-                                            *s3["intervals"].get("exact_match", (None, None)))
+    for stage in (1, 2, 3):  # the curriculum's filters (data/stages.py; they overlap); stage 3 is the hardest
+        sub = (model.get("stages") or {}).get(f"stage{stage}")
+        if sub and sub.get("n_prompts"):
+            out[f"exact_match_stage{stage}"] = _metric(sub["metrics"].get("exact_match"),
+                                                       *sub["intervals"].get("exact_match", (None, None)))
     if ctrl and ctrl.get("n"):
         n, em_s = int(ctrl["n"]), ctrl.get("exact_match_shuffled")
         lo, hi = wilson_interval(em_s * n, n) if isinstance(em_s, (int, float)) else (None, None)
@@ -718,20 +772,24 @@ def reasoning_metrics(run: Run, sel: str) -> dict[str, dict[str, float]]:
     return out
 
 
-def versus_default(run: Run, default: Run, sel: str) -> dict[str, float] | None:
-    """EM(run's sel) - EM(the default run's sel) of the same seed, paired over the same test prompts."""
+def versus_default(run: Run, default: Run, sel: str, default_sel: str = "B:latest") -> dict[str, float] | None:
+    """EM(run's sel) - EM(the default run's B:latest) of the same seed, paired over the same test prompts."""
     from eval.blind import blind_gap
 
     try:
-        g = blind_gap(_samples(run, sel), _samples(default, sel))
+        g = blind_gap(_samples(run, sel), _samples(default, default_sel))
     except (OSError, ValueError):
         return None
     return _metric(g.gap, g.lo, g.hi)
 
 
+def _versus(run: Run, default: Run) -> dict[str, float] | None:
+    return versus_default(run, default, run.variant.final)
+
+
 # What evaluate_run computes: a bench_eval.json written by an older version is recomputed (its
 # greedy numbers come from the report, so that costs seconds; pass@k stays cached).
-EVAL_VERSION = 2
+EVAL_VERSION = 3
 
 
 def evaluate_run(run: Run, k: int, cache_dir: Path, default: Run | None = None) -> dict:
@@ -747,15 +805,18 @@ def evaluate_run(run: Run, k: int, cache_dir: Path, default: Run | None = None) 
     result: dict[str, Any] = {"protocol": want, "checkpoints": {}}
     if not run.variant.control:
         report = _report(run)
-        for sel in CHECKPOINTS:
+        for sel in CHECKPOINTS + run.variant.extra_checkpoints:
             metrics = greedy_metrics(report["models"][sel])
             metrics.update(reasoning_metrics(run, sel))
             if k > 0:
                 metrics.update(sampled_metrics(run, sel, k, cache_dir))
             result["checkpoints"][sel] = metrics
         result["b_minus_a"] = paired_difference(run, "A:best_structure", "B:latest")
-        if default is not None and default is not run:
-            result["versus_default"] = versus_default(run, default, "B:latest")
+        # the last phase's own gain: B - A, or C - B for a run that goes on to phase C
+        result["last_minus_before"] = paired_difference(run, run.variant.before_final, run.variant.final)
+        if default is not None and default is not run:  # the variant's last model against the default's
+            g = versus_default(run, default, run.variant.final)
+            result["versus_default"] = g if run.variant.final == "B:latest" else _versus(run, default)
     result["training"] = training_summary(run)
     tmp = run.dir / f".tmp-eval-{uuid.uuid4().hex[:8]}"
     tmp.write_text(json.dumps(result, indent=2))
@@ -849,6 +910,11 @@ def summarize(runs: Sequence[Run], evals: dict[str, dict[int, dict]], k: int, se
                                     for sel in CHECKPOINTS}
             entry["b_minus_a"] = aggregate({s: e.get("b_minus_a") for s, e in done.items()})
             entry["versus_default"] = aggregate({s: e.get("versus_default") for s, e in done.items()})
+            entry["final_checkpoint"] = v.final
+            keys = [key for key, _, _ in columns(k)] + ["exact_match_stage1", "exact_match_stage2"]
+            entry["final"] = {key: aggregate({s: e["checkpoints"].get(v.final, {}).get(key) for s, e in done.items()})
+                              for key in keys}
+            entry["last_minus_before"] = aggregate({s: e.get("last_minus_before") for s, e in done.items()})
         results[name] = entry
     return {"seeds": list(seeds), "spread": "min..max over seeds (sd in 'sd', n - 1)",
             "pass": {"k": k, "temperature": PASS_TEMPERATURE, "batch_size": PASS_BATCH},
@@ -950,8 +1016,9 @@ def variant_table(summary: dict) -> list[str]:
     for name, e in summary["variants"].items():
         if "checkpoints" not in e or not e["seeds"]:
             continue
-        last = e["checkpoints"]["B:latest"]
-        rows.append([f"`{name}`", str(len(e["seeds"]))]
+        last = e.get("final") or e["checkpoints"]["B:latest"]
+        rows.append([f"`{name}`" + (f" ({e['final_checkpoint']})" if e.get("final_checkpoint", "B:latest") != "B:latest"
+                                    else ""), str(len(e["seeds"]))]
                     + [_cell(last.get(key), fmt) for key, fmt in (("exact_match", "{:.3f}"),
                                                                   ("exact_match_stage3", "{:.3f}"),
                                                                   ("blind_gap", "{:+.3f}"),
@@ -959,11 +1026,23 @@ def variant_table(summary: dict) -> list[str]:
                                                                   ("right_reasoning_wrong", "{:.3f}"),
                                                                   ("arithmetic_right", "{:.3f}"),
                                                                   ("key_step_accuracy", "{:.3f}"))]
-                    + [_cell(e.get("b_minus_a"), "{:+.3f}"),
+                    + [_cell(e.get("last_minus_before") or e.get("b_minus_a"), "{:+.3f}"),
                        "—" if name == "default" else _cell(e.get("versus_default"), "{:+.3f}")])
     return _table(["variant", "seeds", "test EM", "EM stage 3", "blind gap", "answer follows reasoning",
-                   "right reasoning, wrong answer", "arithmetic right", "key steps", "B - A",
+                   "right reasoning, wrong answer", "arithmetic right", "key steps", "B - A (C - B)",
                    "EM - default's"], rows)
+
+
+def stage_lines(summary: dict) -> list[str]:
+    """Test EM per curriculum stage filter of each variant's last model (phase C's target: stages 2 and 3)."""
+    rows = []
+    for name, e in summary["variants"].items():
+        if "final" not in e or not e["seeds"]:
+            continue
+        rows.append([f"`{name}`", e["final_checkpoint"]] + [_cell(e["final"].get(f"exact_match_stage{st}"), "{:.3f}")
+                                                           for st in (1, 2, 3)] + [_cell(e["final"].get("exact_match"),
+                                                                                         "{:.3f}")])
+    return _table(["variant", "checkpoint", "EM stage 1", "EM stage 2", "EM stage 3", "EM overall"], rows)
 
 
 def versus_default_lines(summary: dict) -> list[str]:
@@ -988,12 +1067,17 @@ def render(summary: dict, runs: Sequence[Run], k: int, failures: list[str], unfi
             "evaluated on the held-out synthetic test split (the end-of-run report's examples). Greedy decoding, one "
             f"sample per prompt, for EM, EM shuffled, blind gap, parseable and tokens{sampled}. {spread}"), ""]
     out += ["## Main run (defaults)", ""] + main_table(summary, k) + [""]
-    out += ["## Every variant's last checkpoint (`B:latest`; for `a_continued`, phase A continued)", "",
+    out += ["## Every variant's last model (`B:latest`; `C:latest` for phase C; for `a_continued`, phase A continued)",
+            "",
             ("Test EM overall and on the stage-3 filter, the blind gap, the reasoning metrics (eval/reasoning.py), "
-             "B:latest - A:best_structure and B:latest - the default's B:latest (both paired over the same test "
-             "prompts, same seed). Cells: mean (min..max) over seeds.")] + [""] + variant_table(summary) + [""]
-    out += ["## Each variant minus the default (`B:latest` test EM, paired per seed over the same prompts)", ""]
+             "the last phase's gain (B:latest - A:best_structure, or C:latest - B:latest) and the last model minus the "
+             "default's B:latest (both paired over the same test prompts, same seed). Cells: mean (min..max) over "
+             "seeds; one seed: its 95% interval.")] + [""] + variant_table(summary) + [""]
+    out += ["## Each variant's last model minus the default's `B:latest` (test EM, paired per seed over the same "
+            "prompts)", ""]
     out += versus_default_lines(summary) + [""]
+    out += ["## Test EM by stage filter of each variant's last model (data/stages.py; the filters overlap)", ""]
+    out += stage_lines(summary) + [""]
     out += ["## Phase B's last step minus phase A (`B:latest` - `A:best_structure` test EM, paired per seed)", ""]
     out += b_minus_a_lines(summary) + [""]
     out += ["## Controls and ablations (same seeds, same base, same budget)", ""]

@@ -159,7 +159,7 @@ def test_variant_options_are_read_from_the_config():
 
 # ----------------------------------------------------------------------------- the papers' variants
 
-PAPER_VARIANTS = "a_continued,no_controller,no_curriculum,step_rewards,detail,rubrics_prefix,rubrics_sequence"
+PAPER_VARIANTS = "a_continued,no_controller,no_curriculum,step_rewards,detail,rubrics_prefix,rubrics_sequence,phase_c"
 
 
 def test_a_continued_gives_phase_b_every_setting_of_a():
@@ -200,7 +200,7 @@ def papers(tmp_path_factory):
 def test_every_paper_variant_trains_and_is_compared_with_the_default(papers):
     summary = json.loads((papers / "summary.json").read_text())
     for name in ["default", *PAPER_VARIANTS.split(",")]:
-        last = summary["variants"][name]["checkpoints"]["B:latest"]
+        last = summary["variants"][name]["final"]
         for key in ("exact_match", "exact_match_stage3", "answer_follows", "right_reasoning_wrong", "key_step_accuracy"):
             assert key in last, (name, key)  # 2-step runs: the value may be None (nothing parsed), the key is there
         if name != "default":
@@ -210,8 +210,12 @@ def test_every_paper_variant_trains_and_is_compared_with_the_default(papers):
     log = [json.loads(ln) for ln in (papers / "step_rewards" / "seed0" / "train_log.jsonl").read_text().splitlines()]
     assert any("step_rar" in r.get("components", {}) for r in log if r.get("phase") == "A")
     md = (papers / "summary.md").read_text()
-    rows = table(md, "## Every variant's last checkpoint")
-    assert [r[0] for r in rows[1:]] == [f"`{n}`" for n in ["default", *PAPER_VARIANTS.split(",")]]
+    rows = table(md, "## Every variant's last model")
+    assert [r[0] for r in rows[1:]] == [f"`{n}`" for n in ["default", *PAPER_VARIANTS.split(",")[:-1]]] + [
+        "`phase_c` (C:latest)"]
+    c = json.loads((papers / "phase_c" / "seed0" / "bench_eval.json").read_text())
+    assert {"C:best_composite", "C:latest"} <= set(c["checkpoints"]) and c["last_minus_before"] is not None
+    assert "exact_match_stage2" in summary["variants"]["phase_c"]["final"]
 
 
 def test_report_only_summarises_what_is_finished_and_trains_nothing(papers, tmp_path):
