@@ -1229,7 +1229,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    variants = "\n".join(f"  {v.name:<13} {v.what}" for v in VARIANTS.values())
+    variants = "\n".join(f"  {v.name:<17} {v.what}" for v in VARIANTS.values())
     p = _Parser(
         prog="python -m bench.learning",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -1246,6 +1246,11 @@ what the numbers are (held-out synthetic test split, run.test_per_stage prompts 
                 does not measurably depend on the image)
   parseable     one parseable SOLUTION number; tokens: mean completion tokens
   pass@k        k samples per prompt at temperature 1, any exact (also with shuffled images)
+  EM stage 3    EM on the hardest curriculum filter (data/stages.py; the stage filters overlap)
+  answer follows  the SOLUTION is the number the reasoning ends on (eval/reasoning.py); right
+                reasoning, wrong answer; arithmetic right (every "a + b = c" of the reasoning);
+                key steps: share of the example's key steps in the reasoning
+  vs default    each variant's last model minus the default's B:latest, paired per seed
   intervals     95%: Wilson for rates, paired normal for gaps, normal for means
   over seeds    'mean (min..max)'; with one seed, that run's 95% interval [lo, hi]
 
