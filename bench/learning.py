@@ -66,6 +66,30 @@ on the test split (its policy is A's). Plots (pillow, eval/plots.py): curves_see
 frozen control; held-out val EM and blind gap at each checkpoint eval) and
 test_checkpoints.png (test EM and blind gap per checkpoint, per seed).
 
+The four papers' mechanisms, each against the default on the same seeds (paired over the same
+test prompts: each variant's last model minus the default's B:latest):
+
+    a_continued        the curriculum's control: phase A runs on for B's steps (phase B given
+                       every setting of A, started from A:latest); the staged curriculum earns
+                       its place only if B beats this
+    no_controller      the metric-gated controller off in A and B (preset weights fixed)
+    no_curriculum      phase A samples B's stage mixture from its first step
+    step_rewards       R1-VL: StepRAR + StepRVR, weight 1 each, in A and B
+    detail             RewardMap: the difficulty-weighted detail reward, weight alpha = .5, in B
+    rubrics_prefix     V-Rubrics: the rubric score credited to token prefixes in the fused loss
+    rubrics_sequence   the same rubric score and weight as a sequence reward (isolates the prefix)
+    phase_c            phase C after the default's B (``--phase C``; A and B copied), reported
+                       per stage and as C:latest - C's start (B:latest)
+
+A variant whose reward needs a field the data lacks (key steps, intermediates, rubrics) is
+refused at the start with one line naming the variant, the component and the field.
+
+Every checkpoint also gets the reasoning metrics of eval/reasoning.py, recomputed from the
+report's samples (so older reports get them too): answer follows reasoning (the SOLUTION is the
+number the reasoning ends on), right reasoning with a wrong answer, arithmetic right (every
+"a + b = c" of the reasoning is right) and key-step accuracy. ``--report-only`` summarises the
+finished runs and trains nothing (the unfinished ones are listed).
+
 The controls a claim of learning is read against: ``frozen`` (above); ``random`` (each
 completion's rewards replaced by those of a random completion of its batch: GRPO's
 mechanics -- clipping, group normalisation, the format the base already half follows --
@@ -186,11 +210,80 @@ class Variant:
     args: Callable[[dict], list[str]]  # trainer options, from the default run's resolved configs
     shares: tuple[str, ...] = ()  # phase directories copied from the default run of the same seed
     control: bool = False  # the frozen policy: a curve baseline, not evaluated on the test split
+    last: str = REQUESTED  # the last phase it trains (--phase): B, or C for the phase-C variant
+
+    @property
+    def extra_checkpoints(self) -> tuple[str, ...]:
+        """Checkpoints past the table's four (a run that goes on to phase C: C's best and last)."""
+        return () if self.last == REQUESTED else (f"{self.last}:best_composite", f"{self.last}:latest")
+
+    @property
+    def final(self) -> str:
+        """The checkpoint the variant ends on (the README table's row)."""
+        return f"{self.last}:latest"
+
+    @property
+    def before_final(self) -> str:
+        """The checkpoint its last phase starts from, as the table's "B - A" reads it."""
+        return "A:best_structure" if self.last == REQUESTED else "B:latest"
 
 
 def _both(key: str, value: Callable[[Any], Any]) -> Callable[[dict], list[str]]:
     """The option for phases A and B, each with its own value (the prefix names the phase)."""
     return lambda cfgs: [a for p in ("A", "B") for a in (f"--{p}.{key}", str(value(cfgs[p])))]
+
+
+def _value(v: Any) -> str:
+    """A resolved config value as the command line writes it (dicts name=value, tuples comma separated)."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, dict):
+        return ",".join(f"{k}={x!r}" for k, x in v.items())
+    if isinstance(v, (tuple, list)):
+        return ",".join(map(str, v))
+    return str(v)
+
+
+# What phase B keeps of its own when it becomes "phase A continued": its length, its start and
+# its eval cadence (the budget the default's B spends), and its name (the checkpoints it writes).
+_CONTINUE_KEEPS = {"phase.name", "phase.steps", "phase.init", "run.eval_every"}
+
+
+def a_continued(cfgs: dict) -> list[str]:
+    """Phase B given every setting of phase A (weights, mixture, lr, tolerance, ...) and started
+    from A's last step: A simply runs on for B's steps. Read from the resolved configs, so when
+    a phase default changes the control follows it. The controller restarts from A's preset
+    weights (each phase's controller starts from its config), and AdamW starts afresh."""
+    out = ["--B.phase.init", "A:latest"]
+    a, b = json.loads(cfgs["A"].to_json()), json.loads(cfgs["B"].to_json())
+    for section, fields in a.items():
+        for name, value in fields.items():
+            key = f"{section}.{name}"
+            if key not in _CONTINUE_KEEPS and value != b[section][name]:
+                out += [f"--B.{key}", _value(getattr(getattr(cfgs["A"], section), name))]
+    return out
+
+
+def _plus(phases: tuple[str, ...], extra: Callable[[Any], dict[str, float]], *more: str) -> Callable[[dict], list[str]]:
+    """The phases' own weights plus `extra(phase config)` (and further fixed options per phase)."""
+    return lambda cfgs: [a for p in phases for a in (f"--{p}.rewards.weights",
+                                                      _weights(cfgs[p].rewards.weights, **extra(cfgs[p])),
+                                                      *[f"--{p}.{m}" if i % 2 == 0 else m for i, m in enumerate(more)])]
+
+
+# R1-VL's StepGRPO reward is r_auc + r_val: StepRAR (1[correct] + alpha * matched key steps,
+# alpha = .1 inside the component) plus StepRVR (0/1 validity), each with weight 1; here they
+# are added to the staged paper's terms, which stay as the phase sets them.
+R1VL_WEIGHTS = {"step_rar": 1.0, "step_rvr": 1.0}
+# RewardMap: R = W (R_format + R_correct + alpha R_detail) with alpha = .5; the detail component
+# already carries W (grpo/rewards/detail.py), so its weight is alpha.
+REWARDMAP_ALPHA = 0.5
+
+
+def _rubric_weight(cfg) -> dict[str, float]:
+    """The rubric term as heavy as the phase's correctness: in sequence mode the rubric score
+    then carries about half of the reward, as prefix mode's default split a = .5 gives it."""
+    return {"rubric": cfg.rewards.weights.get("correctness", 1.0)}
 
 
 VARIANTS: dict[str, Variant] = {v.name: v for v in [
@@ -218,6 +311,26 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in [
     Variant("kl_mu2", "phase B alone with the KL anchor (beta 0.04) and two updates per rollout batch, from the same "
             "A:best_structure (the two levers positive on every seed of the blind base's benchmark, together)",
             lambda cfgs: ["--B.optim.beta", "0.04", "--B.optim.updates_per_batch", "2"], shares=("A",)),
+    Variant("a_continued", "the curriculum's control: no phase B; phase A runs on for B's steps (B given every "
+            "setting of A and started from A:latest; B's eval cadence), from the same phase A",
+            a_continued, shares=("A",)),
+    Variant("no_controller", "the metric-gated controller off in A and B: each phase's preset weights fixed "
+            "throughout", _both("phase.controller", lambda c: "false")),
+    Variant("no_curriculum", "no curriculum: phase A samples phase B's stage mixture from its first step "
+            "(one mixture throughout; the reward weights still change from A to B)",
+            lambda cfgs: ["--A.phase.mixture", _value(cfgs["B"].phase.mixture)]),
+    Variant("step_rewards", "R1-VL's StepRAR + StepRVR (weight 1 each, alpha .1) added in A and B",
+            _plus(("A", "B"), lambda c: R1VL_WEIGHTS)),
+    Variant("detail", f"RewardMap's difficulty-weighted detail reward (weight alpha = {REWARDMAP_ALPHA}) added in "
+            "phase B, from the same phase A", _plus(("B",), lambda c: {"detail": REWARDMAP_ALPHA}), shares=("A",)),
+    Variant("rubrics_prefix", "V-Rubrics in phase B (rubric weight = B's correctness weight), credited to token "
+            "prefixes in the fused loss (a = .5), from the same phase A",
+            _plus(("B",), _rubric_weight, "rewards.rubric_mode", "prefix"), shares=("A",)),
+    Variant("rubrics_sequence", "the same rubric score as rubrics_prefix, as a plain sequence reward (isolates "
+            "the prefix credit), from the same phase A",
+            _plus(("B",), _rubric_weight, "rewards.rubric_mode", "sequence"), shares=("A",)),
+    Variant("phase_c", "phase C (stages 2 and 3, tolerance credit) after the default's A and B, copied from the "
+            "default run; reported per stage, and C:latest - B:latest", lambda cfgs: [], shares=("A", "B"), last="C"),
     Variant("frozen", "frozen-policy control: phase B from the same A:best_structure with --B.optim.lr 0 "
             "(sampled, scored and logged like training; curves only)",
             lambda cfgs: ["--B.optim.lr", "0", "--B.run.test_per_stage", "0"], shares=("A",), control=True),
@@ -240,7 +353,7 @@ class Run:
         return f"{self.variant.name} seed{self.seed}"
 
     def command(self, python: str = "python") -> list[str]:
-        return [python, "-m", "grpo.train", "--phase", REQUESTED, *self.options]
+        return [python, "-m", "grpo.train", "--phase", self.variant.last, *self.options]
 
 
 def _config_json(configs: dict) -> dict:
@@ -260,6 +373,15 @@ def _diffs(a: Any, b: Any, where: str = "") -> list[str]:
     return [] if a == b else [f"{where}: {a!r} -> {b!r}"]
 
 
+def _later_phase(base: Sequence[str], last: str) -> list[str]:
+    """A run that goes past B gets the base's B-prefixed options for its last phase too (the
+    --quick budget: 2 steps of 2 prompts), so that phase is as short as B."""
+    if last == REQUESTED:
+        return []
+    pairs = list(zip(base[::2], base[1::2]))
+    return [a for key, value in pairs if key.startswith("--B.") for a in (f"--{last}." + key[4:], value)]
+
+
 def plan_runs(variants: Sequence[str], seeds: Sequence[int], out: Path, base: Sequence[str]) -> list[Run]:
     """Every run, its options and resolved configs, checked before anything is trained.
 
@@ -269,9 +391,9 @@ def plan_runs(variants: Sequence[str], seeds: Sequence[int], out: Path, base: Se
     from grpo.cli import phase_configs
     from grpo.config import ConfigError, parse_override_args
 
-    def resolve(options: list[str], what: str) -> dict:
+    def resolve(options: list[str], what: str, last: str = REQUESTED) -> dict:
         try:
-            return phase_configs(REQUESTED, "tiny", parse_override_args(options))
+            return phase_configs(last, "tiny", parse_override_args(options))
         except (ConfigError, ValueError) as err:
             raise BenchError(f"{what}: {err}") from None
 
@@ -280,10 +402,13 @@ def plan_runs(variants: Sequence[str], seeds: Sequence[int], out: Path, base: Se
     for name in variants:
         v = VARIANTS[name]
         extra = v.args(defaults)
+        problem = reward_data_problem(name, resolve([*base, *extra], f"variant {name}", v.last))
+        if problem:
+            raise BenchError(problem)
         for seed in seeds:
             d = out / name / f"seed{seed}"
-            options = ["--run.run_dir", str(d), "--run.seed", str(seed), *base, *extra]
-            run = Run(v, seed, d, options, resolve(options, f"variant {name} seed {seed}"))
+            options = ["--run.run_dir", str(d), "--run.seed", str(seed), *base, *_later_phase(base, v.last), *extra]
+            run = Run(v, seed, d, options, resolve(options, f"variant {name} seed {seed}", v.last))
             if v.shares:
                 main = next(r for r in runs if r.variant.name == "default" and r.seed == seed)
                 mine, theirs = _config_json(run.configs), _config_json(main.configs)
@@ -295,6 +420,42 @@ def plan_runs(variants: Sequence[str], seeds: Sequence[int], out: Path, base: Se
             _check_run_dir(run)
             runs.append(run)
     return runs
+
+
+def _stage_samples(cfg) -> dict[int, list]:
+    """A few training examples of each stage the phase samples (synthetic: generated; a data
+    directory: its stage subsets)."""
+    stages = [st for st, p in cfg.phase.mixture.items() if p > 0]
+    if cfg.run.data == "synthetic":
+        from data.synthetic import generate
+
+        return {st: generate("train", st, 2, cfg.run.seed, cfg.model.image_size) for st in stages}
+    from grpo.run.phase_data import load_training_data
+
+    return {st: exs[:50] for st, exs in load_training_data(cfg)[0].items() if st in stages}
+
+
+def reward_data_problem(name: str, configs: dict, samples: Callable[[Any], dict[int, list]] = _stage_samples) -> str | None:
+    """One line naming the variant, the reward component and the field its examples lack (key
+    steps, intermediates, rubrics...), or None: checked before any run starts, so a variant
+    never trains on a component that scores 0 because the data cannot feed it."""
+    from grpo.rewards.compose import _missing
+
+    for phase, cfg in configs.items():
+        if phase == "warmup":
+            continue
+        extra = [c for c in cfg.rewards.weights if c in ("step_rar", "step_rvr", "detail", "rubric")]
+        if not extra:
+            continue
+        for stage, examples in samples(cfg).items():
+            for ex in examples:
+                for comp in extra:
+                    why = _missing(comp, ex, rule_judge=True)
+                    if why:
+                        return (f"variant {name}: reward component {comp!r} of phase {phase} needs a field the data "
+                                f"({cfg.run.data}, stage {stage}) lacks: example {ex.pid!r} {why}; run the variant "
+                                "on data that has it, or leave it out")
+    return None
 
 
 def _check_run_dir(run: Run) -> None:
@@ -317,7 +478,8 @@ def _check_run_dir(run: Run) -> None:
 
 
 def _b_steps(run: Run) -> int:
-    return run.configs["B"].phase.steps
+    """The steps of the run's last phase (B, or C for a run that goes on to it)."""
+    return run.configs[run.variant.last].phase.steps
 
 
 def _latest(run_dir: Path, phase: str) -> int | None:
@@ -337,7 +499,7 @@ def _report(run: Run) -> dict | None:
         rep = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    return rep if all(c in rep.get("models", {}) for c in CHECKPOINTS) else None
+    return rep if all(c in rep.get("models", {}) for c in CHECKPOINTS + run.variant.extra_checkpoints) else None
 
 
 def finished(run: Run) -> bool:
@@ -345,10 +507,11 @@ def finished(run: Run) -> bool:
     report, its report written."""
     from grpo.state.resume import phase_finished
 
-    if not (run.dir / "B" / "registry.json").is_file() or _latest(run.dir, "B") != _b_steps(run) \
-            or not phase_finished(run.dir, "B"):
+    last = run.variant.last
+    if not (run.dir / last / "registry.json").is_file() or _latest(run.dir, last) != _b_steps(run) \
+            or not phase_finished(run.dir, last):
         return False
-    return run.configs["B"].run.test_per_stage == 0 or _report(run) is not None
+    return run.configs[last].run.test_per_stage == 0 or _report(run) is not None
 
 
 def state(run: Run) -> str:
@@ -461,9 +624,9 @@ def ensure_trained(run: Run, runs: Sequence[Run]) -> None:
             and (_latest(run.dir, "A") or 0) < a_steps:
         _train(run, [sys.executable, "-m", "grpo.train", "--phase", "A", *_phase_a_options(run)],
                f"completing the interrupted phase A (step {_latest(run.dir, 'A')} of {a_steps})")
-    _train(run, run.command(sys.executable), "training" if not (run.dir / "B").exists() else "resuming")
+    _train(run, run.command(sys.executable), "training" if not (run.dir / run.variant.last).exists() else "resuming")
     if not finished(run):
-        raise BenchError(f"{run.name}: grpo.train exited 0 but phase B is not at step {_b_steps(run)} or the "
+        raise BenchError(f"{run.name}: grpo.train exited 0 but phase {run.variant.last} is not at step {_b_steps(run)} or the "
                          f"report is missing; see {run.dir / 'train.out'}", code=1)
 
 
@@ -488,6 +651,11 @@ def greedy_metrics(model: dict) -> dict[str, dict[str, float]]:
         "parseable": _metric(m.get("parseable_rate"), *iv.get("parseable_rate", (None, None))),
         "tokens": _metric(m.get("mean_completion_tokens"), *iv.get("mean_completion_tokens", (None, None))),
     }
+    for stage in (1, 2, 3):  # the curriculum's filters (data/stages.py; they overlap); stage 3 is the hardest
+        sub = (model.get("stages") or {}).get(f"stage{stage}")
+        if sub and sub.get("n_prompts"):
+            out[f"exact_match_stage{stage}"] = _metric(sub["metrics"].get("exact_match"),
+                                                       *sub["intervals"].get("exact_match", (None, None)))
     if ctrl and ctrl.get("n"):
         n, em_s = int(ctrl["n"]), ctrl.get("exact_match_shuffled")
         lo, hi = wilson_interval(em_s * n, n) if isinstance(em_s, (int, float)) else (None, None)
@@ -572,10 +740,64 @@ def paired_difference(run: Run, a: str, b: str) -> dict[str, float] | None:
     return _metric(g.gap, g.lo, g.hi)
 
 
-def evaluate_run(run: Run, k: int, cache_dir: Path) -> dict:
-    """bench_eval.json: the table's numbers of one finished run (greedy from its report, pass@k sampled)."""
+def _samples(run: Run, sel: str) -> list[dict]:
+    from eval.report import _safe_name
+
+    path = run.dir / "report" / f"samples_{_safe_name(sel)}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@functools.lru_cache(maxsize=8)
+def _test_key_steps(seed: int, per_stage: int, image_size: int) -> dict[str, list[list[str]]]:
+    """pid -> key steps of the report's test examples (regenerated: the same split, seed and size)."""
+    from data.synthetic import generate
+
+    return {ex.pid: ex.key_steps for s in (1, 2, 3) for ex in generate("test", s, per_stage, seed, image_size)}
+
+
+def reasoning_metrics(run: Run, sel: str) -> dict[str, dict[str, float]]:
+    """Answer-follows-reasoning, right reasoning with a wrong answer and key-step accuracy of one
+    checkpoint's greedy test completions (eval/reasoning.py), overall and on the stage-3 filter.
+    Recomputed from the report's samples file, so a report written before these metrics existed
+    gets them too."""
+    from eval.reasoning import completion_reasoning, summarize_reasoning
+
+    cfg = run.configs["B"]
+    keys = _test_key_steps(cfg.run.seed, cfg.run.test_per_stage, cfg.model.image_size)
+    recs = [{**r, **completion_reasoning(r["text"], r["gold"], keys.get(r["pid"]))} for r in _samples(run, sel)]
+    out = {}
+    for suffix, subset in (("", recs), ("_stage3", [r for r in recs if 3 in r.get("stages", [])])):
+        for key, m in summarize_reasoning(subset).items():
+            out[key + suffix] = _metric(m["value"], m["lo"], m["hi"])
+    return out
+
+
+def versus_default(run: Run, default: Run, sel: str, default_sel: str = "B:latest") -> dict[str, float] | None:
+    """EM(run's sel) - EM(the default run's B:latest) of the same seed, paired over the same test prompts."""
+    from eval.blind import blind_gap
+
+    try:
+        g = blind_gap(_samples(run, sel), _samples(default, default_sel))
+    except (OSError, ValueError):
+        return None
+    return _metric(g.gap, g.lo, g.hi)
+
+
+def _versus(run: Run, default: Run) -> dict[str, float] | None:
+    return versus_default(run, default, run.variant.final)
+
+
+# What evaluate_run computes: a bench_eval.json written by an older version is recomputed (its
+# greedy numbers come from the report, so that costs seconds; pass@k stays cached).
+EVAL_VERSION = 3
+
+
+def evaluate_run(run: Run, k: int, cache_dir: Path, default: Run | None = None) -> dict:
+    """bench_eval.json: the table's numbers of one finished run (greedy from its report, the
+    reasoning metrics from its samples, pass@k sampled, the paired difference from the default run)."""
     path = run.dir / "bench_eval.json"
-    want = {"pass_k": k, "pass_temperature": PASS_TEMPERATURE}
+    want = {"pass_k": k, "pass_temperature": PASS_TEMPERATURE, "version": EVAL_VERSION,
+            "versus": str(default.dir) if default is not None and default is not run else None}
     if path.is_file():
         saved = json.loads(path.read_text())
         if saved.get("protocol") == want:
@@ -583,12 +805,18 @@ def evaluate_run(run: Run, k: int, cache_dir: Path) -> dict:
     result: dict[str, Any] = {"protocol": want, "checkpoints": {}}
     if not run.variant.control:
         report = _report(run)
-        for sel in CHECKPOINTS:
+        for sel in CHECKPOINTS + run.variant.extra_checkpoints:
             metrics = greedy_metrics(report["models"][sel])
+            metrics.update(reasoning_metrics(run, sel))
             if k > 0:
                 metrics.update(sampled_metrics(run, sel, k, cache_dir))
             result["checkpoints"][sel] = metrics
         result["b_minus_a"] = paired_difference(run, "A:best_structure", "B:latest")
+        # the last phase's own gain: B - A, or C - B for a run that goes on to phase C
+        result["last_minus_before"] = paired_difference(run, run.variant.before_final, run.variant.final)
+        if default is not None and default is not run:  # the variant's last model against the default's
+            g = versus_default(run, default, run.variant.final)
+            result["versus_default"] = g if run.variant.final == "B:latest" else _versus(run, default)
     result["training"] = training_summary(run)
     tmp = run.dir / f".tmp-eval-{uuid.uuid4().hex[:8]}"
     tmp.write_text(json.dumps(result, indent=2))
@@ -641,8 +869,12 @@ def training_summary(run: Run) -> dict[str, float]:
 
 def columns(k: int) -> list[tuple[str, str, str]]:
     """(metric key, column header, number format) of the tables."""
-    cols = [("exact_match", "EM", "{:.3f}"), ("exact_match_shuffled", "EM shuffled", "{:.3f}"),
-            ("blind_gap", "blind gap", "{:+.3f}"), ("parseable", "parseable", "{:.3f}"), ("tokens", "tokens", "{:.1f}")]
+    cols = [("exact_match", "EM", "{:.3f}"), ("exact_match_stage3", "EM stage 3", "{:.3f}"),
+            ("exact_match_shuffled", "EM shuffled", "{:.3f}"),
+            ("blind_gap", "blind gap", "{:+.3f}"), ("parseable", "parseable", "{:.3f}"), ("tokens", "tokens", "{:.1f}"),
+            ("answer_follows", "answer follows", "{:.3f}"), ("right_reasoning_wrong", "right reasoning, wrong answer",
+                                                             "{:.3f}"),
+            ("arithmetic_right", "arithmetic right", "{:.3f}"), ("key_step_accuracy", "key steps", "{:.3f}")]
     if k > 0:
         cols += [("pass_at_k", f"pass@{k}", "{:.3f}"), ("pass_at_k_shuffled", f"pass@{k} shuffled", "{:.3f}"),
                  ("pass_gap", f"pass@{k} gap", "{:+.3f}")]
@@ -677,6 +909,12 @@ def summarize(runs: Sequence[Run], evals: dict[str, dict[int, dict]], k: int, se
                                                                          ("blind_gap_t1", "", "")]}
                                     for sel in CHECKPOINTS}
             entry["b_minus_a"] = aggregate({s: e.get("b_minus_a") for s, e in done.items()})
+            entry["versus_default"] = aggregate({s: e.get("versus_default") for s, e in done.items()})
+            entry["final_checkpoint"] = v.final
+            keys = [key for key, _, _ in columns(k)] + ["exact_match_stage1", "exact_match_stage2"]
+            entry["final"] = {key: aggregate({s: e["checkpoints"].get(v.final, {}).get(key) for s, e in done.items()})
+                              for key in keys}
+            entry["last_minus_before"] = aggregate({s: e.get("last_minus_before") for s, e in done.items()})
         results[name] = entry
     return {"seeds": list(seeds), "spread": "min..max over seeds (sd in 'sd', n - 1)",
             "pass": {"k": k, "temperature": PASS_TEMPERATURE, "batch_size": PASS_BATCH},
@@ -772,7 +1010,52 @@ def b_minus_a_lines(summary: dict) -> list[str]:
     return _table(["variant", "mean (min..max)", "per seed [paired 95% interval]"], rows)
 
 
-def render(summary: dict, runs: Sequence[Run], k: int, failures: list[str]) -> str:
+def variant_table(summary: dict) -> list[str]:
+    """The README's comparison: every evaluated variant's last checkpoint (B:latest) on the test split."""
+    rows = []
+    for name, e in summary["variants"].items():
+        if "checkpoints" not in e or not e["seeds"]:
+            continue
+        last = e.get("final") or e["checkpoints"]["B:latest"]
+        rows.append([f"`{name}`" + (f" ({e['final_checkpoint']})" if e.get("final_checkpoint", "B:latest") != "B:latest"
+                                    else ""), str(len(e["seeds"]))]
+                    + [_cell(last.get(key), fmt) for key, fmt in (("exact_match", "{:.3f}"),
+                                                                  ("exact_match_stage3", "{:.3f}"),
+                                                                  ("blind_gap", "{:+.3f}"),
+                                                                  ("answer_follows", "{:.3f}"),
+                                                                  ("right_reasoning_wrong", "{:.3f}"),
+                                                                  ("arithmetic_right", "{:.3f}"),
+                                                                  ("key_step_accuracy", "{:.3f}"))]
+                    + [_cell(e.get("last_minus_before") or e.get("b_minus_a"), "{:+.3f}"),
+                       "—" if name == "default" else _cell(e.get("versus_default"), "{:+.3f}")])
+    return _table(["variant", "seeds", "test EM", "EM stage 3", "blind gap", "answer follows reasoning",
+                   "right reasoning, wrong answer", "arithmetic right", "key steps", "B - A (C - B)",
+                   "EM - default's"], rows)
+
+
+def stage_lines(summary: dict) -> list[str]:
+    """Test EM per curriculum stage filter of each variant's last model (phase C's target: stages 2 and 3)."""
+    rows = []
+    for name, e in summary["variants"].items():
+        if "final" not in e or not e["seeds"]:
+            continue
+        rows.append([f"`{name}`", e["final_checkpoint"]] + [_cell(e["final"].get(f"exact_match_stage{st}"), "{:.3f}")
+                                                           for st in (1, 2, 3)] + [_cell(e["final"].get("exact_match"),
+                                                                                         "{:.3f}")])
+    return _table(["variant", "checkpoint", "EM stage 1", "EM stage 2", "EM stage 3", "EM overall"], rows)
+
+
+def versus_default_lines(summary: dict) -> list[str]:
+    rows = []
+    for name, e in summary["variants"].items():
+        agg = e.get("versus_default")
+        if agg and name != "default":
+            per = ", ".join(f"seed {p['seed']}: {p['value']:+.3f} [{p['lo']:+.3f}, {p['hi']:+.3f}]" for p in agg["per_seed"])
+            rows.append([f"`{name}`", _cell(agg, "{:+.3f}") if agg["n"] > 1 else f"{agg['mean']:+.3f}", per])
+    return _table(["variant", "mean (min..max)", "per seed [paired 95% interval]"], rows)
+
+
+def render(summary: dict, runs: Sequence[Run], k: int, failures: list[str], unfinished: Sequence[str] = ()) -> str:
     seeds = summary["seeds"]
     n_seed = f"{len(seeds)} seed{'s' if len(seeds) > 1 else ''} ({', '.join(map(str, seeds))})"
     spread = ("Cells: mean over seeds (min..max over seeds); a cell with one seed shows that run's 95% interval "
@@ -784,6 +1067,17 @@ def render(summary: dict, runs: Sequence[Run], k: int, failures: list[str]) -> s
             "evaluated on the held-out synthetic test split (the end-of-run report's examples). Greedy decoding, one "
             f"sample per prompt, for EM, EM shuffled, blind gap, parseable and tokens{sampled}. {spread}"), ""]
     out += ["## Main run (defaults)", ""] + main_table(summary, k) + [""]
+    out += ["## Every variant's last model (`B:latest`; `C:latest` for phase C; for `a_continued`, phase A continued)",
+            "",
+            ("Test EM overall and on the stage-3 filter, the blind gap, the reasoning metrics (eval/reasoning.py), "
+             "the last phase's gain (B:latest - A:best_structure, or C:latest - B:latest) and the last model minus the "
+             "default's B:latest (both paired over the same test prompts, same seed). Cells: mean (min..max) over "
+             "seeds; one seed: its 95% interval.")] + [""] + variant_table(summary) + [""]
+    out += ["## Each variant's last model minus the default's `B:latest` (test EM, paired per seed over the same "
+            "prompts)", ""]
+    out += versus_default_lines(summary) + [""]
+    out += ["## Test EM by stage filter of each variant's last model (data/stages.py; the filters overlap)", ""]
+    out += stage_lines(summary) + [""]
     out += ["## Phase B's last step minus phase A (`B:latest` - `A:best_structure` test EM, paired per seed)", ""]
     out += b_minus_a_lines(summary) + [""]
     out += ["## Controls and ablations (same seeds, same base, same budget)", ""]
@@ -802,6 +1096,9 @@ def render(summary: dict, runs: Sequence[Run], k: int, failures: list[str]) -> s
                                        for r in runs if r.seed == seeds[0]] + [""]
     if failures:
         out += ["## Runs that failed (not in the tables)", ""] + [f"- {f}" for f in failures] + [""]
+    if unfinished:
+        out += ["## Runs not finished yet (not in the tables; `python -m bench.learning` with the same options "
+                "resumes them)", ""] + [f"- {n}" for n in unfinished] + [""]
     out += ["## What the numbers mean", "",
             ("EM: the SOLUTION number equals the gold. EM shuffled: the same prompts with each image swapped for another "
              "example's of the same family (eval/blind.py). Blind gap = EM - EM shuffled, with the paired interval of "
@@ -932,7 +1229,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    variants = "\n".join(f"  {v.name:<13} {v.what}" for v in VARIANTS.values())
+    variants = "\n".join(f"  {v.name:<17} {v.what}" for v in VARIANTS.values())
     p = _Parser(
         prog="python -m bench.learning",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -949,6 +1246,11 @@ what the numbers are (held-out synthetic test split, run.test_per_stage prompts 
                 does not measurably depend on the image)
   parseable     one parseable SOLUTION number; tokens: mean completion tokens
   pass@k        k samples per prompt at temperature 1, any exact (also with shuffled images)
+  EM stage 3    EM on the hardest curriculum filter (data/stages.py; the stage filters overlap)
+  answer follows  the SOLUTION is the number the reasoning ends on (eval/reasoning.py); right
+                reasoning, wrong answer; arithmetic right (every "a + b = c" of the reasoning);
+                key steps: share of the example's key steps in the reasoning
+  vs default    each variant's last model minus the default's B:latest, paired per seed
   intervals     95%: Wilson for rates, paired normal for gaps, normal for means
   over seeds    'mean (min..max)'; with one seed, that run's 95% interval [lo, hi]
 
@@ -971,6 +1273,8 @@ curves_seed<k>.png, test_checkpoints.png. Finished runs are reused, interrupted 
                    help="trainer processes at a time (default 1; each uses one thread: at most the CPU cores, "
                         "and the trainer's wall times then include the sharing)")
     p.add_argument("--plan", action="store_true", help="print every run's command line and state, run nothing")
+    p.add_argument("--report-only", action="store_true",
+                   help="train nothing: summarise the finished runs (the others are listed as not finished)")
     return p
 
 
@@ -1014,10 +1318,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.time()
     evals: dict[str, dict[int, dict]] = {}
     failures: list[str] = []
+    unfinished: list[str] = []  # --report-only: the runs left out
     STOP.install()
     STOP.listeners.append(_forward)
     try:
-        _run_all(runs, args, evals, failures)
+        _run_all(runs, args, evals, failures, unfinished)
     except StopNow as now:  # a second signal, forwarded too: the trainers stop at once
         print(f"stopped at once on a second {now}; the trainers lose their current step; the same command "
               "resumes (finished runs are reused)", file=sys.stderr)
@@ -1035,8 +1340,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return code
     STOP.uninstall()
     summary = summarize(runs, evals, args.pass_k, list(range(args.seeds)))
-    summary["failures"] = failures
-    md = render(summary, runs, args.pass_k, failures)
+    summary["failures"], summary["unfinished"] = failures, unfinished
+    md = render(summary, runs, args.pass_k, failures, unfinished)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "summary.md").write_text(md)
     from eval.report import json_safe
@@ -1054,7 +1359,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _run_all(runs: Sequence[Run], args: argparse.Namespace, evals: dict, failures: list[str]) -> None:
+def _run_all(runs: Sequence[Run], args: argparse.Namespace, evals: dict, failures: list[str],
+             unfinished: list[str]) -> None:
     """Train (or reuse) and evaluate every run, up to ``args.jobs`` trainer processes at a time.
 
     An ablation starts only once its seed's default run has finished (it copies that run's
@@ -1084,7 +1390,19 @@ def _run_all(runs: Sequence[Run], args: argparse.Namespace, evals: dict, failure
             return False
 
     def evaluate(run: Run) -> None:
-        evals.setdefault(run.variant.name, {})[run.seed] = evaluate_run(run, args.pass_k, args.out / "eval_cache")
+        main = next((r for r in runs if r.variant.name == "default" and r.seed == run.seed), None)
+        main = main if main is not None and finished(main) else None  # the paired difference needs its report
+        evals.setdefault(run.variant.name, {})[run.seed] = evaluate_run(run, args.pass_k, args.out / "eval_cache", main)
+
+    if args.report_only:  # summarise what is finished; train nothing
+        for run in runs:
+            if finished(run):
+                evaluate(run)
+            else:
+                print(f"[bench] {run.name}: {state(run).split(':')[0]}, left out (--report-only trains nothing)",
+                      flush=True)
+                unfinished.append(run.name)
+        return
 
     def fill() -> None:  # start ready runs in the free slots (none once a stop was requested)
         if STOP.requested:

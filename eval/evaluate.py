@@ -35,6 +35,7 @@ from typing import Any
 from data.contract import normalize_number
 from data.schema import Example
 from data.stages import stage_filter
+from eval.reasoning import completion_reasoning, summarize_reasoning
 from eval.blind import BlindGap, ControlUnavailable, blind_gap, shuffle_images
 from eval.metrics import CompletionMetrics, Summary, completion_metrics, mean_interval, summarize
 from eval.scores import SCORE_KEYS, SCORE_WEIGHTS, all_scores
@@ -113,6 +114,9 @@ class EvalResult:
     # None with control_note saying why there is none (pre-generated completions, n < 2).
     control: dict[str, BlindGap] | None = None
     control_note: str | None = None
+    # Does the answer follow the reasoning, does the reasoning take the key steps
+    # (eval/reasoning.py): "overall", "stage1".. -> metric -> value, lo, hi, n.
+    reasoning: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
 
     @property
     def blind_gap(self) -> BlindGap | None:
@@ -133,6 +137,8 @@ class EvalResult:
             g = self.blind_gap
             flat.update(exact_match_shuffled=g.exact_match_shuffled, blind_gap=g.gap,
                         blind_gap_lo=g.lo, blind_gap_hi=g.hi)
+        # only the numbers that exist: no key steps (MathVista rows) leaves key_step_accuracy out, not NaN
+        flat.update({k: v["value"] for k, v in self.reasoning.get("overall", {}).items() if math.isfinite(v["value"])})
         return flat
 
     def to_dict(self, with_records: bool = False) -> dict[str, Any]:
@@ -142,6 +148,7 @@ class EvalResult:
             "skipped": dict(self.skipped),
             "control": None if self.control is None else {k: v.to_dict() for k, v in self.control.items()},
             "control_note": self.control_note,
+            "reasoning": self.reasoning,
         }
         if with_records:
             d["records"] = self.records
@@ -213,12 +220,16 @@ def evaluate_completions(
         for s in stages:
             by_stage[s].append(group)
         for j, (text, cm) in enumerate(zip(texts, group)):
-            records.append({"pid": ex.pid, "sample": j, "gold": ex.answer, "stages": stages, "text": text, **cm.to_dict()})
+            records.append({"pid": ex.pid, "sample": j, "gold": ex.answer, "stages": stages, "text": text,
+                            **cm.to_dict(), **completion_reasoning(text, ex.answer, ex.key_steps)})
+    reasoning = {"overall": summarize_reasoning(records)}
+    reasoning.update({f"stage{s}": summarize_reasoning([r for r in records if s in r["stages"]]) for s in STAGES})
     return EvalResult(
         overall=_subset_result(overall),
         stages={f"stage{s}": _subset_result(by_stage[s]) for s in STAGES},
         skipped=skipped,
         records=records,
+        reasoning=reasoning,
     )
 
 

@@ -115,6 +115,8 @@ def render_markdown(results: Mapping[str, EvalResult], protocol: Mapping[str, An
     out += ["## Stage-wise diagnostics (data/stages.py filters; stages overlap)", "",
             _table(["model", "stage", "n"] + [dict((c[0], c[1]) for c in COLUMNS)[k] for k in STAGE_COLUMNS], st_rows), ""]
 
+    out += ["## Reasoning and answer (eval/reasoning.py)", "", *reasoning_lines(results), ""]
+
     out += ["## Visual-reliance control (images shuffled across examples, eval/blind.py)", "",
             *control_lines(results), ""]
 
@@ -155,6 +157,28 @@ def control_lines(results: Mapping[str, EvalResult]) -> list[str]:
             notes.append(f"- **{warning}**")
     lines = [_table(["model", "subset", "n", "EM", "EM shuffled", "blind gap", "95% interval"], rows)] if rows else []
     return lines + ([""] if rows and notes else []) + notes
+
+
+def reasoning_lines(results: Mapping[str, EvalResult]) -> list[str]:
+    """Answer-follows-reasoning, right reasoning with a wrong answer and key-step accuracy, per
+    model and subset, each with its 95% interval and n (the completions or prompts it is over)."""
+    rows = []
+    for name, r in results.items():
+        for subset, m in r.reasoning.items():
+            cells = []
+            for key in ("answer_follows", "right_reasoning_wrong", "arithmetic_right", "key_step_accuracy"):
+                v = m.get(key, {})
+                cells.append(f"{_fmt('{:.3f}', v.get('value'))} [{_fmt('{:.3f}', v.get('lo'))}, "
+                             f"{_fmt('{:.3f}', v.get('hi'))}] n={v.get('n', 0)}")
+            rows.append([name, subset, *cells])
+    if not rows:
+        return ["None."]
+    return [_table(["model", "subset", "answer follows reasoning", "right reasoning, wrong answer",
+                    "arithmetic right", "key-step accuracy"], rows), "",
+            "Answer follows reasoning: the SOLUTION equals the number the REASONING ends on (n = completions with "
+            "both). Right reasoning, wrong answer: that number is the gold and the SOLUTION is not (n = completions). "
+            "Arithmetic right: every 'expression = number' of the REASONING is right (n = completions with one). "
+            "Key-step accuracy: share of the example's key steps found in the REASONING (n = prompts with key steps)."]
 
 
 def report_dict(results: Mapping[str, EvalResult], protocol: Mapping[str, Any], title: str, data: str) -> dict[str, Any]:

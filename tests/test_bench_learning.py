@@ -63,11 +63,15 @@ def table(md: str, heading: str) -> list[list[str]]:
 def test_quick_run_writes_the_tables_json_and_plots(quick):
     out, stdout = quick
     md = (out / "summary.md").read_text()
-    cols = ["EM", "EM shuffled", "blind gap", "parseable", "tokens", "pass@8", "pass@8 shuffled", "pass@8 gap"]
+    reasoning = ["answer follows", "right reasoning, wrong answer", "arithmetic right", "key steps"]
+    cols = ["EM", "EM stage 3", "EM shuffled", "blind gap", "parseable", "tokens", *reasoning,
+            "pass@8", "pass@8 shuffled", "pass@8 gap"]
     main = table(md, "## Main run (defaults)")
     assert main[0] == ["model"] + cols
     assert [r[0] for r in main[1:]] == [learning.CHECKPOINT_TITLES[c] for c in learning.CHECKPOINTS]
-    assert all(re.fullmatch(CELL, c) for r in main[1:] for c in r[1:]), main
+    # 8-token completions parse nothing: a reasoning metric defined on none of them is "—", never a number
+    assert all(re.fullmatch(CELL, c) or (h in reasoning and c == "—")
+               for r in main[1:] for h, c in zip(cols, r[1:])), main
     for sel in learning.CHECKPOINTS:  # one table per checkpoint; the control is not a row
         rows = table(md, f"### {learning.CHECKPOINT_TITLES[sel]}")
         assert rows[0] == ["variant"] + cols
@@ -155,3 +159,76 @@ def test_variant_options_are_read_from_the_config():
         assert dict(kv.split("=") for kv in given.split(",")) == {
             k: repr(0.0 if k == "correctness" else float(v)) for k, v in PHASE_WEIGHTS[phase].items()}
     assert learning._round_down(1.41421356) == 1.41 and learning._round_down(0.70710678) == 0.707
+
+
+# ----------------------------------------------------------------------------- the papers' variants
+
+PAPER_VARIANTS = "a_continued,no_controller,no_curriculum,step_rewards,detail,rubrics_prefix,rubrics_sequence,phase_c"
+
+
+def test_a_continued_gives_phase_b_every_setting_of_a():
+    cfgs = phase_configs("B", "tiny", parse_override_args([]))
+    opts = learning.VARIANTS["a_continued"].args(cfgs)
+    cont = phase_configs("B", "tiny", parse_override_args(opts))
+    a, b = json.loads(cont["A"].to_json()), json.loads(cont["B"].to_json())
+    differ = {f"{sec}.{k}" for sec in a for k in a[sec] if a[sec][k] != b[sec][k]}
+    assert differ <= {"phase.name", "phase.steps", "phase.init", "run.eval_every"}, differ
+    assert cont["B"].phase.init == "A:latest" and cont["B"].phase.steps == cfgs["B"].phase.steps
+
+
+def test_a_reward_the_data_cannot_feed_is_one_line_naming_variant_and_field():
+    import dataclasses
+
+    from data.synthetic import generate
+
+    cfgs = phase_configs("B", "tiny", parse_override_args(
+        learning.VARIANTS["detail"].args(phase_configs("B", "tiny", {}))))
+    assert learning.reward_data_problem("detail", cfgs) is None  # the synthetic data has intermediates
+    bare = lambda cfg: {1: [dataclasses.replace(generate("train", 1, 1, 0, 56)[0], intermediates=[])]}
+    msg = learning.reward_data_problem("detail", cfgs, bare)
+    assert "variant detail" in msg and "'detail'" in msg and "has no intermediates" in msg and "\n" not in msg
+
+
+@pytest.fixture(scope="module")
+def papers(tmp_path_factory):
+    out = tmp_path_factory.mktemp("papers")
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.learning", "--quick", "--seeds", "1", "--variants", PAPER_VARIANTS,
+         "--pass-k", "0", "--out", str(out), "--jobs", "2"], cwd=root, env={**os.environ, "PYTHONPATH": str(root)},
+        capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    return out
+
+
+def test_every_paper_variant_trains_and_is_compared_with_the_default(papers):
+    summary = json.loads((papers / "summary.json").read_text())
+    for name in ["default", *PAPER_VARIANTS.split(",")]:
+        last = summary["variants"][name]["final"]
+        for key in ("exact_match", "exact_match_stage3", "answer_follows", "right_reasoning_wrong", "key_step_accuracy"):
+            assert key in last, (name, key)  # 2-step runs: the value may be None (nothing parsed), the key is there
+        if name != "default":
+            assert summary["variants"][name]["versus_default"]["n"] == 1, name
+    weights = json.loads((papers / "rubrics_prefix" / "seed0" / "config_B.json").read_text())["rewards"]
+    assert weights["rubric_mode"] == "prefix" and weights["weights"]["rubric"] > 0
+    log = [json.loads(ln) for ln in (papers / "step_rewards" / "seed0" / "train_log.jsonl").read_text().splitlines()]
+    assert any("step_rar" in r.get("components", {}) for r in log if r.get("phase") == "A")
+    md = (papers / "summary.md").read_text()
+    rows = table(md, "## Every variant's last model")
+    assert [r[0] for r in rows[1:]] == [f"`{n}`" for n in ["default", *PAPER_VARIANTS.split(",")[:-1]]] + [
+        "`phase_c` (C:latest)"]
+    c = json.loads((papers / "phase_c" / "seed0" / "bench_eval.json").read_text())
+    assert {"C:best_composite", "C:latest"} <= set(c["checkpoints"]) and c["last_minus_before"] is not None
+    assert "exact_match_stage2" in summary["variants"]["phase_c"]["final"]
+
+
+def test_report_only_summarises_what_is_finished_and_trains_nothing(papers, tmp_path):
+    import shutil
+
+    out = tmp_path / "partial"
+    shutil.copytree(papers / "default", out / "default")
+    rc, stdout, _ = bench("--quick", "--seeds", "1", "--pass-k", "0", "--variants", "detail", "--out", str(out),
+                          "--report-only")
+    assert rc == 0 and "detail seed0: new, left out" in stdout
+    assert not (out / "detail").exists()
+    assert "- detail seed0" in (out / "summary.md").read_text()
