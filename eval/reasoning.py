@@ -21,7 +21,7 @@ from one that reasons rightly and then writes another number ("5 + 3 + 9 = 17" f
     key_step_accuracy       the share of the example's key steps (data.schema.Example.key_steps,
                             one group of accepted spellings per step) that appear in the
                             REASONING block, matched by the soft matcher R1-VL's StepRAR pays
-                            for (grpo/rewards/steps.py), so the metric counts what that reward
+                            for (data/soft_match.py, shared with grpo/rewards/steps.py), so the metric counts what that reward
                             credits. Mean over completions of examples that have key steps,
                             normal 95% interval over per-prompt means (n = prompts).
 
@@ -112,7 +112,7 @@ def key_step_fraction(text: str, key_steps: Sequence[Sequence[str]] | None) -> f
     if not key_steps:
         return None
     # imported here: the matcher lives with the reward it defines (and brings torch with its package)
-    from grpo.rewards.steps import SoftText, matched_groups
+    from data.soft_match import SoftText, matched_groups
 
     reasoning = parse_response(text).reasoning or ""
     return matched_groups(SoftText(reasoning), [list(g) for g in key_steps]) / len(key_steps)
