@@ -125,3 +125,11 @@ def test_the_check_catches_the_old_order(monkeypatch):
     assert events[0][0] == "move" and events[0][1] > kept
     assert events[0][1] == kept + linears - sum(p.numel() * p.element_size() for n, p in bundle.model.named_parameters()
                                                 if "lora_" in n)
+
+
+def test_the_4bit_report_is_printed_once(capsys):
+    """build_policy prints the quantisation report itself (prefixed "4-bit base:"), so the
+    quantiser's own print stays off: the console once carried the same line twice."""
+    build_policy(_cfg(True), "cpu", verbose=True)
+    out = capsys.readouterr().out
+    assert out.count("linear layers to NF4") == 1 and "4-bit base: quantised" in out

@@ -81,7 +81,7 @@ def build_policy(cfg: TrainConfig, device: str, base_ckpt: Path | None = None, v
         from lora import quantize_model_4bit
 
         # layer by layer onto the device, then the rest (quantize_model_4bit's last move)
-        report = quantize_model_4bit(bundle.model, compute_dtype=dtype, device=device, verbose=verbose)
+        report = quantize_model_4bit(bundle.model, compute_dtype=dtype, device=device, verbose=False)
         if verbose:
             print(f"4-bit base: {report}")
     else:
