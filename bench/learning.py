@@ -78,6 +78,9 @@ test prompts: each variant's last model minus the default's B:latest):
     detail             RewardMap: the difficulty-weighted detail reward, weight alpha = .5, in B
     rubrics_prefix     V-Rubrics: the rubric score credited to token prefixes in the fused loss
     rubrics_sequence   the same rubric score and weight as a sequence reward (isolates the prefix)
+    arithmetic         not a paper's: 1 iff every equation of the reasoning is right, weight
+                       correctness / 2, in A and B (the reports' most common error after misreads
+                       is a wrong sum copied into the SOLUTION)
     phase_c            phase C after the default's B (``--phase C``; A and B copied), reported
                        per stage and as C:latest - C's start (B:latest)
 
@@ -329,6 +332,9 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in [
     Variant("rubrics_sequence", "the same rubric score as rubrics_prefix, as a plain sequence reward (isolates "
             "the prefix credit), from the same phase A",
             _plus(("B",), _rubric_weight, "rewards.rubric_mode", "sequence"), shares=("A",)),
+    Variant("arithmetic", "the reasoning's arithmetic as a reward (1 iff every 'expression = number' of the "
+            "reasoning is right; none of the four papers' terms) at half the correctness weight, in A and B",
+            _plus(("A", "B"), lambda c: {"arithmetic": c.rewards.weights.get("correctness", 1.0) / 2})),
     Variant("phase_c", "phase C (stages 2 and 3, tolerance credit) after the default's A and B, copied from the "
             "default run; reported per stage, and C:latest - B:latest", lambda cfgs: [], shares=("A", "B"), last="C"),
     Variant("frozen", "frozen-policy control: phase B from the same A:best_structure with --B.optim.lr 0 "

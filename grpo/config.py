@@ -95,7 +95,7 @@ class ConfigError(ValueError):
 # paper (grpo/rewards/verifier.py), R1-VL's StepRAR / StepRVR, RewardMap's detail reward and
 # the V-Rubrics rubric score. Defined here, below grpo/rewards, which imports this module.
 KNOWN_COMPONENTS = ("format", "parseable", "finished", "correctness", "tolerance", "brevity",
-                    "step_rar", "step_rvr", "detail", "rubric")
+                    "step_rar", "step_rvr", "detail", "rubric", "arithmetic")
 
 
 def check_weights(weights: Any, tolerance: bool) -> dict[str, float]:

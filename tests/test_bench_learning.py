@@ -163,7 +163,8 @@ def test_variant_options_are_read_from_the_config():
 
 # ----------------------------------------------------------------------------- the papers' variants
 
-PAPER_VARIANTS = "a_continued,no_controller,no_curriculum,step_rewards,detail,rubrics_prefix,rubrics_sequence,phase_c"
+PAPER_VARIANTS = ("a_continued,no_controller,no_curriculum,step_rewards,detail,rubrics_prefix,rubrics_sequence,arithmetic,"
+                  "phase_c")
 
 
 def test_a_continued_gives_phase_b_every_setting_of_a():
@@ -213,6 +214,8 @@ def test_every_paper_variant_trains_and_is_compared_with_the_default(papers):
     assert weights["rubric_mode"] == "prefix" and weights["weights"]["rubric"] > 0
     log = [json.loads(ln) for ln in (papers / "step_rewards" / "seed0" / "train_log.jsonl").read_text().splitlines()]
     assert any("step_rar" in r.get("components", {}) for r in log if r.get("phase") == "A")
+    log = [json.loads(ln) for ln in (papers / "arithmetic" / "seed0" / "train_log.jsonl").read_text().splitlines()]
+    assert any("arithmetic" in r.get("components", {}) for r in log if r.get("phase") == "B")
     md = (papers / "summary.md").read_text()
     rows = table(md, "## Every variant's last model")
     assert [r[0] for r in rows[1:]] == [f"`{n}`" for n in ["default", *PAPER_VARIANTS.split(",")[:-1]]] + [

@@ -221,6 +221,17 @@ def test_all_components_on_a_good_and_a_bad_rollout():
     assert b.vetoed.tolist() == [False, True]
 
 
+def test_arithmetic_pays_right_equations_only():
+    """1 iff the reasoning writes an equation and every equation is right: a wrong sum, a mix of
+    right and wrong, and a reasoning with nothing to check earn 0, whatever the answer."""
+    rm = model(dict(arithmetic=1.0))
+    ex = full_example()
+    texts = [format_response("3 + 4 = 7. 7 / 2 = 3.5.", "3.5"), format_response("3 + 4 = 8. 8 / 2 = 4.", "4"),
+             format_response("3 + 4 = 7. 7 / 2 = 3.", "3.5"), format_response("red bar: 3. blue bar: 4.", "3.5"),
+             format_response("3 + 4 = 7.", "9")]
+    assert rm([ex] * 5, texts, [10] * 5).components["arithmetic"].tolist() == [1.0, 0.0, 0.0, 0.0, 1.0]
+
+
 # ----------------------------------------------------------------------------- never raises
 
 PIECES = ["<REASONING>", "</REASONING>", "<SOLUTION>", "</SOLUTION>", "3", "3.5", "7", "-", "1,000", "\\frac{7}{2}",

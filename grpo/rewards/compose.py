@@ -31,6 +31,13 @@ controller can edit ``cfg.weights`` in place (or call ``set_weights``) while tra
     step_rvr     {0, 1}         R1-VL StepRVR (steps.py)             - (key_steps if any)
     detail       [0, 2]         RewardMap W * detail (detail.py)     intermediates, difficulty
     rubric       [-1, 1]        V-Rubrics (rubrics.py)               rubrics (+ evidence for RuleJudge)
+    arithmetic   {0, 1}         this project (eval/reasoning.py)     -
+
+``arithmetic`` is none of the four papers' terms: 1 when the REASONING writes at least one
+"expression = number" and every one of them is right (eval.reasoning.arithmetic_right, the
+metric every report carries), else 0. It was added to test one lever against the error the
+reports count most after misreads: a wrong sum written in the reasoning and copied faithfully
+into the SOLUTION (bench/EXPERIMENTS.md has the measurement).
 
 Weights must be finite and >= 0: components carry their own sign (penalties are negative
 values), and a negative weight would turn a penalty into a prize. While the rubric weight
@@ -55,6 +62,7 @@ import torch
 
 from data.contract import normalize_number, parse_response
 from data.schema import Example
+from eval.reasoning import arithmetic_right
 from grpo.config import KNOWN_COMPONENTS, ConfigError, RewardConfig, check_weights  # noqa: F401 (re-exported)
 from grpo.rewards.detail import DETAIL_MAX, W_LEVEL, detail_reward
 from grpo.rewards.rubrics import Judge, PrefixInputs, RubricScore, RuleJudge, TokenLocator, build_prefix_inputs, \
@@ -68,7 +76,7 @@ assert KNOWN_COMPONENTS[: len(VERIFIER_COMPONENTS)] == VERIFIER_COMPONENTS
 COMPONENT_BOUNDS: dict[str, tuple[float, float]] = {
     "format": (-0.5, 2.0), "parseable": (0.0, 1.0), "finished": (-1.0, 1.0), "correctness": (0.0, 1.0),
     "tolerance": (0.0, 1.0), "brevity": (-1.0, 1.0), "step_rar": (0.0, 1.0 + STEP_ALPHA),
-    "step_rvr": (0.0, 1.0), "detail": (0.0, DETAIL_MAX), "rubric": (-1.0, 1.0),
+    "step_rvr": (0.0, 1.0), "detail": (0.0, DETAIL_MAX), "rubric": (-1.0, 1.0), "arithmetic": (0.0, 1.0),
 }
 VETOED_COMPONENTS = ("correctness", "tolerance")  # the "answer reward" a committed PITFALL zeroes
 RUBRIC_RELEASE_WEIGHTS = {
@@ -192,6 +200,8 @@ class RewardModel:
                 comps["step_rvr"][i] = step_rvr(text, p, ex.key_steps)
             if "detail" in comps:
                 comps["detail"][i] = detail_reward(text, p, ex.intermediates, ex.answer, ex.difficulty, ex.hops)
+            if "arithmetic" in comps:  # None (no equation to check) earns nothing
+                comps["arithmetic"][i] = 1.0 if arithmetic_right(text) else 0.0
 
         scores: list[RubricScore | None] = [None] * N
         vetoed = None
