@@ -25,12 +25,13 @@ from transformers.utils import logging as hf_logging
 
 from grpo.config import (PERCEPTION_DEFAULTS, PHASES, PRESETS, ConfigError, TrainConfig, apply_overrides,
                          describe_fields, parse_override_args, phase_init, phase_preset, preset_overrides,
-                         trains_from_scratch)
+                         trains_from_scratch, weigh_plugins)
 from grpo.distributed import DataParallel, init_distributed, peer_lost
 from grpo.errors import NoRewardSpread, TrainingDiverged, inside, one_line
 from grpo.final_report import write_final_report
 from grpo.model.load import ModelLoadError
 from grpo.model.policy import check_policy_config
+from grpo.rewards.plugins import load_plugins
 from grpo.run.files import RunFiles
 from grpo.run.phase_data import load_training_data
 from grpo.run.runtime import keep_freed_memory, pick_device, seed_everything, set_threads
@@ -60,6 +61,7 @@ def phase_config(phase: str, preset: str, overrides: dict[str, str], requested: 
     if phase == "warmup" and trains_from_scratch(cfg.model.name):  # the perception labels teach a random tower
         given = {k.removeprefix("warmup.") for k in overrides}
         apply_overrides(cfg, {k: v for k, v in PERCEPTION_DEFAULTS.items() if k not in given})
+    weigh_plugins(cfg.rewards)  # after the weights: a plug-in they leave out is paid 1.0, in the printed config too
     return cfg.validate()
 
 
@@ -102,9 +104,13 @@ def prepare_run_dir(root: Path) -> None:
 
 def preflight(configs: dict[str, TrainConfig], plan: list[str], files: RunFiles) -> None:
     """Every check that can fail before a model is loaded: model and LoRA targets, the
-    run directory's checkpoints (compatible, resumable, intact), the start checkpoint, data."""
+    run directory's checkpoints (compatible, resumable, intact), the start checkpoint, data,
+    the reward plug-ins (imported now: a wrong module path is found before the model loads)."""
     first = configs[plan[0]]
     check_policy_config(first)  # model.name and lora.* are the same in every phase
+    for phase in plan:
+        if phase != "warmup":  # SFT computes no reward
+            load_plugins(configs[phase].rewards.extra)
     for phase in plan:
         check_compatible(files.root, configs[phase])
         check_resumable(files.root, configs[phase])

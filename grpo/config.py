@@ -98,16 +98,19 @@ KNOWN_COMPONENTS = ("format", "parseable", "finished", "correctness", "tolerance
                     "step_rar", "step_rvr", "detail", "rubric", "arithmetic")
 
 
-def check_weights(weights: Any, tolerance: bool) -> dict[str, float]:
-    """The reward spec as a plain dict, or a ConfigError that names the bad entry."""
+def check_weights(weights: Any, tolerance: bool, plugins: Any = ()) -> dict[str, float]:
+    """The reward spec as a plain dict, or a ConfigError that names the bad entry.
+    ``plugins``: the names of rewards.extra, which a weight may name beside the built-ins."""
+    known = KNOWN_COMPONENTS + tuple(plugins)
     if not isinstance(weights, dict) or not weights:
         raise ConfigError(f"rewards.weights={weights!r}: give a non-empty dict component -> weight, "
-                          f"components: {', '.join(KNOWN_COMPONENTS)}")
+                          f"components: {', '.join(known)}")
     out = {}
     for name, w in weights.items():
-        if name not in KNOWN_COMPONENTS:
+        if name not in known:
+            plug = ", or a plug-in of --rewards.extra NAME=module:function" if not plugins else ""
             raise ConfigError(f"rewards.weights names unknown component {name!r}: "
-                              f"known components are {', '.join(KNOWN_COMPONENTS)}")
+                              f"known components are {', '.join(known)}{plug}")
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
             raise ConfigError(f"rewards.weights[{name!r}]={w!r}: give a finite number")
         if w < 0:
@@ -118,6 +121,35 @@ def check_weights(weights: Any, tolerance: bool) -> dict[str, float]:
         raise ConfigError(f"rewards.weights['tolerance']={out['tolerance']} but rewards.tolerance is false, so "
                           f"the component is always 0: set --rewards.tolerance true or the weight to 0")
     return out
+
+
+# A plug-in's NAME becomes a key of rewards.weights, of the log line's components and of
+# TensorBoard's tags, so it is kept to a plain identifier.
+_PLUGIN_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def plugin_target(name: Any, spec: Any) -> tuple[str, str]:
+    """(module, attribute) of one rewards.extra entry NAME=module:function, or a ConfigError.
+    Syntax only: grpo/rewards/plugins.py imports it."""
+    if not isinstance(name, str) or not _PLUGIN_NAME.fullmatch(name):
+        raise ConfigError(f"rewards.extra names a plug-in {name!r}: give a name of letters, digits and _ "
+                          f"(it becomes a reward component), e.g. --rewards.extra short=my_rewards:short")
+    if name in KNOWN_COMPONENTS:
+        raise ConfigError(f"rewards.extra names plug-in {name!r}, which is a built-in reward component: give the "
+                          f"plug-in another name (built-ins: {', '.join(KNOWN_COMPONENTS)})")
+    module, _, attr = spec.partition(":") if isinstance(spec, str) else ("", "", "")
+    if not module.strip() or not attr.strip():
+        raise ConfigError(f"rewards.extra {name}={spec!r}: write NAME=module:function, e.g. "
+                          f"{name}=my_rewards:{name} (the module importable from the current directory or PYTHONPATH)")
+    return module.strip(), attr.strip()
+
+
+def weigh_plugins(rewards: "RewardConfig") -> None:
+    """A plug-in named in rewards.extra without a weight enters the reward at 1.0 (an explicit
+    weight, 0 included, is kept): a plug-in must not be loaded and then silently unpaid."""
+    for name in rewards.extra:
+        if name not in rewards.weights:
+            rewards.weights = {**rewards.weights, name: 1.0}
 
 
 @dataclass
@@ -248,6 +280,8 @@ class RewardConfig:
     """'a' in A_t = a*z(R_ans) + (1-a)*sum_j rho_j z(s_j) 1[t <= t_end_j] (prefix mode)."""
     random_reward: bool = False
     """Control, not training: each completion's rewards are replaced by those of a random completion of its batch."""
+    extra: dict[str, str] = field(default_factory=dict)
+    """Your own reward components, NAME=module:function (comma separated): function(examples, completions) -> one finite float per completion; weight 1 unless rewards.weights names it (README, "Your own reward")."""
 
 
 @dataclass
@@ -456,8 +490,14 @@ class TrainConfig:
         for ok, msg in checks:
             if not ok:
                 raise ConfigError(msg)
+        for name, spec in ru.extra.items():
+            plugin_target(name, spec)
         if grpo:  # the warm-up is SFT: it has no rewards
-            weights = check_weights(ru.weights, ru.tolerance)
+            weights = check_weights(ru.weights, ru.tolerance, ru.extra)
+            unweighted = [name for name in ru.extra if name not in weights]
+            if unweighted:
+                raise ConfigError(f"rewards.extra names plug-in {unweighted[0]!r} but rewards.weights gives it no weight: "
+                                  f"add {unweighted[0]}=1 to rewards.weights (the command line does this by itself)")
             if not any(w > 0 for w in weights.values()):
                 raise ConfigError(f"rewards.weights={ru.weights}: every weight is 0, so every reward and advantage is 0 "
                                   "and nothing is learned; give at least one component a positive weight")
@@ -471,7 +511,11 @@ class TrainConfig:
             for name in _fields(section):
                 key, value, typ = f"{sec_name}.{name}", getattr(section, name), hints[name]
                 origin = typing.get_origin(typ)
-                if origin is dict:
+                if origin is dict and typing.get_args(typ)[1] is str:  # rewards.extra: name=module:function
+                    if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+                        raise ConfigError(f"{key}={value!r}: give name=module:function pairs")
+                    numbers = []
+                elif origin is dict:
                     if not isinstance(value, dict):
                         raise ConfigError(f"{key}={value!r}: give name=number pairs")
                     numbers = list(value.values())

@@ -6,6 +6,7 @@ V-Rubrics, composed by name and weight (compose.RewardModel is the one entry poi
     detail.py    RewardMap's difficulty-weighted partial credit over intermediates
     rubrics.py   V-Rubrics: judge interface, rule judge, sentence location, prefix inputs
     compose.py   RewardModel: components by name, weights read at call time, per-component logs
+    plugins.py   your own components: --rewards.extra NAME=module:function, imported and checked
 """
 
 from grpo.rewards.compose import (

@@ -32,12 +32,22 @@ controller can edit ``cfg.weights`` in place (or call ``set_weights``) while tra
     detail       [0, 2]         RewardMap W * detail (detail.py)     intermediates, difficulty
     rubric       [-1, 1]        V-Rubrics (rubrics.py)               rubrics (+ evidence for RuleJudge)
     arithmetic   {0, 1}         this project (eval/reasoning.py)     -
+    NAME         any finite     your plug-in (plugins.py)            whatever it reads
 
 ``arithmetic`` is none of the four papers' terms: 1 when the REASONING writes at least one
 "expression = number" and every one of them is right (eval.reasoning.arithmetic_right, the
 metric every report carries), else 0. It was added to test one lever against the error the
 reports count most after misreads: a wrong sum written in the reasoning and copied faithfully
 into the SOLUTION (bench/EXPERIMENTS.md has the measurement).
+
+Plug-ins (``RewardConfig.extra``, ``--rewards.extra NAME=module:function``): a function
+``(examples, completions) -> list[float]`` called once per batch with the same ``examples``
+(one per completion, each prompt's repeated G times, contiguous) and decoded ``completions``
+as above, returning one finite float per completion. NAME is then a component like the
+built-ins: computed only while rewards.weights names it (the command line gives it 1.0 when
+it does not), weighted, logged, kept by the controller (which gates only the verifier's
+weights), part of ``R_ans`` in prefix mode, untouched by the PITFALL veto. Imported when the
+RewardModel is built; a bad result stops the run with one line naming the plug-in and row.
 
 Weights must be finite and >= 0: components carry their own sign (penalties are negative
 values), and a negative weight would turn a penalty into a prize. While the rubric weight
@@ -65,6 +75,7 @@ from data.schema import Example
 from eval.reasoning import arithmetic_right
 from grpo.config import KNOWN_COMPONENTS, ConfigError, RewardConfig, check_weights  # noqa: F401 (re-exported)
 from grpo.rewards.detail import DETAIL_MAX, W_LEVEL, detail_reward
+from grpo.rewards.plugins import load_plugins, score_plugin
 from grpo.rewards.rubrics import Judge, PrefixInputs, RubricScore, RuleJudge, TokenLocator, build_prefix_inputs, \
     check_rubrics, coerce_verdicts, encodable, score_rubrics
 from grpo.rewards.steps import STEP_ALPHA, has_content, step_rar, step_rvr
@@ -129,7 +140,7 @@ class RewardModel:
             raise ConfigError(f"rewards.rubric_mode={cfg.rubric_mode!r}: use sequence or prefix")
         if not 0.0 <= cfg.prefix_answer_weight <= 1.0:
             raise ConfigError(f"rewards.prefix_answer_weight={cfg.prefix_answer_weight}: 'a' must be in [0, 1]")
-        weights = check_weights(cfg.weights, cfg.tolerance)
+        weights = check_weights(cfg.weights, cfg.tolerance, cfg.extra)
         if cfg.rubric_mode == "prefix" and "rubric" in weights and tokenizer is None:
             raise ConfigError("rewards.rubric_mode='prefix' needs the model's tokenizer to map supporting "
                               "sentences to token positions: pass tokenizer=... to RewardModel")
@@ -138,17 +149,18 @@ class RewardModel:
         self.cfg, self.L, self.tokenizer = cfg, max_new_tokens, tokenizer
         self.judge: Judge = judge if judge is not None else RuleJudge()
         self.rule_judge = judge is None
+        self.plugins = load_plugins(cfg.extra)
 
     # ------------------------------------------------------------------ the spec
 
     @property
     def weights(self) -> dict[str, float]:
         """The current weights, read (and checked) from the config now."""
-        return check_weights(self.cfg.weights, self.cfg.tolerance)
+        return check_weights(self.cfg.weights, self.cfg.tolerance, self.plugins)
 
     def set_weights(self, weights: dict[str, float]) -> None:
         """Replace the weights (the controller's entry point); checked before anything changes."""
-        self.cfg.weights = check_weights(dict(weights), self.cfg.tolerance)
+        self.cfg.weights = check_weights(dict(weights), self.cfg.tolerance, self.plugins)
 
     def validate(self, examples: Sequence[Example]) -> None:
         """Raise one ValueError listing every example that lacks what a chosen component needs."""
@@ -202,6 +214,9 @@ class RewardModel:
                 comps["detail"][i] = detail_reward(text, p, ex.intermediates, ex.answer, ex.difficulty, ex.hops)
             if "arithmetic" in comps:  # None (no equation to check) earns nothing
                 comps["arithmetic"][i] = 1.0 if arithmetic_right(text) else 0.0
+        for name, fn in self.plugins.items():
+            if name in comps:
+                comps[name] = score_plugin(name, fn, examples, completions)
 
         scores: list[RubricScore | None] = [None] * N
         vetoed = None

@@ -87,10 +87,11 @@ def check_init_compatible(path: str | Path, config: TrainConfig) -> None:
 
 # Settings a same-phase resume must keep: they define what one step is (G completions of B
 # prompts of at most L tokens, accumulated over micro-batches) and which data comes next
-# (the saved data position counts draws from this exact stream).
+# (the saved data position counts draws from this exact stream). The reward plug-ins too: the
+# saved controller's weights name them, and the resume imports them again from these specs.
 RESUME_FIXED_FIELDS = ("sampling.G", "sampling.max_new_tokens", "phase.prompts_per_step", "optim.accumulation",
                        "optim.updates_per_batch", "sampling.dynamic_sampling",
-                       "phase.mixture", "run.seed", "run.data", "run.train_per_stage")
+                       "phase.mixture", "run.seed", "run.data", "run.train_per_stage", "rewards.extra")
 # The warm-up's step: B examples from its mixture, the caption stage first (its length moves
 # where the reasoning stage, and the style draws, begin).
 WARMUP_FIXED_FIELDS = ("phase.prompts_per_step", "phase.perception_steps", "phase.mixture", "run.seed", "run.data",
@@ -122,4 +123,4 @@ def check_resumable(run_dir: str | Path, config: TrainConfig) -> None:
     if diffs:
         raise ConfigError(
             f"run_dir {run_dir} holds phase {phase} up to step {saved[0]}; resuming it with {'; '.join(diffs)} "
-            f"would change what a step is or which data comes next. Set these back, or use a new --run.run_dir.")
+            f"would change what a step is, how it is rewarded or which data comes next. Set these back, or use a new --run.run_dir.")
