@@ -683,8 +683,14 @@ def apply_overrides(cfg: TrainConfig, pairs: dict[str, Any]) -> TrainConfig:
     return cfg
 
 
+# Options that may be given more than once: each occurrence adds its NAME=value items (a later
+# one for the same NAME wins). Every other option given twice keeps its last value.
+REPEATABLE = ("rewards.extra", "extra")
+
+
 def parse_override_args(argv: list[str]) -> dict[str, str]:
-    """['--sampling.G', '4', '--lr=1e-3'] -> {'sampling.G': '4', 'lr': '1e-3'}."""
+    """['--sampling.G', '4', '--lr=1e-3'] -> {'sampling.G': '4', 'lr': '1e-3'}; a repeated
+    ``--rewards.extra`` (any phase prefix) joins its values with commas."""
     out: dict[str, str] = {}
     i = 0
     while i < len(argv):
@@ -699,7 +705,8 @@ def parse_override_args(argv: list[str]) -> dict[str, str]:
                 raise ConfigError(f"{arg} needs a value: write {arg} VALUE")
             k, v = arg[2:], argv[i + 1]
             i += 2
-        out[k] = v
+        repeatable = any(k == r or k.endswith("." + r) for r in REPEATABLE)
+        out[k] = f"{out[k]},{v}" if repeatable and k in out else v
     return out
 
 

@@ -90,6 +90,15 @@ def test_extra_parses_like_the_other_dicts_and_every_phase_pays_it_1_unless_weig
     assert only_extra["A"].rewards.weights == PHASE_WEIGHTS["A"] | {"short": 1.0}
 
 
+def test_extra_is_repeatable_and_other_options_keep_their_last_value():
+    argv = ["--rewards.extra", "short=plugin_rewards:short", "--rewards.extra", "len=plugin_rewards:length",
+            "--B.rewards.extra", "a=m:f", "--B.rewards.extra=b=m:g", "--sampling.G", "4", "--sampling.G", "2"]
+    assert parse_override_args(argv) == {"rewards.extra": "short=plugin_rewards:short,len=plugin_rewards:length",
+                                         "B.rewards.extra": "a=m:f,b=m:g", "sampling.G": "2"}
+    configs = phase_configs("B", "tiny", parse_override_args(argv[:4]))
+    assert configs["B"].rewards.extra == {"short": "plugin_rewards:short", "len": "plugin_rewards:length"}
+
+
 def test_a_config_built_in_code_must_weigh_its_plugins():
     cfg = phase_preset("A")
     cfg.rewards.extra = {"short": "plugin_rewards:short"}
