@@ -10,8 +10,10 @@ exactly this; unknown keys are ignored, so it can add more):
         "step" counts rollout batches *within* the phase (= optimiser steps unless
         optim.updates_per_batch > 1); an optional "global_step" (on every step line) is
         used as the x axis instead, when present. The trainer also writes loss, kl,
-        clip_low/high, zero_spread, adv_abs, lengths, lr, grad_norm and timings (the first
-        update's values); with optim.updates_per_batch > 1 an "updates" list, one entry
+        clip_low/high, zero_spread, adv_abs, entropy (the policy's mean token entropy),
+        lengths, lr, grad_norm and timings (the first update's values); with
+        optim.mask_truncated "masked_truncated" (the fraction of completions the loss
+        dropped); with optim.updates_per_batch > 1 an "updates" list, one entry
         per optimiser step: {"update", "loss", "clip_low", "clip_high", "kl_old",
         "grad_norm", "lr"}; with sampling.dynamic_sampling a "dynamic" object:
         {"refills", "sampled_groups", "kept_groups", "dropped_frac", "fill"}; a "rollout"

@@ -266,6 +266,8 @@ class OptimConfig:
     """Above the cap: truncate (TIS, weight min(ratio, C): keeps every sample, biased) or mask (MIS, weight 0: drops samples a large mismatch made untrustworthy)."""
     rollout_correction_cap: float = 3.0
     """C, the largest rollout ratio kept (> 1; TRL's default: sequence level, mask, 3)."""
+    mask_truncated: bool = False
+    """Completions that hit sampling.max_new_tokens without a stop token get loss mask 0 (TRL's mask_truncated_completions, DAPO's overlong filtering); they keep their rewards and still count in their group's advantage statistics."""
 
 
 @dataclass

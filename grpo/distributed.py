@@ -182,7 +182,9 @@ class DataParallel:
         glob = self._all_reduce(local.clone())
         shares = [loss_share(loss_type, float(n), float(m), float(gn), float(gm))
                   for (n, m), (gn, gm) in zip(local.tolist(), glob.tolist())]
-        return float(glob[:, 1].sum()), shares
+        # at least 1: with optim.mask_truncated a step of truncated rows only has no active token
+        # (its loss is 0, not 0 / 0)
+        return max(1.0, float(glob[:, 1].sum())), shares
 
     def advantage_inputs(self, rewards: torch.Tensor, adv_scale: str, eps: float = 1e-4,
                          std_floor: float = 0.0) -> tuple[torch.Tensor, str]:

@@ -86,7 +86,7 @@ class Hooks:
 
     def loss_shares(self, loss_type: str, masks: Sequence[torch.Tensor]) -> tuple[float, list[float]]:
         """(active tokens of the whole step, each micro-batch's share of the step's loss)."""
-        return float(sum(int(m.sum()) for m in masks)), [1.0] * len(masks)
+        return max(1.0, float(sum(int(m.sum()) for m in masks))), [1.0] * len(masks)  # mask_truncated may leave 0
 
     def batch_scaled(self, values: torch.Tensor, scale: str, std_floor: float) -> tuple[torch.Tensor, str]:
         """Rewards [N, C] and the z-score scale to use (data parallel: divided by the global batch std)."""
@@ -191,6 +191,7 @@ class MicroBatchLog:
     scores: RewardBatch
     stats: GRPOStats
     out: Any  # SampleOutput: lengths, truncation
+    entropy: torch.Tensor  # [N, T] the policy's token entropies (grpo/model/logprobs.py), 0 off the loss's tokens
 
 
 @dataclass
@@ -224,8 +225,7 @@ def grpo_step(learner: Learner, draw: Callable[[int], Rollout], step: int, tempe
               hooks: Hooks = Hooks()) -> StepResult:
     """One rollout batch: sample, score, advantages once; then mu updates on those rollouts.
 
-    draw(n): the data stream's next n prompts, sampled and scored (``sample_and_score``).
-    """
+    draw(n): the data stream's next n prompts, sampled and scored (``sample_and_score``)."""
     cfg, model, params = learner.cfg, learner.bundle.model, learner.params
     G, mu, opts = cfg.sampling.G, cfg.optim.updates_per_batch, loss_options(cfg)
     passes = dict(temperature=temperature, chunk_tokens=cfg.optim.logits_chunk_tokens,  # the log-prob passes' options
@@ -237,7 +237,8 @@ def grpo_step(learner: Learner, draw: Callable[[int], Rollout], step: int, tempe
 
     # Each micro-batch's loss times its share is its part of the step's loss. dapo divides by
     # the active tokens of the whole step itself; the other aggregations average the micro-batches.
-    active_tokens, shares = hooks.loss_shares(cfg.optim.loss_type, [r.out.completion_mask for r in batch])
+    masks = [r.out.loss_mask(cfg.optim.mask_truncated) for r in batch]  # the loss's tokens (SampleOutput.loss_mask)
+    active_tokens, shares = hooks.loss_shares(cfg.optim.loss_type, masks)
     n_micro = 1 if cfg.optim.loss_type == "dapo" else len(batch)
 
     # ---- 3. advantages: z-scores within each group, computed once for all mu updates
@@ -256,19 +257,20 @@ def grpo_step(learner: Learner, draw: Callable[[int], Rollout], step: int, tempe
         learner.opt.zero_grad(set_to_none=True)
         stats_u, loss_sum = [], 0.0
         for k, r in enumerate(batch):
-            ids, mask, ctx = r.out.completion_ids, r.out.completion_mask, r.out.context
+            ids, seen, mask, ctx = r.out.completion_ids, r.out.completion_mask, masks[k], r.out.context
             parts = training_micro_batches(ctx.B, G, cfg.optim.micro_batch_rows)
             # ---- 4. log-probs [N, T]: the reference's (LoRA off, no grad, once per batch) and the policy's
             if cfg.optim.beta > 0 and ref_logp[k] is None:
                 with hooks.timed("logprobs"):
-                    ref_logp[k] = torch.cat([reference_logprobs(model, ctx.prompts(b0, b1), ids[rows], mask[rows], G,
+                    ref_logp[k] = torch.cat([reference_logprobs(model, ctx.prompts(b0, b1), ids[rows], seen[rows], G,
                                                                 ref_context=lambda: disable_adapters(model), **passes)
                                              for b0, b1, rows in parts])
             logps = []
             for b0, b1, rows in parts:  # a training micro-batch: groups b0..b1-1, forward then backward
                 pick = lambda x: None if x is None else x[rows]  # noqa: E731
                 with hooks.timed("logprobs"):
-                    logp = completion_logprobs(model, ctx.prompts(b0, b1), ids[rows], mask[rows], G, **passes)
+                    logp, ent = completion_logprobs(model, ctx.prompts(b0, b1), ids[rows], seen[rows], G,
+                                                    entropy=True, **passes)
 
                 # ---- 5. loss: ratio to old, clipped; + beta * k3 KL to the reference; aggregated; backward.
                 # sampler_logp: the rollout's own log-probs (mismatch stats, rollout correction weights).
@@ -282,8 +284,8 @@ def grpo_step(learner: Learner, draw: Callable[[int], Rollout], step: int, tempe
                     if torch.isfinite(loss):  # a host sync per micro-batch: the price of the NaN guard
                         loss.backward()
                     loss_sum += float(loss.detach())
-                logps.append(logp.detach())
-            logp = torch.cat(logps)
+                logps.append((logp.detach(), ent))
+            logp, ent = map(torch.cat, zip(*logps))
             if len(parts) > 1:  # the diagnostics of the whole batch, as one pass reports them (no grad: cheap)
                 _, stats = grpo_loss(logp, mask.float(), G=G, advantages=adv[k], old_logp=old_logp[k],
                                      ref_logp=ref_logp[k], num_active_tokens=active_tokens,
@@ -291,7 +293,7 @@ def grpo_step(learner: Learner, draw: Callable[[int], Rollout], step: int, tempe
             stats_u.append(stats)
             if u == 0:
                 old_logp[k] = logp
-                result.logs.append(MicroBatchLog(r.scores, stats, r.out))
+                result.logs.append(MicroBatchLog(r.scores, stats, r.out, ent * mask))
 
         # ---- 6. update: the step's loss (a non-finite one skips the update), the gradient
         # clipped to optim.grad_clip, one AdamW step (undone by the harness if it left a

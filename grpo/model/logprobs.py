@@ -32,6 +32,8 @@ all T of them. What this file does to make that cheap:
   on a bare weight; here the head stays the model's own module, whatever it is.)
 - The log-softmax goes through ``kernels.logprob.token_logprobs`` (Triton on CUDA, the
   PyTorch reference on CPU): log p(target) without an fp32 [N, T, V] copy on the GPU.
+- The policy's entropy (``entropy=True``, for the log line) from the same chunk's logits:
+  H_t = -sum_v p_v log p_v at the log-probs' temperature, no grad (``token_entropy``).
 - The pass with grad runs the language model in training mode: transformers' activation
   checkpointing (``model.gradient_checkpointing``) recomputes a decoder layer in backward
   only when the layer is training, and an eval-mode pass would silently keep every
@@ -84,6 +86,23 @@ def training_mode(module: torch.nn.Module, on: bool = True) -> Iterator[None]:
             m.training = was
 
 
+def token_entropy(logits: torch.Tensor, temperature: float, block_tokens: int = 128) -> torch.Tensor:
+    """H = -sum_v p_v log p_v of softmax(logits / temperature): logits [..., V] -> fp32 [...], no grad.
+
+    A diagnostic (the log line's ``entropy``), not part of the loss: detached, so it keeps
+    nothing for backward. fp32 for the sum over V, ``block_tokens`` tokens at a time, so its
+    few fp32 [block_tokens, V] temporaries (78 MB each at Qwen's vocabulary) stay below a
+    1024-token chunk's own bf16 logits (311 MB). Cost: a handful of element-wise passes over
+    the chunk's logits, against the LM head's 2 d flops per logit."""
+    flat = logits.detach().reshape(-1, logits.shape[-1])
+    out = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
+    with torch.no_grad():
+        for s in range(0, flat.shape[0], block_tokens):
+            logp = torch.log_softmax(flat[s : s + block_tokens].float() / temperature, -1)
+            out[s : s + block_tokens] = -(logp.exp() * logp).sum(-1)
+    return out.reshape(logits.shape[:-1])
+
+
 def completion_hidden_states(
     model, ctx: PromptContext, completion_ids: torch.Tensor, completion_mask: torch.Tensor, G: int,
 ) -> torch.Tensor:
@@ -105,9 +124,14 @@ def completion_hidden_states(
 
 
 def _chunk_logprobs(lm_head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor,
-                    temperature: float, backend: str) -> torch.Tensor:
-    """One chunk: hidden [rows, T, d] -> logits [rows, T, V] (the only place they exist) -> [rows, T]."""
-    return token_logprobs(lm_head(hidden), targets, temperature=temperature, backend=backend)
+                    temperature: float, backend: str, entropy: list | None = None) -> torch.Tensor:
+    """One chunk: hidden [rows, T, d] -> logits [rows, T, V] (the only place they exist) -> [rows, T].
+    ``entropy``: a list that receives the chunk's token entropies [rows, T] (once: the recompute
+    of a checkpointed chunk in backward finds them there and does not pay for them again)."""
+    logits = lm_head(hidden)
+    if entropy is not None and not entropy:
+        entropy.append(token_entropy(logits, temperature))
+    return token_logprobs(logits, targets, temperature=temperature, backend=backend)
 
 
 def completion_logprobs(
@@ -121,12 +145,13 @@ def completion_logprobs(
     chunk_tokens: int = 1024,
     backend: str = "auto",
     shared_prefix: bool = True,
-) -> torch.Tensor:
+    entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """log softmax(lm_head(h) / temperature)[o_t] for B*G completions: [N, T] fp32, 0 where masked.
 
-    Runs under the caller's grad mode and adapter state: call it plainly for the policy,
-    or use ``reference_logprobs`` for the reference. ``chunk_tokens``: completion tokens
-    per LM-head chunk (whole rows, at least one).
+    Runs under the caller's grad mode and adapter state: call it plainly for the policy, or use
+    ``reference_logprobs`` for the reference. ``chunk_tokens``: completion tokens per LM-head chunk
+    (whole rows, at least one). ``entropy``: return (log-probs, token entropies [N, T] fp32, no grad).
     """
     _check_shapes(ctx, completion_ids, completion_mask, G)
     if not isinstance(chunk_tokens, int) or chunk_tokens < 1:
@@ -136,16 +161,19 @@ def completion_logprobs(
     hidden = hidden_states(model, ctx, completion_ids, completion_mask, G)  # [N, T, d]
     lm_head = model.get_output_embeddings()
     rows = max(1, chunk_tokens // max(1, hidden.shape[1]))
-    out = []
+    out, ents = [], []
     for start in range(0, hidden.shape[0], rows):
         # contiguous: a strided [rows, T, d] slice makes torch's no-grad matmul copy the
         # expanded lm_head weight (the reference pass: ~50 s per chunk at the 7B on a CPU)
         h, y = hidden[start : start + rows].contiguous(), completion_ids[start : start + rows]
+        box = [] if entropy else None  # the chunk's entropies land here
         if h.requires_grad:  # keep h only; backward recomputes this chunk's logits
-            out.append(checkpoint(_chunk_logprobs, lm_head, h, y, temperature, backend, use_reentrant=False))
+            out.append(checkpoint(_chunk_logprobs, lm_head, h, y, temperature, backend, box, use_reentrant=False))
         else:
-            out.append(_chunk_logprobs(lm_head, h, y, temperature, backend))
-    return torch.cat(out, 0) * completion_mask.to(torch.float32)
+            out.append(_chunk_logprobs(lm_head, h, y, temperature, backend, box))
+        ents += box or []
+    m = completion_mask.to(torch.float32)
+    return (torch.cat(out, 0) * m, torch.cat(ents, 0) * m) if entropy else torch.cat(out, 0) * m
 
 
 def reference_logprobs(

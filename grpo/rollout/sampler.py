@@ -80,6 +80,14 @@ class SampleOutput:
         """[N] completion tokens, the stop token included."""
         return self.completion_mask.sum(1)
 
+    def loss_mask(self, mask_truncated: bool = False) -> torch.Tensor:
+        """[N, T] the tokens the loss trains on: every sampled token, or with ``mask_truncated``
+        (optim.mask_truncated; TRL's mask_truncated_completions, DAPO's overlong filtering) none
+        of a truncated row's. Only the loss reads it: the row keeps its reward and its place in
+        its group's advantage statistics (as in TRL), and the log-prob passes attend over
+        ``completion_mask`` either way (the row's log-probs stay the policy's)."""
+        return self.completion_mask * ~self.truncated[:, None] if mask_truncated else self.completion_mask
+
 
 @dataclass
 class Rollout:

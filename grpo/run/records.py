@@ -30,13 +30,18 @@ def step_record(phase: str, step: int, result: Any, weights: dict, temperature: 
     "rollout": the sampler against the trainer (kernels/grpo_loss.py's is_* stats): kl =
     mean k3 estimate of KL(sampler || trainer) per token, ratio_mean / ratio_max of
     pi_train / pi_sampler and over_frac = ratios above the cap, at the correction's level
-    (token when off); the max is over micro-batches, then averaged over ranks like every float."""
+    (token when off); the max is over micro-batches, then averaged over ranks like every float.
+    "entropy": the policy's mean token entropy over the tokens the loss trained on (token mean
+    over the step's micro-batches; grpo/model/logprobs.py); "masked_truncated" (with
+    optim.mask_truncated): the fraction of the step's completions whose tokens the loss dropped."""
     logs, mu = result.logs, cfg.optim.updates_per_batch
     updates = [update_record(u, dp) for u in result.updates]
     comps = {k: float(torch.cat([m.scores.components[k] for m in logs]).mean()) for k in logs[0].scores.components}
     totals = torch.cat([m.scores.total for m in logs])
     lengths = torch.cat([m.out.lengths.float() for m in logs])
     trunc = torch.cat([m.out.truncated.float() for m in logs])
+    trained = sum(float(m.out.loss_mask(cfg.optim.mask_truncated).sum()) for m in logs)
+    entropy = sum(float(m.entropy.sum()) for m in logs) / max(trained, 1.0)
     # averaged over ranks: the controller's zero-spread gate must see the same value on every rank
     st = dp.mean_over_ranks({k: float(sum(float(getattr(m.stats, k)) for m in logs) / len(logs))
                              for k in ("kl_mean", "clip_low_frac", "clip_high_frac", "zero_spread_frac",
@@ -44,7 +49,7 @@ def step_record(phase: str, step: int, result: Any, weights: dict, temperature: 
     record = dict(phase=phase, step=step + 1, reward=float(totals.mean()), components=comps,
                   weights=dict(weights), loss=result.loss, kl=st["kl_mean"],
                   clip_low=st["clip_low_frac"], clip_high=st["clip_high_frac"],
-                  zero_spread=st["zero_spread_frac"], adv_abs=st["adv_abs_mean"],
+                  zero_spread=st["zero_spread_frac"], adv_abs=st["adv_abs_mean"], entropy=entropy,
                   completion_len=float(lengths.mean()), truncation=float(trunc.mean()), lr=lr,
                   temperature=temperature, grad_norm=result.grad_norm, time=timing)
     o, stats = cfg.optim, [m.stats for m in logs]
@@ -58,6 +63,8 @@ def step_record(phase: str, step: int, result: Any, weights: dict, temperature: 
     if mu > 1:  # the first update's loss and stats above (on-policy); every update here
         record["loss"] = updates[0]["loss"] if updates else result.loss
         record["updates"] = updates
+    if o.mask_truncated:
+        record["masked_truncated"] = float(trunc.mean())  # = truncation: every truncated row is masked
     if result.fill is not None:
         record["dynamic"] = result.fill.to_dict()
     if prompts is not None:
@@ -71,6 +78,8 @@ def progress_line(phase: str, step: int, steps: int, record: dict) -> str:
     return (f"[{phase} {step + 1}/{steps}] reward {record['reward']:.3f}  "
             + " ".join(f"{k} {v:.2f}" for k, v in record["components"].items())
             + f"  len {record['completion_len']:.1f}  zero-spread {record['zero_spread']:.2f}"
+            + f"  ent {record['entropy']:.2f}"
+            + (f"  masked {record['masked_truncated']:.2f}" if "masked_truncated" in record else "")
             + prompts_summary(record.get("prompts"))
             + (f"  refills {fill['refills']} fill {fill['fill']:.2f}" if fill is not None else "")
             + (f"  clip@{len(updates)} {updates[-1]['clip_low'] + updates[-1]['clip_high']:.3f}" if updates else "")
