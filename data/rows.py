@@ -37,6 +37,7 @@ from __future__ import annotations
 import io
 import math
 import re
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,11 @@ LANGUAGES = ("english", "chinese", "persian")
 NUMERIC_ANSWER_TYPES = ("integer", "float")
 SKIP_REASONS = ("missing_image", "corrupt_image", "image_too_large", "image_aspect", "unknown_answer_type",
                 "unknown_language", "non_numeric_answer")
+# The fields a row may carry (a column map renames the dataset's columns to these), and
+# those without which it means nothing.
+FIELDS = ("pid", "question", "answer", "image", "decoded_image", "answer_type", "question_type", "precision",
+          "choices", "unit", "metadata", "query")
+NEEDED = ("question", "answer")
 MAX_ASPECT = 200  # Qwen2-VL's smart_resize raises above this long/short side ratio
 
 
@@ -81,17 +87,22 @@ def _check_aspect(image: Any, pid: str) -> Any:
 
 
 def row_image(row: dict[str, Any], base_dir: Path | None, pid: str) -> Any:
-    """The row's image from embedded bytes, a decoded PIL image, or a file next to the data."""
-    decoded = row.get("decoded_image")
-    if decoded is not None and hasattr(decoded, "size") and hasattr(decoded, "mode"):
-        return _check_aspect(decoded, pid)  # `datasets` already decoded it into a PIL image
-    if isinstance(decoded, dict) and decoded.get("bytes"):
-        return _open_image(decoded["bytes"], pid)
-    if isinstance(decoded, (bytes, bytearray)) and decoded:
-        return _open_image(bytes(decoded), pid)
-    rel = row.get("image") or (decoded.get("path") if isinstance(decoded, dict) else None)
-    if rel and base_dir is not None and (base_dir / rel).is_file():
-        return _open_image((base_dir / rel).read_bytes(), pid)
+    """The row's image from embedded bytes, a decoded PIL image, or a file next to the data.
+
+    ``decoded_image`` first (MathVista's hub columns carry both), then ``image``, which own
+    data often uses for the bytes struct itself."""
+    values = [row.get("decoded_image"), row.get("image")]
+    for value in values:
+        if value is not None and hasattr(value, "size") and hasattr(value, "mode"):
+            return _check_aspect(value, pid)  # `datasets` already decoded it into a PIL image
+        if isinstance(value, dict) and value.get("bytes"):
+            return _open_image(value["bytes"], pid)
+        if isinstance(value, (bytes, bytearray)) and value:
+            return _open_image(bytes(value), pid)
+    for value in values[::-1]:  # the image column's path is the one the row states; the struct's, its file name
+        rel = value.get("path") if isinstance(value, dict) else value
+        if isinstance(rel, str) and rel and base_dir is not None and (base_dir / rel).is_file():
+            return _open_image((base_dir / rel).read_bytes(), pid)
     raise SkipRow("missing_image", pid)
 
 
@@ -149,11 +160,39 @@ def example_from_row(row: dict[str, Any], base_dir: Path | None = None, with_ima
         question_type=str(row.get("question_type") or "free_form").strip().lower(),
         metadata=meta,
         image=row_image(row, base_dir, pid) if with_image else None,
-        image_path=row.get("image") or None,
+        image_path=row["image"] if isinstance(row.get("image"), str) and row["image"] else None,
         choices=[str(c) for c in choices] if choices is not None and len(choices) else None,
         unit=str(row["unit"]) if row.get("unit") else None,
     )
     return enrich(ex)
+
+
+def check_columns(columns: dict[str, str], present: Iterable[str], where: Any) -> None:
+    """A column map (field -> the dataset's column) must name columns the data has, and the
+    data must then hold the fields a row needs; ValueError naming what is wrong otherwise."""
+    present = set(present)
+    for name, column in columns.items():
+        if column not in present:
+            raise ValueError(f"--data.columns {name}={column}: {where} has no column {column!r}; "
+                             f"its columns: {', '.join(sorted(present))}")
+    have = {name for name in FIELDS if columns.get(name, name) in present}
+    missing = [name for name in NEEDED if name not in have]
+    if not {"image", "decoded_image"} & have:
+        missing.append("image")
+    if missing:
+        raise ValueError(f"{where} has no column for {', '.join(missing)} (its columns: {', '.join(sorted(present))}); "
+                         f"name them with --data.columns, e.g. --data.columns {missing[0]}=<column>")
+
+
+def map_columns(row: dict[str, Any], columns: dict[str, str]) -> dict[str, Any]:
+    """The row with each mapped column under its field's name (the field's own column, if
+    the data has one besides, is dropped: the map says which one to read)."""
+    if not columns:
+        return row
+    out = {k: v for k, v in row.items() if k not in columns}
+    for name, column in columns.items():
+        out[name] = row.get(column)
+    return out
 
 
 def answer_mode(ex: Example) -> str:

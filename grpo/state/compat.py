@@ -90,7 +90,7 @@ def check_init_compatible(path: str | Path, config: TrainConfig) -> None:
 # (the saved data position counts draws from this exact stream).
 RESUME_FIXED_FIELDS = ("sampling.G", "sampling.max_new_tokens", "phase.prompts_per_step", "optim.accumulation",
                        "optim.updates_per_batch", "sampling.dynamic_sampling",
-                       "phase.mixture", "run.seed", "run.data", "run.train_per_stage")
+                       "phase.mixture", "run.seed", "run.data", "run.train_per_stage", "data.columns")
 # The warm-up's step: B examples from its mixture, the caption stage first (its length moves
 # where the reasoning stage, and the style draws, begin).
 WARMUP_FIXED_FIELDS = ("phase.prompts_per_step", "phase.perception_steps", "phase.mixture", "run.seed", "run.data",
