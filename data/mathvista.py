@@ -1,4 +1,5 @@
-"""MathVista: load a local copy (or the hub through `datasets`), enrich, select eval subsets.
+"""MathVista: load a local copy (or the hub through `datasets`), enrich, select eval subsets;
+``python -m data.mathvista convert SRC OUT`` writes its numeric subset in the training format.
 
 Sources, all giving the same ``Example`` rows (data/schema.py):
 
@@ -249,3 +250,98 @@ def require_gold_answers(examples: list[Example], name: str) -> None:
             "Select numeric free-form rows first (data.stages / data.mathvista.eval_overall_numeric)."
         )
     raise ValueError(f"training set {name!r}: " + " Also, ".join(parts))
+
+
+# ----------------------------------------------------------------------------- convert
+
+CONVERT_HELP = """\
+Convert MathVista (or any data data/sources.py reads) into the training format: OUT/data.jsonl
++ OUT/images/, holding the numeric subset alone (free-form, English, integer/float, a numeric
+gold answer: eval_overall_numeric), the rows the trainer can pay. Prints the rows read, the
+rows skipped by reason, the numeric subset's size and the stage filters' sizes on it. OUT must
+be new or empty; it is written in a temporary directory beside it and renamed when complete,
+so an interrupted conversion (Ctrl-C, SIGTERM: exit 130 / 143) leaves nothing behind.
+Then: python -m grpo.train --phase B --run.data OUT
+"""
+
+
+def convert(source: str, out: str | Path, split: str = "testmini", columns: dict[str, str] | None = None) -> int:
+    """``python -m data.mathvista convert``: the command (see CONVERT_HELP); returns the exit code."""
+    import os
+    import shutil
+    import sys
+    import tempfile
+
+    from data.interrupt import Interrupted, signals_raise
+    from data.jsonl import save_jsonl
+    from data.sources import load_source, source_kind
+
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        print(f"error: {out} exists and is not an empty directory: name a new directory "
+              "(convert never writes into existing data)", file=sys.stderr)
+        return 2
+    tmp = None
+    try:
+        with signals_raise():
+            try:
+                own = not str(source).startswith(HUB_PREFIX) and source_kind(source) in ("jsonl", "datasets")
+            except ValueError:
+                own = False  # a MathVista parquet file or hub-layout directory
+            if own:
+                examples, skipped = load_source(source, columns)
+            else:
+                examples, skipped = load_mathvista(source, split)
+            numeric = eval_overall_numeric(examples)
+            lost = ", ".join(f"{k} {v}" for k, v in sorted(skipped.items())) or "none"
+            print(f"read {len(examples) + sum(skipped.values())} rows of {source}"
+                  + ("" if own else f" (split {split})") + f"; skipped {sum(skipped.values())}: {lost}")
+            print(f"numeric subset: {len(numeric)} rows ({len(examples) - len(numeric)} loaded rows are multi-choice, "
+                  "text, not English or without a gold answer: not written)")
+            if not numeric:
+                print(f"error: no row of {source} has a numeric gold answer, so there is nothing to train on "
+                      "(MathVista's test split ships without answers: convert testmini)", file=sys.stderr)
+                return 2
+            print("stage filters: " + ", ".join(f"stage{s} {len(v)}" for s, v in stage_subsets(numeric).items()))
+            out.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+            save_jsonl(numeric, tmp)
+            os.replace(tmp, out)  # replaces an empty directory too; never a half-written one
+            tmp = None
+        print(f"wrote {out} (data.jsonl + images/); train with: python -m grpo.train --phase B --run.data {out}")
+        return 0
+    except Interrupted as stop:
+        print(f"convert stopped on {stop}; nothing was written to {out}", file=sys.stderr)
+        return stop.exit_code
+    except (ValueError, FileNotFoundError, ImportError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m data.mathvista", description="MathVista tools.")
+    sub = ap.add_subparsers(dest="command", required=True)
+    cv = sub.add_parser("convert", help="MathVista -> the training format (data.jsonl + images/)",
+                        description=CONVERT_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    cv.add_argument("source", metavar="SRC", help="a MathVista parquet file, a directory of the hub's parquet files "
+                    f"({{split}}-*.parquet), a datasets save_to_disk directory, or {HUB_PREFIX}AI4Math/MathVista")
+    cv.add_argument("out", metavar="OUT", help="a new (or empty) directory to write")
+    cv.add_argument("--split", default="testmini", help="the MathVista split of a parquet directory (default testmini; "
+                    "test has no gold answers)")
+    cv.add_argument("--columns", default="", metavar="FIELD=COLUMN,...",
+                    help="column map for a datasets directory with other column names, e.g. question=query,answer=label")
+    args = ap.parse_args(argv)
+    try:
+        columns = dict(item.split("=", 1) for item in filter(None, (p.strip() for p in args.columns.split(","))))
+    except ValueError:
+        ap.error(f"--columns {args.columns!r}: write field=column,field=column")
+    return convert(args.source, args.out, args.split, columns)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

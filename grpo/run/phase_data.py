@@ -72,7 +72,8 @@ def fall_back_to_all(configs: dict[str, TrainConfig]) -> None:
         configs[phase].phase.mixture = {ALL: 1.0}
     if moved:
         print(f"data: no row of {first.run.data} has MathVista metadata (context, skills) for the stage filters; "
-              f"phase{'s' if len(moved) > 1 else ''} {', '.join(moved)} train on every usable row (--phase.mixture all=1.0)")
+              f"{'phases' if len(moved) > 1 else 'phase'} {', '.join(moved)} train{'' if len(moved) > 1 else 's'} "
+              "on every usable row (--phase.mixture all=1.0)")
 
 
 def load_training_data(cfg: TrainConfig) -> tuple[dict, dict]:
