@@ -64,7 +64,6 @@ class SkipRow(Exception):
         self.reason = reason
 
 
-
 def _open_image(data: bytes, pid: str) -> Any:
     """A lazily-decoded PIL image after an integrity check, or SkipRow('corrupt_image')."""
     from PIL import Image, UnidentifiedImageError
@@ -137,7 +136,7 @@ def infer_answer_type(answer: str, pid: str = "?") -> str:
 
 
 def example_from_row(row: dict[str, Any], base_dir: Path | None = None, with_image: bool = True) -> Example:
-    """One MathVista row (a dict of the columns above) -> Example, or raise SkipRow."""
+    """One row (a dict of the fields in the module doc) -> Example, or raise SkipRow."""
     pid = str(row.get("pid", "?"))
     meta = _metadata(row.get("metadata"))
     answer = "" if row.get("answer") is None else str(row["answer"]).strip()

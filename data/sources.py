@@ -42,8 +42,9 @@ def source_kind(path: str | Path) -> str:
         return "parquet"
     if root.is_dir() and (all((root / m).is_file() for m in DATASETS_MARKERS) or (root / "dataset_dict.json").is_file()):
         return "datasets"
-    what = "does not exist" if not root.exists() else f"has no {DATA_FILE}" if root.is_dir() else "is not a .parquet file"
-    raise ValueError(f"{path} {what}: give {FORMATS}")
+    if root.is_file():
+        raise ValueError(f"{path} is not a .parquet file: give {FORMATS}")
+    raise ValueError(f"no {DATA_FILE} in {path}" + ("" if root.exists() else " (it does not exist)") + f": give {FORMATS}")
 
 
 def load_source(path: str | Path, columns: dict[str, str] | None = None) -> tuple[list[Example], dict[str, int]]:

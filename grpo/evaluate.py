@@ -7,6 +7,10 @@
 
 The second form scores completions produced elsewhere (JSONL lines
 {"pid": ..., "completions": [...], "token_counts": [...]}) under the same metrics.
+With ``--run-dir`` on a run that trained on own data, prompts whose pid is among its training
+rows are counted and named in one warning line (``warn_contamination``): an own-data run's
+report holds its test rows out itself (data/holdout.py), so evaluating on a given set is
+where training rows can come back.
 
 Evaluating a model (sampling, then scoring with eval/) is grpo/evaluation.py; this is the
 command around it: checkpoint selectors, data sources, reports.

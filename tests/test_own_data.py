@@ -18,7 +18,7 @@ from data.rows import SkipRow, example_from_row, infer_answer_type
 from data.sources import load_source
 from data.stages import select_stage
 from data.synthetic import generate
-from test_mathvista import SCHEMA, make_row, meta
+from test_mathvista import ROWS, SCHEMA, make_row, meta
 from train_helpers import log_lines, run_main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -111,7 +111,7 @@ def test_parquet_with_plain_columns_and_image_bytes(tmp_path):
         load_source(tmp_path / "own.parquet", {"answer": "nope"})
 
 
-def test_minimal_jsonl_trains_with_one_command(minimal_dir, tmp_path):
+def test_minimal_jsonl_trains_with_one_command(minimal_dir, tmp_path, capsys):
     run = tmp_path / "run"
     rc, out, err = run_main(run, *QUICK, "--run.data", str(minimal_dir))
     assert rc == 0, err
@@ -133,8 +133,11 @@ def test_minimal_jsonl_trains_with_one_command(minimal_dir, tmp_path):
     from data.sources import load_source as load
 
     everything, _ = load(minimal_dir)
+    capsys.readouterr()
     assert warn_contamination(run, everything) == 40 - 4  # 40 // 10 rows were held out
-    assert warn_contamination(run, test) == 0
+    assert capsys.readouterr().out == f"warning: 36 of 40 evaluation prompts have a pid that {run} trained on " \
+                                      f"({minimal_dir}): their scores are not held-out scores\n"
+    assert warn_contamination(run, test) == 0 and capsys.readouterr().out == ""
 
 
 def test_datasets_directory_with_other_columns_trains_with_the_map(tmp_path):
@@ -256,3 +259,35 @@ def test_convert_stopped_mid_write_leaves_nothing(mathvista_parquet, tmp_path, m
     assert err.strip() == f"convert stopped on {signal.Signals(signum).name}; nothing was written to {tmp_path / 'out'}"
     assert list(tmp_path.iterdir()) == []  # neither OUT nor the temporary directory
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers
+
+
+def test_convert_reads_the_hub_layout_and_a_datasets_directory(tmp_path, capsys):
+    from data.mathvista import convert as run_convert
+
+    hub_dir = tmp_path / "MathVista"  # tests/test_mathvista.py's fixture rows in the hub's layout
+    (hub_dir / "data").mkdir(parents=True)
+    (hub_dir / "images").mkdir()
+    generate("train", 1, 1, seed=0)[0].image.save(hub_dir / "images" / "12.png")
+    rows = [make_row(pid, **over) for pid, over in ROWS.items()]
+    pq.write_table(pa.Table.from_pylist(rows, schema=SCHEMA), hub_dir / "data" / "testmini-00000-of-00001.parquet")
+
+    assert run_convert(str(hub_dir), tmp_path / "hub") == 0
+    out = capsys.readouterr().out
+    assert "skipped 5: corrupt_image 1, missing_image 1, non_numeric_answer 1, unknown_answer_type 1, " \
+           "unknown_language 1" in out
+    assert "numeric subset: 5 rows" in out and "stage filters: stage1 3, stage2 3, stage3 1" in out
+    written, _ = load_source(tmp_path / "hub")
+    assert sorted(ex.pid for ex in written) == ["1", "12", "2", "3", "4"]
+    assert written[0].metadata["context"] and written[0].image is not None  # metadata kept: the stages apply
+
+    datasets = pytest.importorskip("datasets")
+    rows = minimal_rows(4)
+    datasets.Dataset.from_dict({"q": [r["question"] for r, _ in rows], "answer": ["3", "2.5", "x", "4"],
+                                "image": [im for _, im in rows]},
+                               features=datasets.Features({"q": datasets.Value("string"), "answer": datasets.Value("string"),
+                                                           "image": datasets.Image()})).save_to_disk(str(tmp_path / "hf"))
+    assert run_convert(str(tmp_path / "hf"), tmp_path / "from_hf", columns={"question": "q"}) == 0
+    out = capsys.readouterr().out
+    assert "read 4 rows" in out and "skipped 1: non_numeric_answer 1" in out and "numeric subset: 3 rows" in out
+    assert [(ex.pid, ex.answer_type) for ex in load_source(tmp_path / "from_hf")[0]] == \
+        [("0", "integer"), ("1", "float"), ("3", "integer")]

@@ -94,7 +94,7 @@ RESUME_FIXED_FIELDS = ("sampling.G", "sampling.max_new_tokens", "phase.prompts_p
 # The warm-up's step: B examples from its mixture, the caption stage first (its length moves
 # where the reasoning stage, and the style draws, begin).
 WARMUP_FIXED_FIELDS = ("phase.prompts_per_step", "phase.perception_steps", "phase.mixture", "run.seed", "run.data",
-                       "run.train_per_stage")
+                       "run.train_per_stage", "data.columns")
 
 
 def check_resumable(run_dir: str | Path, config: TrainConfig) -> None:
