@@ -291,3 +291,18 @@ def test_convert_reads_the_hub_layout_and_a_datasets_directory(tmp_path, capsys)
     assert "read 4 rows" in out and "skipped 1: non_numeric_answer 1" in out and "numeric subset: 3 rows" in out
     assert [(ex.pid, ex.answer_type) for ex in load_source(tmp_path / "from_hf")[0]] == \
         [("0", "integer"), ("1", "float"), ("3", "integer")]
+
+
+def test_stage_all_parses_and_a_datasets_directory_without_the_package_is_one_line(tmp_path, monkeypatch):
+    from grpo.config import ConfigError, apply_overrides, phase_preset
+
+    cfg = apply_overrides(phase_preset("A"), {"phase.mixture": "1=0.5,all=0.5", "run.data": "x"}).validate()
+    assert cfg.phase.mixture == {1: 0.5, "all": 0.5}
+    with pytest.raises(ConfigError, match="expected name=value"):
+        apply_overrides(phase_preset("A"), {"phase.mixture": "every=1"})
+    for marker in ("dataset_info.json", "state.json"):
+        (tmp_path / marker).write_text("{}")
+    monkeypatch.setitem(sys.modules, "datasets", None)  # what an environment without the package imports
+    with pytest.raises(ValueError, match=r"was written by datasets' save_to_disk, and reading it needs the datasets "
+                                         r"package: pip install 'datasets>=3'"):
+        load_source(tmp_path)
