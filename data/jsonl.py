@@ -22,12 +22,12 @@ Each line is a MathVista row plus the supervision fields of data/schema.py:
     caption        "red circles: 3. blue squares: 2." (every quantity drawn), or null
 
 so a MathVista JSON row (no supervision fields) loads too, and the MathVista columns are
-parsed by the MathVista loader's own ``example_from_row`` (one parser for both).
+parsed by data/rows.py's ``example_from_row``, the MathVista loader's parser too.
 
 Loading is eager for the file list and lazy for pixels: each image file is read and its
 integrity checked with PIL's ``verify`` at load time, and decoded on first use.
 Loading also records the derived metadata keys context_family and answer_mode
-(``data.mathvista.enrich``).
+(``data.rows.enrich``).
 
 Bad rows are skipped and counted, never a crash (``load_jsonl(..., return_skipped=True)``):
 
@@ -39,8 +39,9 @@ Bad rows are skipped and counted, never a crash (``load_jsonl(..., return_skippe
     image_too_large     the image claims more pixels than PIL's decompression-bomb limit
     image_aspect        one side over 200 times the other (Qwen2-VL's resize refuses it)
     unknown_answer_type / unknown_language / non_numeric_answer
-                        as in data/mathvista.py (a non-numeric gold answer under an
-                        integer/float answer type; an empty answer is kept as "no gold")
+                        as in data/rows.py (a non-numeric gold answer under an
+                        integer/float answer type; an empty answer is kept as "no gold";
+                        a row without answer_type gets one from its gold, or is skipped)
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from data.mathvista import SkipRow, example_from_row
+from data.rows import SkipRow, check_columns, example_from_row, map_columns
 from data.schema import Example, Intermediate, RubricItem
 
 DATA_FILE = "data.jsonl"
@@ -120,12 +121,13 @@ def _supervision(ex: Example, row: dict[str, Any]) -> Example:
     return ex
 
 
-def load_jsonl(directory: str | os.PathLike, return_skipped: bool = False
+def load_jsonl(directory: str | os.PathLike, return_skipped: bool = False, columns: dict[str, str] | None = None
                ) -> list[Example] | tuple[list[Example], dict[str, int]]:
     """Read a directory written by ``save_jsonl`` (or any MathVista-format JSONL + images).
 
     Returns the examples, or ``(examples, skipped)`` with ``skipped`` = {reason: count}
-    for the reasons that occurred (see the module docstring).
+    for the reasons that occurred (see the module docstring). ``columns`` maps field names
+    to the keys the lines use instead (data/rows.py ``map_columns``).
     """
     root = Path(directory)
     path = root / DATA_FILE
@@ -138,14 +140,19 @@ def load_jsonl(directory: str | os.PathLike, return_skipped: bool = False
         text = path.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as err:
         raise ValueError(f"{path} is not UTF-8 text (byte {err.start}: {err.reason}); save it as UTF-8") from None
+    parsed = []
     for line in text.splitlines():
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
+            parsed.append(json.loads(line))
         except json.JSONDecodeError:
             skipped["bad_json"] += 1
-            continue
+    if columns:  # a key no line has is a column the data lacks
+        check_columns(columns, {k for row in parsed if isinstance(row, dict) for k in row}, path)
+    for row in parsed:
+        if isinstance(row, dict):
+            row = map_columns(row, columns or {})
         if not isinstance(row, dict) or any(k not in row for k in ("pid", "question", "answer")):
             skipped["bad_json" if not isinstance(row, dict) else "bad_row"] += 1
             continue

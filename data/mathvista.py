@@ -1,4 +1,5 @@
-"""MathVista: load a local copy (or the hub through `datasets`), enrich, select eval subsets.
+"""MathVista: load a local copy (or the hub through `datasets`), enrich, select eval subsets;
+``python -m data.mathvista convert SRC OUT`` writes its numeric subset in the training format.
 
 Sources, all giving the same ``Example`` rows (data/schema.py):
 
@@ -16,20 +17,9 @@ unit, precision (float64, NaN/None when absent), answer (str), question_type
 (struct: split, language, img_width, img_height, source, category, task, context,
 grade, skills), query (the question with MathVista's answer-format hint).
 
-Bad rows are skipped and counted, never a crash; ``load_mathvista`` returns the counts
-so reports can show them:
-
-    missing_image        no image bytes and no readable file at the row's image path
-    corrupt_image        bytes that PIL cannot identify / verify
-    image_too_large      more pixels than PIL's decompression-bomb limit (Image.MAX_IMAGE_PIXELS
-                         x 2, 179M by default): a few KB of PNG can claim 30000 x 30000
-    image_aspect         one side over MAX_ASPECT (200) times the other: Qwen2-VL's resize
-                         refuses it, so it would fail inside a training or eval batch
-    unknown_answer_type  not one of integer, float, text, list
-    unknown_language     not one of english, chinese, persian
-    non_numeric_answer   a non-empty gold answer that is not a number under an
-                         integer/float answer type (an empty answer is kept: it means
-                         "no gold", and training refuses it loudly, see below)
+Bad rows are skipped and counted by reason, never a crash (the reasons and the parser of one
+row, shared with the JSONL loader, are data/rows.py); ``load_mathvista`` returns the counts
+so reports can show them.
 
 Images are checked with PIL's ``verify`` (headers and, for PNG, chunk CRCs) and kept as
 lazily-decoded PIL images, so 1000 testmini rows cost their compressed bytes, not their
@@ -58,143 +48,21 @@ staged paper trained on it, so its correctness reward was 0 on every step, silen
 
 from __future__ import annotations
 
-import io
 import json
-import math
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 from data.contract import normalize_number
-from data.schema import ANSWER_TYPES, Example
+from data.rows import SKIP_REASONS, SkipRow, example_from_row, row_image
+from data.schema import Example
 from data.stages import is_numeric_free_form, select_stage
 
-LANGUAGES = ("english", "chinese", "persian")
-NUMERIC_ANSWER_TYPES = ("integer", "float")
-SKIP_REASONS = ("missing_image", "corrupt_image", "image_too_large", "image_aspect", "unknown_answer_type",
-                "unknown_language", "non_numeric_answer")
-MAX_ASPECT = 200  # Qwen2-VL's smart_resize raises above this long/short side ratio
 # Columns without which a row means nothing: a missing `answer` column would read as "no
 # gold" on every row and the report would score against empty answers.
 REQUIRED_COLUMNS = ("pid", "question", "answer", "answer_type")
 HUB_PREFIX = "hub:"
-
-
-class SkipRow(Exception):
-    """A row that cannot become an Example; ``reason`` is one of SKIP_REASONS."""
-
-    def __init__(self, reason: str, pid: str = "?"):
-        super().__init__(f"pid {pid}: {reason}")
-        self.reason = reason
-
-
-# ----------------------------------------------------------------------------- rows -> Example
-
-
-def _open_image(data: bytes, pid: str) -> Any:
-    """A lazily-decoded PIL image after an integrity check, or SkipRow('corrupt_image')."""
-    from PIL import Image, UnidentifiedImageError
-
-    try:
-        with Image.open(io.BytesIO(data)) as probe:
-            probe.verify()  # reads headers / chunk CRCs without decoding all pixels
-        return _check_aspect(Image.open(io.BytesIO(data)), pid)  # verify() invalidates its image: reopen
-    except Image.DecompressionBombError as err:  # not an OSError: it would escape as a traceback
-        raise SkipRow("image_too_large", pid) from err
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as err:
-        raise SkipRow("corrupt_image", pid) from err
-
-
-def _check_aspect(image: Any, pid: str) -> Any:
-    w, h = image.size
-    if min(w, h) < 1 or max(w, h) / min(w, h) > MAX_ASPECT:
-        raise SkipRow("image_aspect", pid)
-    return image
-
-
-def _row_image(row: dict[str, Any], base_dir: Path | None, pid: str) -> Any:
-    """The row's image from embedded bytes, a decoded PIL image, or a file next to the data."""
-    decoded = row.get("decoded_image")
-    if decoded is not None and hasattr(decoded, "size") and hasattr(decoded, "mode"):
-        return _check_aspect(decoded, pid)  # `datasets` already decoded it into a PIL image
-    if isinstance(decoded, dict) and decoded.get("bytes"):
-        return _open_image(decoded["bytes"], pid)
-    if isinstance(decoded, (bytes, bytearray)) and decoded:
-        return _open_image(bytes(decoded), pid)
-    rel = row.get("image") or (decoded.get("path") if isinstance(decoded, dict) else None)
-    if rel and base_dir is not None and (base_dir / rel).is_file():
-        return _open_image((base_dir / rel).read_bytes(), pid)
-    raise SkipRow("missing_image", pid)
-
-
-def _precision(value: Any) -> int | None:
-    """MathVista stores precision as float64 with NaN/None when absent."""
-    if value is None:
-        return None
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        return None
-    return None if math.isnan(v) else int(round(v))
-
-
-def _metadata(raw: Any) -> dict[str, Any]:
-    meta = dict(raw) if isinstance(raw, dict) else {}
-    for key in ("language", "context", "grade", "category", "task", "source", "split"):
-        if isinstance(meta.get(key), str):
-            meta[key] = meta[key].strip().lower()
-    skills = meta.get("skills")
-    meta["skills"] = [str(s).strip().lower() for s in skills] if isinstance(skills, (list, tuple)) else []
-    return meta
-
-
-def example_from_row(row: dict[str, Any], base_dir: Path | None = None, with_image: bool = True) -> Example:
-    """One MathVista row (a dict of the columns above) -> Example, or raise SkipRow."""
-    pid = str(row.get("pid", "?"))
-    meta = _metadata(row.get("metadata"))
-    answer_type = str(row.get("answer_type") or "").strip().lower()
-    if answer_type not in ANSWER_TYPES:
-        raise SkipRow("unknown_answer_type", pid)
-    if meta.get("language", "english") not in LANGUAGES:
-        raise SkipRow("unknown_language", pid)
-    answer = "" if row.get("answer") is None else str(row["answer"]).strip()
-    if answer and answer_type in NUMERIC_ANSWER_TYPES and normalize_number(answer) is None:
-        raise SkipRow("non_numeric_answer", pid)
-    if row.get("query"):
-        meta["query"] = str(row["query"])
-    choices = row.get("choices")
-    ex = Example(
-        pid=pid,
-        question=str(row.get("question") or ""),
-        answer=answer,
-        answer_type=answer_type,
-        precision=_precision(row.get("precision")),
-        question_type=str(row.get("question_type") or "free_form").strip().lower(),
-        metadata=meta,
-        image=_row_image(row, base_dir, pid) if with_image else None,
-        image_path=row.get("image") or None,
-        choices=[str(c) for c in choices] if choices is not None and len(choices) else None,
-        unit=str(row["unit"]) if row.get("unit") else None,
-    )
-    return enrich(ex)
-
-
-def answer_mode(ex: Example) -> str:
-    """numeric_free_form | multi_choice | other (free-form text or list answers)."""
-    if ex.question_type == "multi_choice":
-        return "multi_choice"
-    if ex.question_type == "free_form" and ex.answer_type in NUMERIC_ANSWER_TYPES:
-        return "numeric_free_form"
-    return "other"
-
-
-def enrich(ex: Example) -> Example:
-    """Record derived fields in metadata: context_family and answer_mode."""
-    ex.metadata["context_family"] = ex.context_family
-    ex.metadata["answer_mode"] = answer_mode(ex)
-    ex.metadata.setdefault("dataset", "mathvista")
-    return ex
 
 
 # ----------------------------------------------------------------------------- sources
@@ -323,7 +191,7 @@ def load_mathvista(
             probe = example_from_row(row, base, with_image=False)
             if where is not None and not where(probe):
                 continue
-            probe.image = _row_image(row, base, probe.pid)
+            probe.image = row_image(row, base, probe.pid)
         except SkipRow as skip:
             skipped[skip.reason] += 1
             continue
@@ -382,3 +250,98 @@ def require_gold_answers(examples: list[Example], name: str) -> None:
             "Select numeric free-form rows first (data.stages / data.mathvista.eval_overall_numeric)."
         )
     raise ValueError(f"training set {name!r}: " + " Also, ".join(parts))
+
+
+# ----------------------------------------------------------------------------- convert
+
+CONVERT_HELP = """\
+Convert MathVista (or any data data/sources.py reads) into the training format: OUT/data.jsonl
++ OUT/images/, holding the numeric subset alone (free-form, English, integer/float, a numeric
+gold answer: eval_overall_numeric), the rows the trainer can pay. Prints the rows read, the
+rows skipped by reason, the numeric subset's size and the stage filters' sizes on it. OUT must
+be new or empty; it is written in a temporary directory beside it and renamed when complete,
+so an interrupted conversion (Ctrl-C, SIGTERM: exit 130 / 143) leaves nothing behind.
+Then: python -m grpo.train --phase B --run.data OUT
+"""
+
+
+def convert(source: str, out: str | Path, split: str = "testmini", columns: dict[str, str] | None = None) -> int:
+    """``python -m data.mathvista convert``: the command (see CONVERT_HELP); returns the exit code."""
+    import os
+    import shutil
+    import sys
+    import tempfile
+
+    from data.interrupt import Interrupted, signals_raise
+    from data.jsonl import save_jsonl
+    from data.sources import load_source, source_kind
+
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        print(f"error: {out} exists and is not an empty directory: name a new directory "
+              "(convert never writes into existing data)", file=sys.stderr)
+        return 2
+    tmp = None
+    try:
+        with signals_raise():
+            try:
+                own = not str(source).startswith(HUB_PREFIX) and source_kind(source) in ("jsonl", "datasets")
+            except ValueError:
+                own = False  # a MathVista parquet file or hub-layout directory
+            if own:
+                examples, skipped = load_source(source, columns)
+            else:
+                examples, skipped = load_mathvista(source, split)
+            numeric = eval_overall_numeric(examples)
+            lost = ", ".join(f"{k} {v}" for k, v in sorted(skipped.items())) or "none"
+            print(f"read {len(examples) + sum(skipped.values())} rows of {source}"
+                  + ("" if own else f" (split {split})") + f"; skipped {sum(skipped.values())}: {lost}")
+            print(f"numeric subset: {len(numeric)} rows ({len(examples) - len(numeric)} loaded rows are multi-choice, "
+                  "text, not English or without a gold answer: not written)")
+            if not numeric:
+                print(f"error: no row of {source} has a numeric gold answer, so there is nothing to train on "
+                      "(MathVista's test split ships without answers: convert testmini)", file=sys.stderr)
+                return 2
+            print("stage filters: " + ", ".join(f"stage{s} {len(v)}" for s, v in stage_subsets(numeric).items()))
+            out.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+            save_jsonl(numeric, tmp)
+            os.replace(tmp, out)  # replaces an empty directory too; never a half-written one
+            tmp = None
+        print(f"wrote {out} (data.jsonl + images/); train with: python -m grpo.train --phase B --run.data {out}")
+        return 0
+    except Interrupted as stop:
+        print(f"convert stopped on {stop}; nothing was written to {out}", file=sys.stderr)
+        return stop.exit_code
+    except (ValueError, FileNotFoundError, ImportError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m data.mathvista", description="MathVista tools.")
+    sub = ap.add_subparsers(dest="command", required=True)
+    cv = sub.add_parser("convert", help="MathVista -> the training format (data.jsonl + images/)",
+                        description=CONVERT_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    cv.add_argument("source", metavar="SRC", help="a MathVista parquet file, a directory of the hub's parquet files "
+                    f"({{split}}-*.parquet), a datasets save_to_disk directory, or {HUB_PREFIX}AI4Math/MathVista")
+    cv.add_argument("out", metavar="OUT", help="a new (or empty) directory to write")
+    cv.add_argument("--split", default="testmini", help="the MathVista split of a parquet directory (default testmini; "
+                    "test has no gold answers)")
+    cv.add_argument("--columns", default="", metavar="FIELD=COLUMN,...",
+                    help="column map for a datasets directory with other column names, e.g. question=query,answer=label")
+    args = ap.parse_args(argv)
+    try:
+        columns = dict(item.split("=", 1) for item in filter(None, (p.strip() for p in args.columns.split(","))))
+    except ValueError:
+        ap.error(f"--columns {args.columns!r}: write field=column,field=column")
+    return convert(args.source, args.out, args.split, columns)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -46,7 +46,7 @@ BLOCK = 4096  # positions per block of stage choices
 class MixtureStream:
     """Deterministic endless stream over ``sources`` mixed by ``weights`` (see module doc)."""
 
-    def __init__(self, sources: Mapping[int, Sequence[Example]], weights: Mapping[int, float],
+    def __init__(self, sources: Mapping[Any, Sequence[Example]], weights: Mapping[Any, float],
                  seed: int = 0):
         self.keys, probs = _check(sources, weights)
         self.sources = {k: sources[k] for k in self.keys}
@@ -99,10 +99,12 @@ class MixtureStream:
             raise ValueError(f"state was saved with seed {state['seed']}, this stream has seed "
                              f"{self.seed}; build the stream with the saved seed")
         if "counts" in state:
-            counts = {int(k): int(v) for k, v in state["counts"].items()}
-            if set(counts) != set(self.keys) or sum(counts.values()) != position:
-                raise ValueError(f"state counts {counts} do not match stages {self.keys} "
+            # JSON made the keys strings: match them to the stages (1, 2, 3, "all") by their text
+            saved = {str(k): int(v) for k, v in state["counts"].items()}
+            if set(saved) != {str(k) for k in self.keys} or sum(saved.values()) != position:
+                raise ValueError(f"state counts {saved} do not match stages {self.keys} "
                                  f"at position {position}; was it saved from another mixture?")
+            counts = {k: saved[str(k)] for k in self.keys}
         else:
             counts = self._recount(position)
         self.position, self.counts = position, counts
@@ -152,7 +154,7 @@ def _check(sources: Mapping[int, Sequence[Example]],
     for k, w in weights.items():
         if not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0:
             raise ValueError(f"weight of stage {k!r} must be a finite number >= 0, got {w!r}")
-    keys = sorted(k for k, w in weights.items() if w > 0)
+    keys = sorted((k for k, w in weights.items() if w > 0), key=str)  # stages 1, 2, 3 and "all" together
     if not keys:
         raise ValueError(f"all weights are zero: {dict(weights)}")
     for k in keys:

@@ -12,6 +12,10 @@ the synthetic curriculum and from MathVista rows alike:
     stage 3      integer or float; context family in {geometry diagram, plot,
                  scientific figure, abstract scene}; skills meet {geometry, algebraic,
                  scientific, arithmetic, statistical reasoning}; harder grades first
+    "all"        a pseudo-stage: every row the shared filter keeps, whatever its context
+                 and skills. Data without MathVista metadata (no row states a context or
+                 skills: ``has_stage_metadata``) has nothing for stages 1-3 to select on,
+                 so it trains on "all" (grpo/run/phase_data.py)
 
 The context family is ``Example.context_family`` ("bar chart" -> "chart", "line plot" ->
 "plot"). Stages overlap on purpose: a table with an integer answer passes stages 1 and 2,
@@ -41,6 +45,7 @@ class StageSpec:
     skills: frozenset[str] | None  # None: any skills
 
 
+ALL = "all"
 STAGES: dict[int, StageSpec] = {
     1: StageSpec(frozenset({"integer"}),
                  frozenset({"synthetic scene", "table", "natural image"}),
@@ -74,7 +79,14 @@ def is_numeric_free_form(ex: Example) -> bool:
             and normalize_number(ex.answer) is not None)
 
 
-def in_stage(ex: Example, stage: int) -> bool:
+def has_stage_metadata(examples: Iterable[Example]) -> bool:
+    """Whether any row states a context or skills, the metadata stages 1-3 select on."""
+    return any(ex.metadata.get("context") or _skills(ex) for ex in examples)
+
+
+def in_stage(ex: Example, stage: int | str) -> bool:
+    if stage == ALL:
+        return is_numeric_free_form(ex)
     spec = _spec(stage)
     return (is_numeric_free_form(ex)
             and ex.answer_type in spec.answer_types
@@ -82,8 +94,8 @@ def in_stage(ex: Example, stage: int) -> bool:
             and (spec.skills is None or bool(_skills(ex) & spec.skills)))
 
 
-def stage_filter(stage: int) -> Callable[[Example], bool]:
-    """Predicate selecting the examples of a curriculum stage (1, 2 or 3)."""
+def stage_filter(stage: int | str) -> Callable[[Example], bool]:
+    """Predicate selecting the examples of a curriculum stage (1, 2, 3 or "all")."""
     _spec(stage)  # fail here, not on the first example
     return lambda ex: in_stage(ex, stage)
 
@@ -94,7 +106,7 @@ def grade_rank(ex: Example) -> int:
     return GRADE_ORDER.index(grade) if grade in GRADE_ORDER else len(GRADE_ORDER)
 
 
-def select_stage(examples: Iterable[Example], stage: int) -> list[Example]:
+def select_stage(examples: Iterable[Example], stage: int | str) -> list[Example]:
     """The examples in ``stage``, in input order; stage 3 stably sorted harder grades first."""
     keep = stage_filter(stage)
     out = [ex for ex in examples if keep(ex)]
@@ -103,7 +115,9 @@ def select_stage(examples: Iterable[Example], stage: int) -> list[Example]:
     return out
 
 
-def _spec(stage: int) -> StageSpec:
+def _spec(stage: int | str) -> StageSpec | None:
+    if stage == ALL:
+        return None
     if stage not in STAGES:
-        raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}")
+        raise ValueError(f"stage must be 1, 2 or 3 (or {ALL!r}: every usable row), got {stage!r}")
     return STAGES[stage]

@@ -11,9 +11,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from data.jsonl import load_jsonl
 from data.mathvista import eval_overall_numeric, is_overall_numeric, load_mathvista
 from data.schema import Example
+from data.sources import DATASETS_MARKERS, load_source
 from data.synthetic import generate
 from eval.evaluate import STAGES
 
@@ -26,11 +26,12 @@ def load_examples(args: Any) -> tuple[list[Example], str, dict[str, int]]:
         per_stage = max(1, args.limit // len(STAGES)) if args.limit else 100
         examples = [ex for s in STAGES for ex in generate("test", s, per_stage, args.seed, args.image_size)]
         return examples, f"synthetic test split, {per_stage} per stage, seed {args.seed}", {}
-    if (Path(args.data) / "data.jsonl").is_file():  # a dataset written by data/jsonl.py
-        examples, skipped = load_jsonl(args.data, return_skipped=True)
+    own = (Path(args.data) / "data.jsonl").is_file() or Path(args.data, DATASETS_MARKERS[0]).is_file()
+    if own:  # a dataset written by data/jsonl.py (or convert), or by datasets' save_to_disk
+        examples, skipped = load_source(args.data)
         if args.subset == "eval_overall_numeric":
             examples = eval_overall_numeric(examples)
-        return examples[: args.limit], f"JSONL dataset {args.data} ({args.subset})", skipped
+        return examples[: args.limit], f"dataset {args.data} ({args.subset})", skipped
 
     where = is_overall_numeric if args.subset == "eval_overall_numeric" else None
     examples, skipped = load_mathvista(args.data, args.split, where=where, limit=args.limit)

@@ -33,7 +33,7 @@ from grpo.model.load import ModelLoadError
 from grpo.model.policy import check_policy_config
 from grpo.rewards.plugins import load_plugins
 from grpo.run.files import RunFiles
-from grpo.run.phase_data import load_training_data
+from grpo.run.phase_data import fall_back_to_all, load_training_data
 from grpo.run.runtime import keep_freed_memory, pick_device, seed_everything, set_threads
 from grpo.run.stop import STOP, EvalAbandoned, StopNow, Stopped, exit_code, signal_name, stop_message
 from grpo.state.checkpoint import load_checkpoint
@@ -218,6 +218,7 @@ def _main(argv: list[str], run_phase: Callable[[TrainConfig, RunFiles, str, Data
         dp = init_distributed(device)  # torchrun: this rank's process group and device; else one process
         device, files.writer = dp.device, dp.is_main
         plan = phases_to_run(known.phase, files, cfg.phase.init, cfg.model.name) if cfg.run.run_prior_phases else [known.phase]
+        fall_back_to_all({p: configs[p] for p in plan})  # own data without MathVista metadata: the stage "all"
         preflight(configs, plan, files)
         if len(plan) > 1:
             print(f"phase {known.phase} starts from {phase_init(known.phase, cfg.model.name)}, which {files.root} does not have "
@@ -236,7 +237,7 @@ def _main(argv: list[str], run_phase: Callable[[TrainConfig, RunFiles, str, Data
             t_phase = time.time()
             run_phase(pcfg, files, device, dp)
             print(f"phase {phase} took {time.time() - t_phase:.0f}s", flush=True)
-        if dp.is_main and known.phase != "warmup" and cfg.run.test_per_stage > 0 and cfg.run.data == "synthetic":
+        if dp.is_main and known.phase != "warmup" and cfg.run.test_per_stage > 0:
             _stop_between("the final report", "every checkpoint is saved")
             try:
                 write_final_report(files.root, known.phase, cfg, device)

@@ -8,6 +8,7 @@
       rewards   RewardConfig     which reward components, their weights, tolerance
       phase     PhaseConfig      curriculum phase: stage mixture, init checkpoint, steps
       run       RunConfig        run directory, seed, data, eval/checkpoint cadence
+      data      DataConfig       how to read own data: the column map
 
 Every knob that is set must be the knob that runs (R1-VL's trainer silently sampled at
 temperature 1 although configured 1.2): the trainer prints the resolved config at start
@@ -28,9 +29,12 @@ import math
 import re
 import typing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
+
+from data.rows import FIELDS as ROW_FIELDS
+from data.stages import ALL
 
 from kernels.grpo_advantages import SCALES
 from kernels.grpo_loss import CORRECTION_MODES, CORRECTIONS, IMPORTANCE, LOSS_TYPES
@@ -294,8 +298,8 @@ class PhaseConfig:
     """Optimiser steps in this phase."""
     prompts_per_step: int = 4
     """B: distinct prompts per step (each sampled G times)."""
-    mixture: dict[int, float] = field(default_factory=lambda: dict(PHASE_DEFAULTS["B"]["phase.mixture"]))
-    """Curriculum stage -> sampling probability."""
+    mixture: dict[int | Literal["all"], float] = field(default_factory=lambda: dict(PHASE_DEFAULTS["B"]["phase.mixture"]))
+    """Curriculum stage (1, 2, 3, or all: every usable row, whatever its metadata) -> sampling probability; on data without MathVista metadata the phase defaults become all=1.0."""
     init: str = "auto"
     """Start point: auto (the phase preset's alias), base, a selector like A:best_structure, or a path."""
     controller: bool = True
@@ -336,6 +340,12 @@ class RunConfig:
 
 
 @dataclass
+class DataConfig:
+    columns: dict[str, str] = field(default_factory=dict)
+    """Column map for --run.data: field=column pairs naming the dataset's column for a field this project reads (pid, question, answer, image, answer_type, question_type, precision, choices, unit, metadata, query), e.g. question=query,answer=label,image=img; a field left out is read from its own name."""
+
+
+@dataclass
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     lora: LoRAOptions = field(default_factory=LoRAOptions)
@@ -344,6 +354,7 @@ class TrainConfig:
     rewards: RewardConfig = field(default_factory=RewardConfig)
     phase: PhaseConfig = field(default_factory=PhaseConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    data: DataConfig = field(default_factory=DataConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -470,12 +481,12 @@ class TrainConfig:
             (p.prompts_per_step >= 1, f"phase.prompts_per_step={p.prompts_per_step}: must be >= 1"),
             (bool(p.mixture) and all(v >= 0 for v in p.mixture.values()) and sum(p.mixture.values()) > 0,
              f"phase.mixture={p.mixture}: needs at least one stage with positive probability"),
-            (set(p.mixture) <= {1, 2, 3}, f"phase.mixture={p.mixture}: stages are 1, 2 and 3"),
+            (set(p.mixture) <= {1, 2, 3, ALL}, f"phase.mixture={p.mixture}: stages are 1, 2 and 3 (or all: every usable row)"),
             (bool(p.init.strip()), "phase.init is empty: use auto, base, a selector like A:best_structure, or a path"),
             (bool(r.run_dir.strip()), "run.run_dir is empty: name a directory for checkpoints and logs"),
             # numpy's legacy seeding (seed_everything) takes 0 .. 2**32 - 1 only
             (0 <= r.seed < 2**32, f"run.seed={r.seed}: must be in [0, 2**32)"),
-            (bool(r.data.strip()), "run.data is empty: use synthetic or a JSONL dataset directory"),
+            (bool(r.data.strip()), "run.data is empty: use synthetic, a data.jsonl directory, a parquet file or a datasets directory"),
             (r.train_per_stage >= 1, f"run.train_per_stage={r.train_per_stage}: must be >= 1"),
             (r.eval_size >= 1, f"run.eval_size={r.eval_size}: must be >= 1"),
             (r.eval_every >= 1, f"run.eval_every={r.eval_every}: must be >= 1 (it is also the checkpoint cadence)"),
@@ -489,6 +500,12 @@ class TrainConfig:
              "run.tensorboard=true needs the tensorboard package: pip install 'vlgrpo[tensorboard]' "
              "(or pip install tensorboard), or drop --run.tensorboard"),
         ]
+        unknown = [k for k in self.data.columns if k not in ROW_FIELDS]
+        checks.append((not unknown, f"data.columns names the field {unknown[0] if unknown else ''!r}, which no row "
+                                    f"has: fields are {', '.join(ROW_FIELDS)} (write field=column)"))
+        checks.append((r.data != "synthetic" or not self.data.columns,
+                       "data.columns maps the columns of --run.data, and the synthetic curriculum has none: "
+                       "drop it or give --run.data"))
         for ok, msg in checks:
             if not ok:
                 raise ConfigError(msg)
@@ -513,9 +530,10 @@ class TrainConfig:
             for name in _fields(section):
                 key, value, typ = f"{sec_name}.{name}", getattr(section, name), hints[name]
                 origin = typing.get_origin(typ)
-                if origin is dict and typing.get_args(typ)[1] is str:  # rewards.extra: name=module:function
+                if origin is dict and typing.get_args(typ)[1] is str:  # rewards.extra, data.columns
                     if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
-                        raise ConfigError(f"{key}={value!r}: give name=module:function pairs")
+                        what = "name=module:function" if key.endswith("rewards.extra") else "name=value"
+                        raise ConfigError(f"{key}={value!r}: give {what} pairs")
                     numbers = []
                 elif origin is dict:
                     if not isinstance(value, dict):
@@ -661,12 +679,28 @@ def _parse_value(text: str, typ: Any, key: str) -> Any:
             out = {}
             for item in filter(None, (p.strip() for p in text.split(","))):
                 k, v = item.split("=", 1)
-                out[ktyp(k.strip())] = vtyp(v)
+                out[_dict_key(ktyp, k.strip())] = vtyp(v)
             return out
     except ValueError:
         pass
     hint = {bool: "true or false", int: "an integer", float: "a number"}.get(typ, "name=value,name=value" if origin is dict else str(typ))
     raise ConfigError(f"--{key} {text!r}: expected {hint}")
+
+
+def _dict_key(ktyp: Any, text: str) -> Any:
+    """A dict key of type ``ktyp``: str, int, or a union of int and literal names (the stage
+    mixture's 1, 2, 3 and "all"); ValueError when it is none of them."""
+    options = typing.get_args(ktyp) if typing.get_origin(ktyp) is not None else (ktyp,)
+    for option in options:
+        if typing.get_origin(option) is Literal:
+            if text in typing.get_args(option):
+                return text
+        else:
+            try:
+                return option(text)
+            except ValueError:
+                pass
+    raise ValueError(text)
 
 
 def override(cfg: TrainConfig, key: str, value: str | Any) -> None:
@@ -767,6 +801,9 @@ def from_json(text: str) -> TrainConfig:
                 value = tuple(value)
             elif typing.get_origin(hints[name]) is dict:
                 ktyp = typing.get_args(hints[name])[0]
-                value = {ktyp(k): v for k, v in value.items()}
+                try:
+                    value = {_dict_key(ktyp, k): v for k, v in value.items()}
+                except ValueError as err:
+                    raise ConfigError(f"saved config {sec_name}.{name} has an unknown key {err}") from None
             setattr(section, name, value)
     return cfg

@@ -7,6 +7,10 @@
 
 The second form scores completions produced elsewhere (JSONL lines
 {"pid": ..., "completions": [...], "token_counts": [...]}) under the same metrics.
+With ``--run-dir`` on a run that trained on own data, prompts whose pid is among its training
+rows are counted and named in one warning line (``warn_contamination``): an own-data run's
+report holds its test rows out itself (data/holdout.py), so evaluating on a given set is
+where training rows can come back.
 
 Evaluating a model (sampling, then scoring with eval/) is grpo/evaluation.py; this is the
 command around it: checkpoint selectors, data sources, reports.
@@ -30,12 +34,15 @@ import torch
 import grpo.model.load
 import grpo.model.policy
 import grpo.state.registry
+from data.holdout import shared_pids
 from eval.evaluate import EvalProtocol, EvalResult, evaluate_completions
 from eval.inputs import load_examples, read_completions
 from eval.report import control_summary, write_report
+from grpo.config import ConfigError, from_json
 from grpo.errors import inside, one_line
 from grpo.evaluation import evaluate_model
 from grpo.model.load import ModelLoadError
+from grpo.run.phase_data import load_own_data
 from grpo.state.layout import CheckpointError
 
 # ----------------------------------------------------------------------------- CLI
@@ -140,6 +147,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     print(f"evaluating {len(examples)} prompts: {data_desc}")
+    if args.run_dir:
+        warn_contamination(Path(args.run_dir), examples)
     results: dict[str, EvalResult] = {}
     for name, (texts, counts) in completions.items():
         results[name] = evaluate_completions(examples, texts, counts, protocol.max_new_tokens)
@@ -167,6 +176,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         return fail(OSError(f"cannot write the report to {args.out} ({err.strerror}: {err.filename})"), 1)
     print(f"wrote {md} and {js}")
     return 0
+
+
+def warn_contamination(run_dir: Path, examples: list) -> int:
+    """One warning line when evaluation prompts share pids with the own data the run trained on
+    (each phase's config_<phase>.json names it; its held-out test rows do not count); returns
+    the count. The synthetic curriculum's splits are disjoint by construction: nothing to check."""
+    trained, sources = set(), []
+    for path in sorted(run_dir.glob("config_*.json")):
+        try:
+            cfg = from_json(path.read_text(encoding="utf-8"))
+        except (ValueError, OSError):
+            continue  # not this check's business: the selectors' own loading reports a damaged run
+        if cfg.run.data == "synthetic" or cfg.run.data in sources:
+            continue
+        sources.append(cfg.run.data)
+        try:
+            trained |= {ex.pid for ex in load_own_data(cfg)[0]}
+        except ConfigError as err:
+            print(f"warning: cannot check the evaluation prompts against {run_dir}'s training data ({one_line(err)})")
+    n = shared_pids(trained, examples)
+    if n:
+        print(f"warning: {n} of {len(examples)} evaluation prompts have a pid that {run_dir} trained on "
+              f"({', '.join(sources)}): their scores are not held-out scores")
+    return n
 
 
 def _prepare(args: argparse.Namespace) -> tuple:

@@ -2,7 +2,8 @@
 
 The checkpoint-side evals that drive the controller use the *val* split; this report uses
 the disjoint *test* split, so the numbers in the README were never used to choose a
-checkpoint. One protocol for every model (eval.evaluate.EvalProtocol: greedy, one sample
+checkpoint. On own data (``--run.data``) the test split is the tenth of its usable rows that
+no phase trains on (data/holdout.py, grpo/run/phase_data.py). One protocol for every model (eval.evaluate.EvalProtocol: greedy, one sample
 per prompt, the training token budget), written as report.md / report.json plus the
 training plots (eval/plots.py).
 """
@@ -32,20 +33,22 @@ def report_selectors(run_dir: Path, last_phase: str) -> list[str]:
     return out
 
 
-def write_final_report(run_dir: str | Path, last_phase: str, cfg: TrainConfig, device: str = "cpu") -> Path:
-    from data.synthetic import generate
+def write_final_report(run_dir: str | Path, last_phase: str, cfg: TrainConfig, device: str = "cpu") -> Path | None:
+    from data.holdout import TEST_EVERY
     from eval.evaluate import EvalProtocol
     from eval.plots import plot_run
     from eval.report import control_summary, write_report
     from grpo.evaluation import evaluate_model
     from grpo.model.policy import policy_at
+    from grpo.run.phase_data import report_examples
     from grpo.state.registry import resolve
 
     run_dir = Path(run_dir)
-    if cfg.run.data != "synthetic":
-        raise ValueError("the final report evaluates the synthetic test split; use `python -m grpo.evaluate` for other data")
-    n = cfg.run.test_per_stage
-    examples = [ex for s in (1, 2, 3) for ex in generate("test", s, n, cfg.run.seed, cfg.model.image_size)]
+    examples, described = report_examples(cfg)
+    if not examples:
+        print(f"report: none, {cfg.run.data} has no held-out test rows (fewer than {TEST_EVERY} usable rows); "
+              "evaluate on other data with python -m grpo.evaluate")
+        return None
     protocol = EvalProtocol(max_new_tokens=cfg.sampling.max_new_tokens, temperature=0.0, seed=cfg.run.seed,
                             batch_size=64)
     results, by_path = {}, {}
@@ -65,7 +68,7 @@ def write_final_report(run_dir: str | Path, last_phase: str, cfg: TrainConfig, d
             print(f"       {line}", flush=True)
     out = run_dir / "report"
     md, _ = write_report(results, protocol.__dict__, out, title=f"{run_dir.name}: test split after phase {last_phase}",
-                         data=f"synthetic test split, {n} per stage (stages 1-3), seed {cfg.run.seed}")
+                         data=described)
     plot_run(run_dir / "train_log.jsonl", out)
     print(f"report: {md} (+ report.json, rewards.png, weights.png, checkpoints.png)")
     return md

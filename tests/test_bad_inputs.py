@@ -345,7 +345,7 @@ DATA_CASES = [
     (edit_rows(lambda r: r.update(answer="")), "3 of 3 examples have an empty gold answer"),
     (edit_rows(lambda r: r.update(answer="  ")), "3 of 3 examples have an empty gold answer"),
     (edit_rows(lambda r: r.update(answer="seven")), "has no usable rows: 3 skipped (non_numeric_answer 3)"),
-    (edit_rows(lambda r: r.update(answer="seven", answer_type="text")), "stage 1 has no training examples"),
+    (edit_rows(lambda r: r.update(answer="seven", answer_type="text")), "3 kept and none has a numeric gold answer"),
     (edit_rows(lambda r: r.update(answer_type="fraction")), "3 skipped (unknown_answer_type 3)"),
     (edit_rows(lambda r: r.update(metadata=dict(r["metadata"], language="klingon"))),
      "3 skipped (unknown_language 3)"),

@@ -1,0 +1,308 @@
+"""Own data: the three formats, the column map, the pseudo-stage all, the held-out test rows,
+MathVista's convert command, the contamination warning, and each bad input as one line."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from data.holdout import TEST_EVERY, shared_pids, split_test
+from data.mixture import MixtureStream
+from data.rows import SkipRow, example_from_row, infer_answer_type
+from data.sources import load_source
+from data.stages import select_stage
+from data.synthetic import generate
+from test_mathvista import ROWS, SCHEMA, make_row, meta
+from train_helpers import log_lines, run_main
+
+ROOT = Path(__file__).resolve().parent.parent
+QUICK = ["--phase", "A", "--model.device", "cpu", "--phase.steps", "2", "--run.eval_every", "2", "--run.eval_size", "2",
+         "--sampling.G", "2", "--sampling.max_new_tokens", "8", "--phase.prompts_per_step", "2",
+         "--run.test_per_stage", "1"]
+FALLBACK = "has MathVista metadata (context, skills) for the stage filters; phase A trains on every usable row"
+
+
+def minimal_rows(n=40):
+    """n synthetic stage-1 questions as bare {pid, question, answer, image} rows + their PIL images."""
+    return [({"pid": f"q{i}", "question": ex.question, "answer": ex.answer, "image": f"img/q{i}.png"}, ex.image)
+            for i, ex in enumerate(generate("train", 1, n, seed=0))]
+
+
+@pytest.fixture(scope="module")
+def minimal_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("minimal")
+    (root / "img").mkdir()
+    lines = []
+    for row, image in minimal_rows():
+        image.save(root / row["image"])
+        lines.append(json.dumps(row))
+    (root / "data.jsonl").write_text("\n".join(lines) + "\n")
+    return root
+
+
+def one_line_error(rc, err, text):
+    assert rc == 2 and err.startswith("error: ") and text in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+# ----------------------------------------------------------------------------- rows and splits
+
+
+def test_answer_type_inferred_from_the_gold():
+    assert [infer_answer_type(a) for a in ("12", "-3", "1,000", "2.5", "1e3", "2.0")] == \
+        ["integer", "integer", "integer", "float", "float", "float"]
+    for bad in ("five", "", "3/4"):
+        with pytest.raises(SkipRow, match="non_numeric_answer"):
+            infer_answer_type(bad)
+    ex = example_from_row({"pid": "1", "question": "q", "answer": "7"}, with_image=False)
+    assert (ex.answer_type, ex.question_type, ex.metadata.get("language", "english")) == ("integer", "free_form", "english")
+    stated = example_from_row({"pid": "1", "question": "q", "answer": "7", "answer_type": "float"}, with_image=False)
+    assert stated.answer_type == "float"  # a stated type is kept
+
+
+def test_test_rows_are_a_tenth_by_pid_hash_and_never_train():
+    rows = [example_from_row({"pid": f"p{i}", "question": "q", "answer": str(i)}, with_image=False) for i in range(95)]
+    rows.append(example_from_row({"pid": "p3", "question": "dup", "answer": "1"}, with_image=False))
+    train, test = split_test(rows)
+    assert len({ex.pid for ex in test}) == 96 // TEST_EVERY
+    assert not {ex.pid for ex in train} & {ex.pid for ex in test} and len(train) + len(test) == 96
+    again = split_test(list(reversed(rows)))[1]  # the row order does not move the test rows
+    assert {ex.pid for ex in again} == {ex.pid for ex in test}
+    assert shared_pids(["p0", "p1", "x"], rows[:3]) == 2
+
+
+def test_all_is_a_stage_of_the_mixture_and_resumes_through_json():
+    rows = [example_from_row({"pid": f"p{i}", "question": "q", "answer": str(i)}, with_image=False) for i in range(6)]
+    rows.append(example_from_row({"pid": "t", "question": "q", "answer": "x", "answer_type": "text"}, with_image=False))
+    assert [ex.pid for ex in select_stage(rows, "all")] == [f"p{i}" for i in range(6)]  # numeric rows, any metadata
+    stream = MixtureStream({"all": rows[:6]}, {"all": 1.0}, seed=1)
+    stream.next_batch(5)
+    state = json.loads(json.dumps(stream.state_dict()))
+    other = MixtureStream({"all": rows[:6]}, {"all": 1.0}, seed=1)
+    other.load_state_dict(state)
+    assert [ex.pid for ex in other.next_batch(4)] == [ex.pid for ex in stream.next_batch(4)]
+
+
+# ----------------------------------------------------------------------------- formats
+
+
+def test_parquet_with_plain_columns_and_image_bytes(tmp_path):
+    rows = []
+    for row, image in minimal_rows(6):
+        path = tmp_path / f"{row['pid']}.png"
+        image.save(path)
+        rows.append({"question": row["question"], "label": row["answer"],
+                     "image": {"bytes": path.read_bytes(), "path": path.name}})
+    rows[1]["image"] = {"bytes": None, "path": "q1.png"}  # a path next to the file
+    rows[2]["label"] = "many"
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "own.parquet")
+    examples, skipped = load_source(tmp_path / "own.parquet", {"answer": "label"})
+    assert [ex.pid for ex in examples] == ["0", "1", "3", "4", "5"]  # no pid column: the row number
+    assert skipped == {"non_numeric_answer": 1}
+    assert examples[1].image.size == examples[0].image.size and examples[0].answer == rows[0]["label"]
+    with pytest.raises(ValueError, match=r"--data.columns answer=nope: .*own.parquet has no column 'nope'; "
+                                         r"its columns: image, label, question"):
+        load_source(tmp_path / "own.parquet", {"answer": "nope"})
+
+
+def test_minimal_jsonl_trains_with_one_command(minimal_dir, tmp_path, capsys):
+    run = tmp_path / "run"
+    rc, out, err = run_main(run, *QUICK, "--run.data", str(minimal_dir))
+    assert rc == 0, err
+    assert out.count(FALLBACK) == 1
+    assert json.loads((run / "config_A.json").read_text())["phase"]["mixture"] == {"all": 1.0}
+    assert [r["step"] for r in log_lines(run) if "loss" in r] == [1, 2]
+    report = json.loads((run / "report" / "report.json").read_text())
+    assert "held-out test rows" in json.dumps(report) and "[test] base" in out
+    # the report's rows are the held-out tenth, which no phase trained on
+    from grpo.config import from_json
+    from grpo.run.phase_data import load_training_data, report_examples
+
+    cfg = from_json((run / "config_A.json").read_text())
+    test, _ = report_examples(cfg)
+    train, val = load_training_data(cfg)
+    assert len(test) == 3 and not {ex.pid for ex in test} & {ex.pid for ex in train["all"] + val["all"]}
+    # evaluating the run on its own data: one warning with the count (the held-out rows do not count)
+    from grpo.evaluate import warn_contamination
+    from data.sources import load_source as load
+
+    everything, _ = load(minimal_dir)
+    capsys.readouterr()
+    assert warn_contamination(run, everything) == 40 - 4  # 40 // 10 rows were held out
+    assert capsys.readouterr().out == f"warning: 36 of 40 evaluation prompts have a pid that {run} trained on " \
+                                      f"({minimal_dir}): their scores are not held-out scores\n"
+    assert warn_contamination(run, test) == 0 and capsys.readouterr().out == ""
+
+
+def test_datasets_directory_with_other_columns_trains_with_the_map(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    rows = minimal_rows(20)
+    data = datasets.Dataset.from_dict(
+        {"id": [r["pid"] for r, _ in rows], "query": [r["question"] for r, _ in rows],
+         "label": [r["answer"] for r, _ in rows], "img": [im for _, im in rows]},
+        features=datasets.Features({"id": datasets.Value("string"), "query": datasets.Value("string"),
+                                    "label": datasets.Value("string"), "img": datasets.Image()}))
+    data.save_to_disk(str(tmp_path / "hf"))
+    run = tmp_path / "run"
+    args = [*QUICK, "--run.data", str(tmp_path / "hf"), "--phase.steps", "1", "--run.test_per_stage", "0"]
+    rc, out, err = run_main(run, *args, "--data.columns", "question=query,answer=label,image=img,pid=id")
+    assert rc == 0, err
+    assert FALLBACK in out and [r["step"] for r in log_lines(run) if "loss" in r] == [1]
+    rc, _, err = run_main(tmp_path / "run2", *args, "--data.columns", "question=query,answer=answer_text")
+    one_line_error(rc, err, "--data.columns answer=answer_text: ")
+    assert "has no column 'answer_text'; its columns: id, img, label, query" in err
+
+
+# ----------------------------------------------------------------------------- bad inputs
+
+
+def test_no_numeric_gold_is_one_line(tmp_path):
+    (tmp_path / "data").mkdir()
+    lines = []
+    for row, image in minimal_rows(5):
+        image.save(tmp_path / "data" / "x.png")
+        lines.append(json.dumps(dict(row, answer="a red circle", image="x.png")))
+    (tmp_path / "data" / "data.jsonl").write_text("\n".join(lines))
+    rc, _, err = run_main(tmp_path / "run", *QUICK, "--run.data", str(tmp_path / "data"))
+    one_line_error(rc, err, "has no usable rows: 5 skipped (non_numeric_answer 5), 0 kept and none has a numeric "
+                            "gold answer")
+    assert not (tmp_path / "run" / "A").exists()
+
+
+def test_column_map_naming_an_unknown_field_is_one_line(tmp_path, minimal_dir):
+    rc, _, err = run_main(tmp_path / "run", *QUICK, "--run.data", str(minimal_dir), "--data.columns", "answr=label")
+    one_line_error(rc, err, "data.columns names the field 'answr', which no row has: fields are pid, question")
+    rc, _, err = run_main(tmp_path / "run", *QUICK, "--run.data", str(minimal_dir), "--data.columns", "answer=label")
+    one_line_error(rc, err, "--data.columns answer=label: ")
+    assert "data.jsonl has no column 'label'; its columns: answer, image, pid, question" in err
+
+
+def test_a_stage_mixture_on_data_without_metadata_says_to_use_all(tmp_path, minimal_dir):
+    rc, _, err = run_main(tmp_path / "run", *QUICK, "--run.data", str(minimal_dir), "--phase.mixture", "2=1")
+    one_line_error(rc, err, "stage 2 has no training examples")
+    assert "use --phase.mixture all=1.0" in err
+
+
+# ----------------------------------------------------------------------------- MathVista convert
+
+
+@pytest.fixture(scope="module")
+def mathvista_parquet(tmp_path_factory):
+    """The MathVista fixture's layout: 24 stage-1 rows, 6 stage-2 charts, and rows skipped or left out."""
+    root = tmp_path_factory.mktemp("mv")
+    rows = [make_row(str(i), answer=str(i % 7)) for i in range(24)]
+    rows += [make_row(f"c{i}", answer=f"{i}.5", answer_type="float", metadata=meta("bar chart", ["statistical reasoning"]))
+             for i in range(6)]
+    rows += [make_row("m", answer="B", question_type="multi_choice", answer_type="text", choices=["A", "B"]),
+             make_row("f", answer="five"), make_row("k", decoded_image={"bytes": b"\x89PNG no", "path": "k.png"})]
+    path = root / "testmini.parquet"
+    pq.write_table(pa.Table.from_pylist(rows, schema=SCHEMA), path)
+    return path
+
+
+def convert(*args):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "data.mathvista", "convert", *map(str, args)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_mathvista_converts_and_trains(mathvista_parquet, tmp_path):
+    out = tmp_path / "mv"
+    proc = convert(mathvista_parquet, out)
+    assert proc.returncode == 0, proc.stderr
+    assert f"read 33 rows of {mathvista_parquet} (split testmini); skipped 2: corrupt_image 1, non_numeric_answer 1" \
+        in proc.stdout
+    assert "numeric subset: 30 rows (1 loaded rows are multi-choice" in proc.stdout
+    assert "stage filters: stage1 24, stage2 6, stage3 0" in proc.stdout
+    assert len((out / "data.jsonl").read_text().splitlines()) == 30 and len(list((out / "images").iterdir())) == 30
+    assert [p.name for p in tmp_path.iterdir()] == ["mv"]  # no temporary directory left
+    run = tmp_path / "run"
+    rc, stdout, err = run_main(run, *QUICK, "--run.data", str(out), "--run.test_per_stage", "0", "--phase.steps", "1")
+    assert rc == 0, err
+    assert "MathVista metadata" not in stdout  # the stage filters apply
+    assert json.loads((run / "config_A.json").read_text())["phase"]["mixture"] == {"1": 1.0}
+
+
+def test_convert_refuses_a_non_empty_out_and_says_so_in_help(mathvista_parquet, tmp_path):
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("mine")
+    proc = convert(mathvista_parquet, tmp_path / "full")
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip() == f"error: {tmp_path / 'full'} exists and is not an empty directory: name a new " \
+                                  "directory (convert never writes into existing data)"
+    assert (tmp_path / "full" / "keep.txt").read_text() == "mine"
+    helped = convert("--help")
+    assert helped.returncode == 0 and "numeric subset" in helped.stdout and "130 / 143" in helped.stdout
+
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_convert_stopped_mid_write_leaves_nothing(mathvista_parquet, tmp_path, monkeypatch, capsys, signum, code):
+    import data.jsonl
+    from data.mathvista import convert as run_convert
+
+    real = data.jsonl.save_jsonl
+
+    def write_then_signal(examples, directory):
+        real(examples[:3], directory)  # some files are on disk when the signal lands
+        os.kill(os.getpid(), signum)
+
+    monkeypatch.setattr(data.jsonl, "save_jsonl", write_then_signal)
+    handlers = (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM))
+    assert run_convert(str(mathvista_parquet), tmp_path / "out") == code
+    err = capsys.readouterr().err
+    assert err.strip() == f"convert stopped on {signal.Signals(signum).name}; nothing was written to {tmp_path / 'out'}"
+    assert list(tmp_path.iterdir()) == []  # neither OUT nor the temporary directory
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers
+
+
+def test_convert_reads_the_hub_layout_and_a_datasets_directory(tmp_path, capsys):
+    from data.mathvista import convert as run_convert
+
+    hub_dir = tmp_path / "MathVista"  # tests/test_mathvista.py's fixture rows in the hub's layout
+    (hub_dir / "data").mkdir(parents=True)
+    (hub_dir / "images").mkdir()
+    generate("train", 1, 1, seed=0)[0].image.save(hub_dir / "images" / "12.png")
+    rows = [make_row(pid, **over) for pid, over in ROWS.items()]
+    pq.write_table(pa.Table.from_pylist(rows, schema=SCHEMA), hub_dir / "data" / "testmini-00000-of-00001.parquet")
+
+    assert run_convert(str(hub_dir), tmp_path / "hub") == 0
+    out = capsys.readouterr().out
+    assert "skipped 5: corrupt_image 1, missing_image 1, non_numeric_answer 1, unknown_answer_type 1, " \
+           "unknown_language 1" in out
+    assert "numeric subset: 5 rows" in out and "stage filters: stage1 3, stage2 3, stage3 1" in out
+    written, _ = load_source(tmp_path / "hub")
+    assert sorted(ex.pid for ex in written) == ["1", "12", "2", "3", "4"]
+    assert written[0].metadata["context"] and written[0].image is not None  # metadata kept: the stages apply
+
+    datasets = pytest.importorskip("datasets")
+    rows = minimal_rows(4)
+    datasets.Dataset.from_dict({"q": [r["question"] for r, _ in rows], "answer": ["3", "2.5", "x", "4"],
+                                "image": [im for _, im in rows]},
+                               features=datasets.Features({"q": datasets.Value("string"), "answer": datasets.Value("string"),
+                                                           "image": datasets.Image()})).save_to_disk(str(tmp_path / "hf"))
+    assert run_convert(str(tmp_path / "hf"), tmp_path / "from_hf", columns={"question": "q"}) == 0
+    out = capsys.readouterr().out
+    assert "read 4 rows" in out and "skipped 1: non_numeric_answer 1" in out and "numeric subset: 3 rows" in out
+    assert [(ex.pid, ex.answer_type) for ex in load_source(tmp_path / "from_hf")[0]] == \
+        [("0", "integer"), ("1", "float"), ("3", "integer")]
+
+
+def test_stage_all_parses_and_a_datasets_directory_without_the_package_is_one_line(tmp_path, monkeypatch):
+    from grpo.config import ConfigError, apply_overrides, phase_preset
+
+    cfg = apply_overrides(phase_preset("A"), {"phase.mixture": "1=0.5,all=0.5", "run.data": "x"}).validate()
+    assert cfg.phase.mixture == {1: 0.5, "all": 0.5}
+    with pytest.raises(ConfigError, match="expected name=value"):
+        apply_overrides(phase_preset("A"), {"phase.mixture": "every=1"})
+    for marker in ("dataset_info.json", "state.json"):
+        (tmp_path / marker).write_text("{}")
+    monkeypatch.setitem(sys.modules, "datasets", None)  # what an environment without the package imports
+    with pytest.raises(ValueError, match=r"was written by datasets' save_to_disk, and reading it needs the datasets "
+                                         r"package: pip install 'datasets>=3'"):
+        load_source(tmp_path)
