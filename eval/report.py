@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -208,17 +209,30 @@ def write_report(
     title: str = "Evaluation report",
     data: str = "",
 ) -> tuple[Path, Path]:
-    """Write report.md, report.json and samples_<model>.jsonl into out_dir; return the two report paths."""
+    """Write report.md, report.json and samples_<model>.jsonl into out_dir; return the two report paths.
+
+    Every file is first written whole under a temporary name beside it, and only when all of
+    them are written are they renamed into place: a failed write (a full disk) leaves the
+    previous report as it was and no partial file (the temporary ones are removed). The
+    renames are a few system calls; grpo.evaluate holds the stop signals around this call."""
     if not results:
         raise ValueError("write_report: no results to report; evaluate at least one model")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     md_path, json_path = out / "report.md", out / "report.json"
-    md_path.write_text(render_markdown(results, protocol, title, data), encoding="utf-8")
     payload = json_safe(report_dict(results, protocol, title, data))
-    json_path.write_text(json.dumps(payload, indent=2, allow_nan=False, default=str), encoding="utf-8")
+    files = {md_path: render_markdown(results, protocol, title, data),
+             json_path: json.dumps(payload, indent=2, allow_nan=False, default=str)}
     for name, r in results.items():
-        with open(out / f"samples_{_safe_name(name)}.jsonl", "w", encoding="utf-8") as f:
-            for rec in r.records:
-                f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+        files[out / f"samples_{_safe_name(name)}.jsonl"] = "".join(
+            json.dumps(rec, ensure_ascii=False) + "\n" for rec in r.records)
+    temps = {path: path.with_name(f".tmp-{path.name}-{os.getpid()}") for path in files}
+    try:
+        for path, text in files.items():
+            temps[path].write_text(text, encoding="utf-8")
+        for path, tmp in temps.items():
+            os.replace(tmp, path)
+    finally:
+        for tmp in temps.values():
+            tmp.unlink(missing_ok=True)
     return md_path, json_path

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers.utils import logging as hf_logging
 
 import grpo.model.load
 import grpo.model.policy
@@ -43,6 +44,7 @@ from grpo.errors import inside, one_line
 from grpo.evaluation import evaluate_model
 from grpo.model.load import ModelLoadError
 from grpo.run.phase_data import load_own_data
+from grpo.run.stop import STOP, StopNow, exit_code, signal_name, signals_held, stop_at_once
 from grpo.state.layout import CheckpointError
 
 # ----------------------------------------------------------------------------- CLI
@@ -126,8 +128,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     """The CLI. Errors the project raises on purpose are one line on stderr: exit 2 for a
     wrong request (options, data, completions files, selectors, model), exit 1 when a
     checkpoint is damaged or the report cannot be written. Anything else keeps its traceback:
-    the ValueError catch covers checking the request and building models, not the scoring."""
+    the ValueError catch covers checking the request and building models, not the scoring.
+
+    Ctrl-C / SIGTERM stop at once (grpo/run/stop.py ``stop_at_once``): an evaluation not
+    yet reported is worth nothing, so there is no step to finish. One line on stderr, exit
+    130 / 143, no traceback; the report files are written with the signals held, so a stop
+    leaves the previous report or the whole new one, never part of it."""
     args = build_parser().parse_args(argv)
+    hf_logging.disable_progress_bar()  # stderr is for the outcome: one line on an error or a stop
+    STOP.install()
+    STOP.listeners.append(stop_at_once)
+    state = {"written": False}
+    try:
+        return _main(args, state)
+    except StopNow as stop:
+        outcome = "the report was written before it" if state["written"] else "no report written"
+        print(f"stopped evaluating on {signal_name(stop.signum)}; {outcome}", file=sys.stderr, flush=True)
+        return exit_code(stop.signum)
+    finally:
+        STOP.listeners.remove(stop_at_once)
+        STOP.uninstall()
+
+
+def _main(args: argparse.Namespace, state: dict) -> int:
 
     def fail(err: BaseException, code: int) -> int:
         print(f"error: {one_line(err)}", file=sys.stderr)
@@ -169,7 +192,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             res.skipped[f"load:{reason}"] = n
     shown = {**asdict(protocol), "base_model": args.model, "prompts": len(examples)}
     try:
-        md, js = write_report(results, shown, Path(args.out), title=args.title, data=data_desc)
+        with signals_held():  # all of the report or none of it; a stop waits the milliseconds this takes
+            md, js = write_report(results, shown, Path(args.out), title=args.title, data=data_desc)
+            state["written"] = True
     except OSError as err:
         if not inside(err.filename, Path(args.out)):
             raise

@@ -143,3 +143,43 @@ class evals_run_to_the_end:
     def __exit__(self, *exc):
         _no_abandon.active = self._old
         return False
+
+
+# ----------------------------------------------------------------------------- commands that keep nothing half-done
+
+
+def stop_at_once(signum: int) -> None:
+    """A StopFlag listener for commands whose half-done work is worth nothing (an export, an
+    evaluation whose report is not written yet): the first signal raises StopNow where the
+    main thread is, instead of waiting for a loop to poll the flag. Those commands write
+    their output last, to a temporary name renamed into place (or with the signals held,
+    ``signals_held``), so a stop leaves the old output or none, never half of a new one."""
+    raise StopNow(signum)
+
+
+class signals_held:
+    """Within this block SIGINT and SIGTERM wait and are acted on when it ends: wrap the few
+    file writes and renames that must all happen or none. The handlers are swapped for one
+    that only records the signal (blocking it with pthread_sigmask is not enough: it blocks
+    one thread, and the kernel hands a process's signal to any thread that does not block
+    it, torch's included); on exit the previous handler runs for a recorded signal (raising
+    StopNow under ``stop_at_once``). Main thread only; elsewhere it holds nothing."""
+
+    def __enter__(self):
+        self._old: dict[int, object] = {}
+        self._got: list[int] = []
+        if threading.current_thread() is threading.main_thread():
+            for sig in SIGNALS:
+                self._old[sig] = signal.signal(sig, lambda signum, frame: self._got.append(signum))
+        return self
+
+    def __exit__(self, *exc):
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+        for signum in self._got[:1]:  # a second one while held is the same request
+            old = self._old[signum]
+            if callable(old):
+                old(signum, None)
+            elif old == signal.SIG_DFL:
+                signal.raise_signal(signum)
+        return False

@@ -1,0 +1,218 @@
+"""``python -m grpo.export``: a trained checkpoint as a PEFT adapter and/or a merged model.
+
+    python -m grpo.export B:latest --run-dir runs/tiny --peft out/adapter --merged out/merged
+
+``--peft OUT``: OUT/adapter_config.json + adapter_model.safetensors (PEFT's LoRA format,
+lora/adapter_io.py ``save_adapter``), for ``PeftModel.from_pretrained(base, OUT)``. The
+base named in it (base_model_name_or_path) is the un-quantised model the run started from:
+the shipped grpo/tiny_model directory for 'tiny', the directory for a local model, the id
+for a hub model. A run trained over an NF4 base (the presets' load_in_4bit) trained the
+adapter against NF4's rounded weights; over the bf16/fp32 base its outputs move by that
+rounding (the QLoRA gap) -- the merged export has no such gap.
+
+``--merged OUT``: a save_pretrained directory (config.json, model.safetensors,
+generation_config.json, tokenizer, chat template, preprocessor_config.json) of the policy
+with LoRA folded into the dequantised base: W' = dequant(W_nf4) + (alpha / r) B A in fp32,
+rounded once to ``--dtype`` (bf16 by default; never folded back into 4-bit, which rounds
+the update into 16 levels per block). ``Qwen2_5_VLForConditionalGeneration.from_pretrained``
+loads it with no LoRA and no bitsandbytes. The image processor carries the run's image
+bounds (model.max_pixels / min_pixels), so inference resizes images as training did.
+
+Both are written to a temporary directory beside OUT and renamed into place at the end
+(OUT must not exist or be empty): a failure or a stop leaves no OUT, never half of one.
+Ctrl-C / SIGTERM stop at once with one line and exit 130 / 143 (grpo/run/stop.py): there is
+no step to finish, the temporary directory is removed.
+
+The selector is grpo.evaluate's (``A:best_structure``, ``B:latest``, ``B:40``, a checkpoint
+directory), resolved by the same function. A checkpoint whose adapter was trained on a base
+checkpoint (the full-weight warm-up of a from-scratch model, --model.name tiny-random) has
+no model directory or hub id to name as its PEFT base: ``--peft`` is refused for it and
+``--merged`` (which carries the whole model) is the export.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from transformers.utils import logging as hf_logging
+
+import grpo.evaluate
+import grpo.model.policy
+from grpo.errors import inside, one_line
+from grpo.model.load import ModelLoadError
+from grpo.run.stop import STOP, StopNow, exit_code, signal_name, signals_held, stop_at_once
+from grpo.state.layout import CheckpointError
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+class ExportError(ValueError):
+    """The request cannot be exported as asked; the message says what to change."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m grpo.export",
+        description="Export a trained checkpoint as a PEFT LoRA adapter (--peft) and/or a merged "
+                    "save_pretrained model (--merged); both may be given at once.",
+        epilog="--peft OUT: adapter_config.json + adapter_model.safetensors for PeftModel.from_pretrained over "
+               "the base model named in it (the un-quantised base; an NF4-trained adapter over it differs by "
+               "the 4-bit rounding). --merged OUT: LoRA folded into the dequantised base, in --dtype, with the "
+               "tokenizer and image processor; loads with Qwen2_5_VLForConditionalGeneration.from_pretrained. "
+               "OUT must not exist (or be empty); it appears only when complete.",
+    )
+    p.add_argument("selector", help="checkpoint: PHASE[:ALIAS|STEP] such as B:latest, A:best_structure, B:40, "
+                                    "or a checkpoint directory")
+    p.add_argument("--run-dir", default=None, help="training run directory the selector refers to")
+    p.add_argument("--peft", default=None, metavar="OUT", help="write a PEFT adapter directory here")
+    p.add_argument("--merged", default=None, metavar="OUT", help="write a merged save_pretrained model directory here")
+    p.add_argument("--dtype", default="bf16",
+                   help="merged weights' dtype: bf16 (default), fp16 or fp32. Merged in fp32, rounded once")
+    p.add_argument("--device", default="cpu", help="where the policy is rebuilt and merged: cpu or cuda[:i]")
+    return p
+
+
+def peft_base_name(model_name: str, seed: int) -> str:
+    """What a PEFT user loads under the adapter: the un-quantised base the run started from."""
+    from grpo.model.shipped import SHIPPED_DIR
+    from grpo.model.tiny import TINY_NAME, TINY_RANDOM_NAME, default_model_dir
+
+    if model_name == TINY_NAME:
+        return str(SHIPPED_DIR)
+    if model_name == TINY_RANDOM_NAME:
+        return str(default_model_dir(seed))
+    path = Path(model_name).expanduser()
+    return str(path.resolve()) if path.is_dir() else model_name  # a directory, else a hub id
+
+
+def _check_out(flag: str, out: str) -> Path:
+    path = Path(out)
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        what = "a file" if not path.is_dir() else "a non-empty directory"
+        raise ExportError(f"{flag} {out} is {what}; name a new directory (the export never overwrites)")
+    if not path.parent.is_dir():
+        raise ExportError(f"{flag} {out}: its parent directory {path.parent} does not exist; create it first")
+    return path
+
+
+def _check_request(args: argparse.Namespace) -> tuple[Path, dict[str, Path], torch.dtype]:
+    """Everything checkable before the (slow) policy build: flags, outputs, dtype, selector."""
+    if not args.peft and not args.merged:
+        raise ExportError("nothing to export: give --peft OUT (an adapter) and/or --merged OUT (a merged model)")
+    if args.dtype not in DTYPES:
+        raise ExportError(f"--dtype {args.dtype!r}: use one of {', '.join(DTYPES)}")
+    if args.run_dir is not None and not Path(args.run_dir).is_dir():
+        raise ExportError(f"--run-dir {args.run_dir} does not exist; pass the training run's directory "
+                          "(the --run.run_dir it was trained with)")
+    if args.selector == "base":
+        raise ExportError("selector 'base' is the untrained model: there is no adapter to export; name a "
+                          "checkpoint such as B:latest")
+    outs = {flag: _check_out(f"--{flag}", out) for flag, out in (("peft", args.peft), ("merged", args.merged)) if out}
+    if len(outs) == 2 and outs["peft"].resolve() == outs["merged"].resolve():
+        raise ExportError(f"--peft and --merged both name {args.peft}; give each its own directory")
+    path = grpo.evaluate._resolve_selector(args.selector, args)  # SelectorError lists what the run holds
+    return path, outs, DTYPES[args.dtype]
+
+
+def _write(out: Path, fill) -> Path:
+    """``fill(tmp)`` writes into a fresh directory beside ``out``; renamed to ``out`` at the end."""
+    tmp = out.with_name(f".tmp-export-{out.name}-{uuid.uuid4().hex[:8]}")
+    tmp.mkdir()
+    try:
+        fill(tmp)
+        with signals_held():  # an empty OUT left by the caller is replaced in the same call
+            if out.is_dir():
+                out.rmdir()  # checked empty in _check_out; rmdir refuses one that filled since
+            os.rename(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone already after the rename
+    return out
+
+
+def _summary(out: Path) -> str:
+    files = sorted(p for p in out.iterdir() if p.is_file())
+    total = sum(p.stat().st_size for p in files)
+    listed = ", ".join(f"{p.name} {p.stat().st_size / 1e6:.2f} MB" for p in files if p.stat().st_size > 100_000)
+    return f"{len(files)} files, {total / 1e6:.2f} MB" + (f" ({listed})" if listed else "")
+
+
+def export(args: argparse.Namespace) -> list[str]:
+    """Build the checkpoint's policy once and write what was asked; returns the lines to print."""
+    from grpo.config import from_json
+    from grpo.state.checkpoint import load_checkpoint
+    from grpo.state.contents import adapter_tensors, base_checkpoint_of
+    from lora import export_merged, save_adapter
+
+    path, outs, dtype = _check_request(args)
+    ckpt = load_checkpoint(path)  # a damaged checkpoint: CheckpointError before the model is built
+    cfg = from_json(ckpt.config_json)
+    run_dir = Path(args.run_dir) if args.run_dir else path.parent.parent
+    on_base_ckpt = base_checkpoint_of(run_dir, ckpt) is not None
+    if "peft" in outs and on_base_ckpt:
+        raise ExportError(f"{args.selector} -> {path} was trained on a base checkpoint of this run (the full-weight "
+                          f"warm-up of {cfg.model.name!r}), which no model directory or hub id holds, so a PEFT adapter "
+                          "would have no base to load under it; export --merged instead")
+    if "peft" in outs and not adapter_tensors(ckpt.tensors):
+        raise ExportError(f"{args.selector} -> {path} holds no LoRA tensors; export --merged instead")
+    bundle = grpo.model.policy.load_policy(path, run_dir=run_dir, device=args.device)
+    lines = [f"{args.selector} -> {path} (model {cfg.model.name}, {'NF4' if cfg.model.load_in_4bit else cfg.model.dtype} "
+             f"base, LoRA r={cfg.lora.rank})"]
+    if "peft" in outs:
+        base = peft_base_name(cfg.model.name, cfg.run.seed)
+        _write(outs["peft"], lambda d: save_adapter(bundle.model, d, base_model_name_or_path=base))
+        lines.append(f"wrote PEFT adapter {outs['peft']}: {_summary(outs['peft'])}; base_model_name_or_path {base}")
+        if cfg.model.load_in_4bit:
+            lines.append("  note: trained over an NF4 base; over the un-quantised base its outputs differ by the "
+                         "4-bit rounding (the merged export folds it into the dequantised base instead)")
+    if "merged" in outs:
+        def fill(d: Path) -> None:
+            export_merged(bundle.model, d, dtype)
+            bundle.tokenizer.save_pretrained(str(d))
+            bundle.image_processor.save_pretrained(str(d))
+
+        _write(outs["merged"], fill)
+        lines.append(f"wrote merged model {outs['merged']} in {args.dtype} ({dtype}): {_summary(outs['merged'])}")
+    return lines
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The CLI: exit 0, or one line on stderr -- 2 for a wrong request (flags, outputs,
+    selector, model), 1 for a damaged checkpoint or an output that cannot be written, 130 /
+    143 on Ctrl-C / SIGTERM. Anything else is a bug and keeps its traceback."""
+    args = build_parser().parse_args(argv)
+    hf_logging.disable_progress_bar()  # stderr is for the outcome: one line on an error or a stop
+    STOP.install()
+    STOP.listeners.append(stop_at_once)  # nothing half-exported is worth keeping: stop now
+    try:
+        for line in export(args):
+            print(line)
+        return 0
+    except StopNow as stop:
+        print(f"stopped exporting on {signal_name(stop.signum)}; nothing was written", file=sys.stderr, flush=True)
+        return exit_code(stop.signum)
+    except (ValueError, ModelLoadError) as err:  # ExportError, SelectorError, ConfigError, a non-finite merge
+        print(f"error: {one_line(err)}", file=sys.stderr)
+        return 2
+    except CheckpointError as err:
+        print(f"error: {one_line(err)}", file=sys.stderr)
+        return 1
+    except OSError as err:
+        outs = [o for o in (args.peft, args.merged) if o]
+        if not any(inside(err.filename, Path(o).parent) for o in outs):
+            raise
+        print(f"error: cannot write the export ({err.strerror}: {err.filename})", file=sys.stderr)
+        return 1
+    finally:
+        STOP.listeners.remove(stop_at_once)
+        STOP.uninstall()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
