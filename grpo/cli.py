@@ -24,8 +24,8 @@ from pathlib import Path
 from transformers.utils import logging as hf_logging
 
 from grpo.config import (PERCEPTION_DEFAULTS, PHASES, PRESETS, ConfigError, TrainConfig, apply_overrides,
-                         describe_fields, parse_override_args, phase_init, phase_preset, preset_overrides,
-                         trains_from_scratch, weigh_plugins)
+                         describe_fields, parse_override_args, phase_init, phase_preset, preset_for_model,
+                         preset_overrides, trains_from_scratch, weigh_plugins)
 from grpo.distributed import DataParallel, init_distributed, peer_lost
 from grpo.errors import NoRewardSpread, TrainingDiverged, inside, one_line
 from grpo.final_report import write_final_report
@@ -84,6 +84,19 @@ def phase_configs(requested: str, preset: str, overrides: dict[str, str], init: 
         configs[requested].phase.init = init
         configs[requested].validate()
     return configs
+
+
+def choose_preset(preset: str | None, overrides: dict[str, str]) -> str:
+    """An explicit --preset; else the one --model.name implies (printed on one line: a 7B run
+    must not train silently with the tiny preset's float32, CPU and 112 px); else tiny."""
+    if preset is not None:
+        return preset
+    names = [v for k, v in overrides.items() if k.replace("-", "_").split(".")[-2:] == ["model", "name"]]
+    chosen = preset_for_model(names[-1]) if names else None  # ConfigError: a real model no preset fits
+    if chosen is None:
+        return "tiny"
+    print(chosen[1], flush=True)
+    return chosen[0]
 
 
 def prepare_run_dir(root: Path) -> None:
@@ -173,6 +186,10 @@ warm-up first on tiny-random). --init overrides the start:
 The same run directory resumes: the adapter, optimiser, schedule, controller, RNG and data
 position of <phase>:latest are restored.
 
+--preset: tiny by default; a --model.name that is Qwen2.5-VL-7B (its hub id, or a local
+directory whose config.json is one) chooses qwen7b, and says so; the other Qwen2.5-VL sizes
+need an explicit --preset. An explicit --preset always wins.
+
 Options (--section.key VALUE, or --key VALUE where the key is unique). phase.* keys and
 rewards.weights apply to the requested phase only; prefix a key with a phase name to set it
 for that phase alone, e.g. --warmup.phase.steps 100 --A.optim.lr 1e-3:
@@ -203,13 +220,13 @@ def _main(argv: list[str], run_phase: Callable[[TrainConfig, RunFiles, str, Data
         return 0
     ap = argparse.ArgumentParser(add_help=False)
     ap.add_argument("--phase", default="B", choices=PHASES)
-    ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    ap.add_argument("--preset", default=None, choices=sorted(PRESETS))
     ap.add_argument("--init", default="auto")
     known, rest = ap.parse_known_args(argv)
     dp, root, files = None, None, None
     try:
         overrides = parse_override_args(rest)
-        configs = phase_configs(known.phase, known.preset, overrides, known.init)
+        configs = phase_configs(known.phase, choose_preset(known.preset, overrides), overrides, known.init)
         cfg = configs[known.phase]
         files = RunFiles(Path(cfg.run.run_dir))
         root = files.root

@@ -625,6 +625,65 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+# Which preset a real Qwen2.5-VL trains with when --preset is not given. The released sizes
+# by their language model's hidden_size (config.json); only the 7B has a preset. The others
+# are refused rather than mapped to qwen7b: its memory plan (micro-batches, 448 px, 256
+# tokens) and lr are the 7B's, a 72B does not fit where they fit and a 3B wastes the card;
+# `--preset qwen7b` on them is a choice the user makes, not one made for them.
+QWEN25VL_SIZES = {2048: "3B", 3584: "7B", 5120: "32B", 8192: "72B"}
+SIZE_PRESETS = {"7B": "qwen7b"}
+_REAL_SIZE = 1024  # hidden_size from which a Qwen2.5-VL is a real one, not a test-sized model
+
+
+def _local_qwen_size(path: Any) -> str | None:
+    """A local Qwen2.5-VL directory's size ("7B", or "hidden_size N" for an unknown one);
+    None for a model of test size, another model type, or a config that cannot be read (the
+    model load says what is wrong with it, later)."""
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(cfg, dict) or cfg.get("model_type") != "qwen2_5_vl":
+        return None
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}
+    hidden = text.get("hidden_size", cfg.get("hidden_size"))
+    if isinstance(hidden, bool) or not isinstance(hidden, int) or hidden < _REAL_SIZE:
+        return None
+    return QWEN25VL_SIZES.get(hidden, f"hidden_size {hidden}")
+
+
+def preset_for_model(name: str) -> tuple[str, str] | None:
+    """The preset a --model.name implies when no --preset is given: (preset, the line to
+    print), or None to keep the default (tiny models, paths that do not exist: the model
+    load reports those). A hub id or a local real-size Qwen2.5-VL that no preset fits is one
+    ConfigError naming it and the presets. Reads at most a local config.json: nothing is
+    loaded or downloaded, so it runs before the run's first check."""
+    from pathlib import Path
+
+    if name in ("tiny", "tiny-random"):
+        return None
+    path = Path(name).expanduser()
+    if path.is_dir():
+        size = _local_qwen_size(path)
+    elif not name.startswith((".", "/", "~")) and name.count("/") == 1 and not path.exists():  # a hub id
+        m = re.search(r"qwen2\.5-vl-(\d+)b", name, re.IGNORECASE)
+        if m is None:
+            raise ConfigError(f"--model.name {name}: no preset is made for this model (presets: {', '.join(PRESETS)}, "
+                              "for Qwen2.5-VL-7B); pass --preset explicitly")
+        size = f"{m.group(1)}B"
+    else:
+        return None
+    if size is None:
+        return None
+    preset = SIZE_PRESETS.get(size)
+    if preset is None:
+        raise ConfigError(f"--model.name {name} is a Qwen2.5-VL of {size}, and no preset is made for it (presets: "
+                          f"{', '.join(PRESETS)}; qwen7b is Qwen2.5-VL-7B's); pass --preset qwen7b to start from the "
+                          "7B's settings, and size the batch to your memory (--optim.micro_batch_rows)")
+    return preset, (f"--model.name {name} is Qwen2.5-VL-{size}: using --preset {preset} (its dtype, 4-bit, image "
+                    f"bounds, G, lr and budgets); --preset tiny or another --preset overrides this")
+
+
 def preset_overrides(preset: str, phase: str) -> dict[str, Any]:
     """The keys a preset sets in one phase (its "grpo" keys in the GRPO phases only)."""
     keys = {k: v for k, v in PRESETS[preset].items() if k != "grpo"}
