@@ -143,8 +143,9 @@ def _summary(out: Path) -> str:
     return f"{len(files)} files, {total / 1e6:.2f} MB" + (f" ({listed})" if listed else "")
 
 
-def export(args: argparse.Namespace) -> list[str]:
-    """Build the checkpoint's policy once and write what was asked; returns the lines to print."""
+def export(args: argparse.Namespace, done: list[Path]) -> list[str]:
+    """Build the checkpoint's policy once and write what was asked; returns the lines to print.
+    ``done`` collects each output once it is in place (a stop's line names them)."""
     from grpo.config import from_json
     from grpo.state.checkpoint import load_checkpoint
     from grpo.state.contents import adapter_tensors, base_checkpoint_of
@@ -166,7 +167,7 @@ def export(args: argparse.Namespace) -> list[str]:
              f"base, LoRA r={cfg.lora.rank})"]
     if "peft" in outs:
         base = peft_base_name(cfg.model.name, cfg.run.seed)
-        _write(outs["peft"], lambda d: save_adapter(bundle.model, d, base_model_name_or_path=base))
+        done.append(_write(outs["peft"], lambda d: save_adapter(bundle.model, d, base_model_name_or_path=base)))
         lines.append(f"wrote PEFT adapter {outs['peft']}: {_summary(outs['peft'])}; base_model_name_or_path {base}")
         if cfg.model.load_in_4bit:
             lines.append("  note: trained over an NF4 base; over the un-quantised base its outputs differ by the "
@@ -177,7 +178,7 @@ def export(args: argparse.Namespace) -> list[str]:
             bundle.tokenizer.save_pretrained(str(d))
             bundle.image_processor.save_pretrained(str(d))
 
-        _write(outs["merged"], fill)
+        done.append(_write(outs["merged"], fill))
         lines.append(f"wrote merged model {outs['merged']} in {args.dtype} ({dtype}): {_summary(outs['merged'])}")
     return lines
 
@@ -190,12 +191,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     hf_logging.disable_progress_bar()  # stderr is for the outcome: one line on an error or a stop
     STOP.install()
     STOP.listeners.append(stop_at_once)  # nothing half-exported is worth keeping: stop now
+    done: list[Path] = []
     try:
-        for line in export(args):
+        for line in export(args, done):
             print(line)
         return 0
     except StopNow as stop:
-        print(f"stopped exporting on {signal_name(stop.signum)}; nothing was written", file=sys.stderr, flush=True)
+        kept = f"{' and '.join(map(str, done))} written whole before it" if done else "nothing was written"
+        print(f"stopped exporting on {signal_name(stop.signum)}; {kept}", file=sys.stderr, flush=True)
         return exit_code(stop.signum)
     except (ValueError, ModelLoadError) as err:  # ExportError, SelectorError, ConfigError, a non-finite merge
         print(f"error: {one_line(err)}", file=sys.stderr)
