@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import sys
 import uuid
@@ -108,6 +109,8 @@ def _check_request(args: argparse.Namespace) -> tuple[Path, dict[str, Path], tor
         raise ExportError("nothing to export: give --peft OUT (an adapter) and/or --merged OUT (a merged model)")
     if args.dtype not in DTYPES:
         raise ExportError(f"--dtype {args.dtype!r}: use one of {', '.join(DTYPES)}")
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
+        raise ExportError(f"--device {args.device!r}: use cpu, cuda or cuda:N")
     if args.run_dir is not None and not Path(args.run_dir).is_dir():
         raise ExportError(f"--run-dir {args.run_dir} does not exist; pass the training run's directory "
                           "(the --run.run_dir it was trained with)")

@@ -162,6 +162,7 @@ def test_export_prints_paths_sizes_and_dtype(run, tmp_path, capsys):
 @pytest.mark.parametrize("args, message", [
     (["A:best_nothing"], r"checkpoint selector 'A:best_nothing' names nothing in .*; A: steps 1; latest=step 1"),
     (["A:latest", "--dtype", "int8"], r"--dtype 'int8': use one of bf16, fp16, fp32"),
+    (["A:latest", "--device", "gpu"], r"--device 'gpu': use cpu, cuda or cuda:N"),
     (["A:latest", "--no-out"], r"nothing to export: give --peft OUT"),
     (["A:latest", "--full"], r"--peft .*full is a non-empty directory; name a new directory"),
     (["A:latest", "--run-dir", "/no/such/run"], r"--run-dir /no/such/run does not exist"),
@@ -183,6 +184,21 @@ def test_bad_requests_are_one_line(run, tmp_path, capsys, args, message):
     assert rc == 2 and len(err.strip().splitlines()) == 1 and err.startswith("error: "), err
     assert re.search(message, err), err
     assert (full / "keep.txt").read_text() == "mine" and not (tmp_path / "out").exists()
+
+
+def test_peft_is_refused_for_an_adapter_trained_on_a_base_checkpoint(tmp_path, capsys):
+    """tiny-random's warm-up trains every weight: its adapters' base exists in the run only."""
+    run = tmp_path / "run"
+    cfg = phase_configs("A", "tiny", {"model.name": "tiny-random"}, "base")["A"]
+    common = dict(optimizer=None, scheduler_state={"step": 1}, controller_state={}, data_position=0, metrics={},
+                  scores={}, config_json=cfg.to_json())
+    save_checkpoint(run, "warmup", 1, tensors={"base.w": torch.ones(2)}, extra={"kind": "base"}, **common)
+    save_checkpoint(run, "A", 1, tensors={"m.lora_A": torch.ones(2, 3)},
+                    extra={"kind": "adapter", "base": "warmup/step_000001"}, **common)
+    rc = main(["A:latest", "--run-dir", str(run), "--peft", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+    assert "was trained on a base checkpoint of this run" in err and "export --merged instead" in err
 
 
 # ----------------------------------------------------------------------------- stops
