@@ -324,7 +324,7 @@ def merged_state_dict(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> 
 
 def export_merged(model: nn.Module, directory: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
     """A save_pretrained directory (config.json, model.safetensors, generation_config.json)
-    of the merged model in bf16, loadable with from_pretrained by transformers or an
+    of the merged model in `dtype` (bf16 by default), loadable with from_pretrained by transformers or an
     inference engine, with no LoRA or bitsandbytes at load time."""
     if not hasattr(model, "save_pretrained"):
         raise TypeError(f"export_merged needs a transformers PreTrainedModel, "
@@ -338,6 +338,11 @@ def export_merged(model: nn.Module, directory: str | Path, dtype: torch.dtype = 
     model.save_pretrained(str(directory), state_dict=sd)
     config_path = directory / "config.json"
     config = json.loads(config_path.read_text())
-    config["dtype"] = str(dtype).removeprefix("torch.")
+    # the sub-configs (text_config, vision_config) carry a dtype of their own: all say the same
+    name = str(dtype).removeprefix("torch.")
+    config["dtype"] = name
+    for sub in config.values():
+        if isinstance(sub, dict) and "dtype" in sub:
+            sub["dtype"] = name
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return directory

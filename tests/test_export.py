@@ -129,7 +129,8 @@ def test_peft_and_merged_exports_decode_the_policys_greedy_tokens(run, exported)
     w32 = load_file(str(exported / "merged32" / "model.safetensors"))
     w16 = load_file(str(exported / "merged16" / "model.safetensors"))
     assert w16.keys() == w32.keys() and all(torch.equal(w16[k], w32[k].to(torch.bfloat16)) for k in w32)
-    assert json.loads((exported / "merged16" / "config.json").read_text())["dtype"] == "bfloat16"
+    config = json.loads((exported / "merged16" / "config.json").read_text())
+    assert [config[k]["dtype"] for k in ("text_config", "vision_config")] == [config["dtype"]] * 2 == ["bfloat16"] * 2
 
 
 def test_merged_export_carries_tokenizer_image_processor_and_chat_template(exported, capsys):
