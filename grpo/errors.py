@@ -22,7 +22,11 @@ class NoRewardSpread(RuntimeError):
 
 def one_line(err: BaseException) -> str:
     """A message on one line: the selector errors list a run's phases on several."""
-    return "; ".join(line.strip() for line in str(err).splitlines() if line.strip())
+    out = ""
+    for line in (ln.strip() for ln in str(err).splitlines()):
+        if line:  # a line ending in ':' introduces the next one ("It holds: A: steps 4; B: ...")
+            out += line if not out else (" " if out.endswith(":") else "; ") + line
+    return out
 
 
 def inside(filename: object, root: Path) -> bool:

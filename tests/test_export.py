@@ -161,7 +161,7 @@ def test_export_prints_paths_sizes_and_dtype(run, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["A:best_nothing"], r"checkpoint selector 'A:best_nothing' names nothing in .*; A: steps 1; latest=step 1"),
+    (["A:best_nothing"], r"checkpoint selector 'A:best_nothing' names nothing in .*It holds: warmup: no checkpoints; A: steps 1; latest=step 1"),
     (["A:latest", "--dtype", "int8"], r"--dtype 'int8': use one of bf16, fp16, fp32"),
     (["A:latest", "--device", "gpu"], r"--device 'gpu': use cpu, cuda or cuda:N"),
     (["A:latest", "--no-out"], r"nothing to export: give --peft OUT"),
