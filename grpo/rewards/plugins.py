@@ -1,6 +1,6 @@
 """Reward plug-ins: your own reward components, named on the command line, no edit of this package.
 
-    --rewards.extra short=my_rewards:short_answer        (NAME=module:function, comma separated)
+    --rewards.extra short=my_rewards:short_answer        (NAME=module:function; comma separated or repeated)
 
     def short_answer(examples, completions):             # in my_rewards.py
         return [1.0 if len(c) < 120 else 0.0 for c in completions]
