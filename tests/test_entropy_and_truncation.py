@@ -26,20 +26,16 @@ import pytest
 import torch
 from PIL import Image
 
-from data.synthetic import generate
 from grpo.config import ConfigError, apply_overrides, parse_override_args, phase_preset
 from grpo.distributed import DataParallel
 from grpo.model.load import ModelBundle, load_bundle
 from grpo.model.logprobs import completion_hidden_states, completion_logprobs
-from grpo.model.policy import build_policy
 from grpo.model.prompt_context import build_prompt_context
 from grpo.model.prompts import encode_prompts
 from grpo.model.shared_prefix import shared_prefix_hidden_states
-from grpo.rewards import RewardModel
-from grpo.rewards.compose import RewardBatch
 from grpo.run.records import progress_line, step_record
-from grpo.step import Learner, grpo_step, sample_and_score
-from lora import lora_parameters
+from grpo.step import grpo_step
+from train_helpers import spread_rollout, step_learner
 
 EPS32 = torch.finfo(torch.float32).eps
 G = 4
@@ -144,13 +140,7 @@ def _config(mask_truncated=False, loss_type="grpo"):
     return cfg
 
 
-def _learner(cfg, state=None) -> Learner:
-    bundle = build_policy(cfg, "cpu", verbose=False)
-    if state is not None:
-        bundle.model.load_state_dict(state)
-    opt = torch.optim.SGD(lora_parameters(bundle.model), lr=cfg.optim.lr)
-    rewards = RewardModel(cfg.rewards, cfg.sampling.max_new_tokens, tokenizer=bundle.tokenizer)
-    return Learner(bundle, opt, rewards, cfg, torch.Generator().manual_seed(0), backend="torch")
+_learner = step_learner
 
 
 @pytest.fixture(scope="module")
@@ -158,17 +148,7 @@ def rollouts():
     """One rollout batch of 2 prompts x G with rewards of spread in both groups, and a policy
     whose LoRA B is non-zero (so the policy is not the base)."""
     torch.manual_seed(0)
-    cfg = _config()
-    ln = _learner(cfg)
-    r = sample_and_score(ln, generate("train", 1, 2, seed=0), temperature=1.0)
-    total = torch.tensor([0.0, 1.0, 2.5, -1.0] * 2)
-    r.scores = RewardBatch(total=total, components={"correctness": total}, weights={"correctness": 1.0})
-    state = {k: v.clone() for k, v in ln.bundle.model.state_dict().items()}
-    g = torch.Generator().manual_seed(3)
-    for k in state:
-        if k.endswith("lora_B.weight"):
-            state[k] = 0.05 * torch.randn(state[k].shape, generator=g)
-    return r, state
+    return spread_rollout(_learner(_config()), 2)
 
 
 def _step(rollouts, cfg, truncated=None, monkeypatch=None):

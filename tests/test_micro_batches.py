@@ -29,17 +29,13 @@ import math
 import pytest
 import torch
 
-from data.synthetic import generate
 from grpo.config import phase_preset
 from grpo.model.logprobs import completion_logprobs
-from grpo.model.policy import build_policy
 from grpo.model.prompt_context import training_micro_batches
-from grpo.rewards import RewardModel
-from grpo.rewards.compose import RewardBatch
-from grpo.step import Hooks, Learner, grpo_step, sample_and_score
+from grpo.step import Hooks, grpo_step
 from kernels.grpo_advantages import PrefixRubrics, group_advantages
 from kernels.grpo_loss import LOSS_TYPES, grpo_loss, micro_batch_share
-from lora import enable_gradient_checkpointing, lora_parameters
+from train_helpers import spread_rollout, step_learner
 
 EPS32 = torch.finfo(torch.float32).eps
 G = 4
@@ -113,15 +109,7 @@ def test_micro_batch_share_is_exactly_one_for_the_whole_batch():
 # ----------------------------------------------------------------------------- a real step
 
 
-def _learner(cfg, state=None, checkpointing=False) -> Learner:
-    bundle = build_policy(cfg, "cpu", verbose=False)
-    if state is not None:
-        bundle.model.load_state_dict(state)
-    if checkpointing:
-        enable_gradient_checkpointing(bundle.model)
-    opt = torch.optim.SGD(lora_parameters(bundle.model), lr=cfg.optim.lr)  # linear in the gradient
-    rewards = RewardModel(cfg.rewards, cfg.sampling.max_new_tokens, tokenizer=bundle.tokenizer)
-    return Learner(bundle, opt, rewards, cfg, torch.Generator().manual_seed(0), backend="torch")
+_learner = step_learner
 
 
 class _Record(Hooks):
@@ -148,21 +136,10 @@ def _config(loss_type="grpo", mu=1, beta=0.0, correction="off"):
 @pytest.fixture(scope="module")
 def rollouts():
     """One rollout batch of 3 prompts x G, sampled once (LoRA B = 0: any setting samples the
-    same), with rewards of guaranteed spread in every group so every update has a gradient."""
+    same), with rewards of guaranteed spread in every group so every update has a gradient,
+    and a policy state whose LoRA B is non-zero (spread_rollout)."""
     torch.manual_seed(0)
-    ln = _learner(_config())
-    examples = generate("train", 1, 3, seed=0)
-    r = sample_and_score(ln, examples, temperature=1.0)
-    total = torch.tensor([0.0, 1.0, 2.5, -1.0] * 3)
-    r.scores = RewardBatch(total=total, components={"correctness": total}, weights={"correctness": 1.0})
-    # Make LoRA B non-zero so that the policy differs from the base: the reference pass and
-    # the KL term then carry gradient too.
-    state = {k: v.clone() for k, v in ln.bundle.model.state_dict().items()}
-    g = torch.Generator().manual_seed(3)
-    for k in state:
-        if k.endswith("lora_B.weight"):
-            state[k] = 0.05 * torch.randn(state[k].shape, generator=g)
-    return r, state
+    return spread_rollout(_learner(_config()), 3)
 
 
 def _run(rollout_and_state, cfg, checkpointing=False):

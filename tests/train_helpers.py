@@ -1,4 +1,5 @@
-"""Shared by the trainer tests: run grpo.train.main in-process and read its JSONL log."""
+"""Shared by the trainer tests: run grpo.train.main in-process and read its JSONL log; build a
+plain one-process Learner and a rollout batch with reward spread for real grpo_step tests."""
 
 import contextlib
 import io
@@ -126,3 +127,44 @@ class Trainer:
     def finish(self, timeout: float = 240.0) -> tuple[int, str, str]:
         rc = self.proc.wait(timeout=timeout)
         return rc, self.out_path.read_text(), self.err_path.read_text()
+
+
+def step_learner(cfg, state=None, checkpointing=False):
+    """A one-process Learner on the tiny policy of ``cfg`` (its state replaced by ``state``), with
+    SGD (the update is linear in the gradient, so updates compare as gradients do) and the
+    plain PyTorch backend."""
+    from grpo.model.policy import build_policy
+    from grpo.rewards import RewardModel
+    from grpo.step import Learner
+    from lora import enable_gradient_checkpointing, lora_parameters
+
+    bundle = build_policy(cfg, "cpu", verbose=False)
+    if state is not None:
+        bundle.model.load_state_dict(state)
+    if checkpointing:
+        enable_gradient_checkpointing(bundle.model)
+    opt = torch.optim.SGD(lora_parameters(bundle.model), lr=cfg.optim.lr)
+    rewards = RewardModel(cfg.rewards, cfg.sampling.max_new_tokens, tokenizer=bundle.tokenizer)
+    return Learner(bundle, opt, rewards, cfg, torch.Generator().manual_seed(0), backend="torch")
+
+
+def spread_rollout(learner, prompts: int):
+    """(rollout, state): ``prompts`` stage-1 prompts sampled once by ``learner`` (G = 4), with
+    rewards of guaranteed spread in every group (so every update has a gradient), and a copy of
+    the policy's state whose LoRA B is non-zero (the policy then differs from the base: the
+    reference pass and the KL term carry gradient too)."""
+    from data.synthetic import generate
+    from grpo.rewards.compose import RewardBatch
+    from grpo.step import sample_and_score
+
+    assert learner.cfg.sampling.G == 4, "the rewards below are laid out for G = 4"
+    r = sample_and_score(learner, generate("train", 1, prompts, seed=0), temperature=1.0)
+    total = torch.tensor([0.0, 1.0, 2.5, -1.0] * prompts)
+    r.scores = RewardBatch(total=total, components={"correctness": total}, weights={"correctness": 1.0})
+    state = {k: v.clone() for k, v in learner.bundle.model.state_dict().items()}
+    g = torch.Generator().manual_seed(3)
+    for k in state:
+        if k.endswith("lora_B.weight"):
+            state[k] = 0.05 * torch.randn(state[k].shape, generator=g)
+    return r, state
+
