@@ -35,7 +35,7 @@ from grpo.model.prompts import encode_prompts
 from grpo.model.shared_prefix import shared_prefix_hidden_states
 from grpo.run.records import progress_line, step_record
 from grpo.step import grpo_step
-from train_helpers import spread_rollout, step_learner
+from train_helpers import full_row_logits, spread_rollout, step_learner
 
 EPS32 = torch.finfo(torch.float32).eps
 G = 4
@@ -69,15 +69,8 @@ def tiny():
 def _full_logits(bundle, prompts, ids, mask) -> torch.Tensor:
     """transformers' own forward, the prompt in every row: [N, T, V] logits at the positions
     that predict the completion tokens, all at once."""
-    inputs = {k: v.repeat_interleave(G, 0) for k, v in prompts.model_inputs().items() if k != "pixel_values"}
-    per_image = prompts.pixel_values.split(prompts.image_grid_thw.prod(-1).tolist())
-    inputs["pixel_values"] = torch.cat([p for p in per_image for _ in range(G)])
-    P = prompts.input_ids.shape[1]
-    inputs["input_ids"] = torch.cat([inputs["input_ids"], ids], 1)
-    inputs["attention_mask"] = torch.cat([inputs["attention_mask"], mask], 1)
-    inputs["mm_token_type_ids"] = torch.cat([inputs["mm_token_type_ids"], torch.zeros_like(ids)], 1)
     with torch.no_grad():
-        return bundle.model(**inputs).logits[:, P - 1 : -1].float()
+        return full_row_logits(bundle, prompts, ids, mask, G)
 
 
 @pytest.mark.parametrize("chunk_tokens,temperature,shared", [(1, 1.0, True), (6, 0.7, False), (10_000, 1.3, True)])

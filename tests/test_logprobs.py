@@ -13,6 +13,7 @@ from grpo.model.logprobs import completion_logprobs, reference_logprobs
 from grpo.model.load import ModelBundle, load_bundle
 from grpo.model.prompts import encode_prompts
 from grpo.model.prompt_context import build_prompt_context
+from train_helpers import full_row_logits
 
 G, T = 2, 7
 
@@ -44,14 +45,7 @@ def batch(bundle):
 
 def _full_forward_logprobs(bundle, prompts, ids, mask, temperature=1.0):
     """transformers' own path: prompts and pixels repeated G times, plain log_softmax."""
-    inputs = {k: v.repeat_interleave(G, 0) for k, v in prompts.model_inputs().items() if k != "pixel_values"}
-    per_image = prompts.pixel_values.split(prompts.image_grid_thw.prod(-1).tolist())
-    inputs["pixel_values"] = torch.cat([p for p in per_image for _ in range(G)])
-    L = prompts.input_ids.shape[1]
-    inputs["input_ids"] = torch.cat([inputs["input_ids"], ids], 1)
-    inputs["attention_mask"] = torch.cat([inputs["attention_mask"], mask], 1)
-    inputs["mm_token_type_ids"] = torch.cat([inputs["mm_token_type_ids"], torch.zeros_like(ids)], 1)
-    logits = bundle.model(**inputs).logits[:, L - 1 : -1].float() / temperature
+    logits = full_row_logits(bundle, prompts, ids, mask, G) / temperature
     return torch.log_softmax(logits, -1).gather(-1, ids[..., None]).squeeze(-1) * mask
 
 

@@ -1,5 +1,6 @@
 """Shared by the trainer tests: run grpo.train.main in-process and read its JSONL log; build a
-plain one-process Learner and a rollout batch with reward spread for real grpo_step tests."""
+plain one-process Learner and a rollout batch with reward spread for real grpo_step tests; the
+completions' logits by transformers' own forward, the reference of the log-prob passes."""
 
 import contextlib
 import io
@@ -167,4 +168,18 @@ def spread_rollout(learner, prompts: int):
         if k.endswith("lora_B.weight"):
             state[k] = 0.05 * torch.randn(state[k].shape, generator=g)
     return r, state
+
+
+def full_row_logits(bundle, prompts, ids: torch.Tensor, mask: torch.Tensor, G: int) -> torch.Tensor:
+    """transformers' own forward with the prompt (and its pixels) repeated in each of its G rows:
+    fp32 logits [N, T, V] at the positions that predict the completion tokens ``ids`` [N, T],
+    under the caller's grad mode."""
+    inputs = {k: v.repeat_interleave(G, 0) for k, v in prompts.model_inputs().items() if k != "pixel_values"}
+    per_image = prompts.pixel_values.split(prompts.image_grid_thw.prod(-1).tolist())
+    inputs["pixel_values"] = torch.cat([p for p in per_image for _ in range(G)])
+    P = prompts.input_ids.shape[1]
+    inputs["input_ids"] = torch.cat([inputs["input_ids"], ids], 1)
+    inputs["attention_mask"] = torch.cat([inputs["attention_mask"], mask], 1)
+    inputs["mm_token_type_ids"] = torch.cat([inputs["mm_token_type_ids"], torch.zeros_like(ids)], 1)
+    return bundle.model(**inputs).logits[:, P - 1 : -1].float()
 
