@@ -191,7 +191,13 @@ class LoRAOptions:
     dropout: float = 0.0
     """Dropout on the LoRA input branch."""
     targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-    """Module-name suffixes to adapt in the language model (the vision tower is excluded)."""
+    """Module-name suffixes to adapt in the language model (the vision tower has its own switches below)."""
+    vision: bool = False
+    """LoRA on the vision tower's blocks too (model.visual.blocks: lora.vision_targets), trained at optim.vision_lr_scale x lr, the tower recomputed with grad once per prompt in the training passes; false = the tower frozen (EasyR1's freeze_vision_tower, ms-swift's freeze_vit)."""
+    vision_targets: tuple[str, ...] = ("attn.qkv", "attn.proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+    """Module-name suffixes adapted inside the vision blocks when lora.vision is on (attention qkv / proj, the SwiGLU MLP)."""
+    merger: bool = False
+    """LoRA on the vision merger too (the projector from 2x2 patches to one language-model token, model.visual.merger: its two linears), trained at optim.merger_lr_scale x lr; false = frozen (ms-swift's freeze_aligner)."""
     dtype: str = "float32"
     """Storage dtype of the LoRA weights: float32 or bfloat16."""
 
@@ -218,6 +224,10 @@ class SamplingConfig:
     """DAPO dynamic sampling: drop groups whose G rewards are all equal, refill from the stream (grpo/rollout/dynamic_sampling.py)."""
     max_refills: int = 4
     """Dynamic sampling: at most this many refill rounds per step; then train on what was kept (none kept: stop)."""
+    noisy_fraction: float = 0.0
+    """NoisyRollout (arXiv 2504.13055): this fraction of each group's G completions is sampled from its image with Gaussian noise added (the rest from the clean image); every completion is scored and trained on the clean image (0 = off; the paper mixes half and half)."""
+    noise_std: float = 0.5
+    """NoisyRollout: the noise's standard deviation at the phase's first step, in the processor's normalised pixel units, annealed to 0 by the phase's last step (sampling.noisy_fraction > 0)."""
 
 
 @dataclass
@@ -231,7 +241,9 @@ class OptimConfig:
     weight_decay: float = 0.0
     """AdamW weight decay on LoRA parameters."""
     vision_lr_scale: float = 1.0
-    """Warm-up of a random base: the vision tower's learning rate as a fraction of lr (0 = frozen)."""
+    """The vision tower's learning rate as a fraction of lr: its LoRA's with lora.vision (must be > 0; 1 = the language model's lr); in the warm-up of a random base, the whole tower's, merger included (0 = frozen)."""
+    merger_lr_scale: float = 1.0
+    """The merger's LoRA learning rate as a fraction of lr, with lora.merger (must be > 0; 1 = the language model's lr)."""
     perception_weight: float = 0.0
     """Warm-up of a random base: weight of the per-visual-token perception loss (grpo/warmup/perception.py; 0 = off; the tiny model's warm-up: 1)."""
     grad_clip: float = 1.0
@@ -389,6 +401,15 @@ class TrainConfig:
             (bool(lo.targets) and all(t.strip() for t in lo.targets),
              f"lora.targets={','.join(lo.targets)!r}: name at least one module suffix, e.g. q_proj,v_proj"),
             (lo.dtype in ("float32", "bfloat16", "float16"), f"lora.dtype={lo.dtype!r}: use float32 or bfloat16"),
+            (not lo.vision or (bool(lo.vision_targets) and all(t.strip() for t in lo.vision_targets)),
+             f"lora.vision_targets={','.join(lo.vision_targets)!r}: name at least one module suffix inside the vision "
+             f"blocks, e.g. attn.qkv,mlp.down_proj (or turn lora.vision off)"),
+            # A from-scratch warm-up trains every weight of the tower itself (optim.vision_lr_scale):
+            # there is no frozen tower for an adapter to sit on.
+            (not (p.name == "warmup" and trains_from_scratch(m.name) and (lo.vision or lo.merger)),
+             f"lora.vision / lora.merger on the warm-up of {m.name!r}: a model trained from scratch trains every "
+             f"weight of its vision tower and merger already (at optim.vision_lr_scale x lr); turn them off for the "
+             f"warm-up (--warmup.lora.vision false --warmup.lora.merger false)"),
             # The ratio compares the trainer's log-probs with the sampler's: with dropout in the
             # training pass the two would be different functions of the same weights.
             (not (grpo and lo.dropout > 0),
@@ -406,6 +427,12 @@ class TrainConfig:
             (o.warmup_steps >= 0, f"optim.warmup_steps={o.warmup_steps}: must be >= 0"),
             (o.weight_decay >= 0, f"optim.weight_decay={o.weight_decay}: must be >= 0"),
             (o.vision_lr_scale >= 0, f"optim.vision_lr_scale={o.vision_lr_scale}: must be >= 0 (0 = frozen tower)"),
+            (not lo.vision or o.vision_lr_scale > 0,
+             f"optim.vision_lr_scale={o.vision_lr_scale}: lora.vision trains the tower's LoRA at this fraction of "
+             f"optim.lr, so it must be > 0 (1 = the language model's lr); to freeze the tower turn lora.vision off"),
+            (o.merger_lr_scale > 0,
+             f"optim.merger_lr_scale={o.merger_lr_scale}: must be > 0 (the merger LoRA's lr as a fraction of optim.lr, "
+             f"1 = the language model's); to freeze the merger turn lora.merger off"),
             (o.grad_clip >= 0, f"optim.grad_clip={o.grad_clip}: must be >= 0 (0 = off)"),
             (o.perception_weight >= 0, f"optim.perception_weight={o.perception_weight}: must be >= 0 (0 = off)"),
             (p.perception_steps >= 0, f"phase.perception_steps={p.perception_steps}: must be >= 0 (0 = no caption stage)"),
@@ -463,6 +490,16 @@ class TrainConfig:
              "optim.adv_mode='components' with rewards.rubric_mode='prefix': the prefix mode builds its own token "
              "advantages from R_ans and the rubric scores; use adv_mode total or rubric_mode sequence"),
             (s.max_refills >= 0, f"sampling.max_refills={s.max_refills}: must be >= 0"),
+            (0 <= s.noisy_fraction < 1,
+             f"sampling.noisy_fraction={s.noisy_fraction}: must be in [0, 1) (the share of each group sampled from a "
+             f"noisy image; NoisyRollout uses .5; 0 = off)"),
+            (s.noisy_fraction == 0 or 1 <= round(s.noisy_fraction * s.G) < s.G,
+             f"sampling.noisy_fraction={s.noisy_fraction} of sampling.G={s.G} completions rounds to "
+             f"{round(s.noisy_fraction * s.G)} noisy ones: a group needs at least one noisy and one clean completion "
+             f"(e.g. .5)"),
+            (s.noise_std > 0 if s.noisy_fraction > 0 else s.noise_std >= 0,
+             f"sampling.noise_std={s.noise_std}: must be > 0 with sampling.noisy_fraction > 0 (the noise's std at the "
+             f"phase's first step, in normalised pixel units)"),
             (bool(m.name.strip()), "model.name is empty: use 'tiny', a local model directory or a hub id"),
             (m.dtype in ("float32", "bfloat16", "float16"), f"model.dtype={m.dtype!r}: use float32 or bfloat16"),
             (re.fullmatch(r"auto|cpu|cuda(:\d+)?", m.device) is not None,
@@ -500,6 +537,9 @@ class TrainConfig:
              "run.tensorboard=true needs the tensorboard package: pip install 'vlgrpo[tensorboard]' "
              "(or pip install tensorboard), or drop --run.tensorboard"),
         ]
+        # The switches' names are final; what they switch on lands in the next commits.
+        checks.append((not (lo.vision or lo.merger or s.noisy_fraction > 0),
+                       "lora.vision, lora.merger and sampling.noisy_fraction are not implemented yet: leave them off"))
         unknown = [k for k in self.data.columns if k not in ROW_FIELDS]
         checks.append((not unknown, f"data.columns names the field {unknown[0] if unknown else ''!r}, which no row "
                                     f"has: fields are {', '.join(ROW_FIELDS)} (write field=column)"))

@@ -26,6 +26,22 @@ RUNTIME_ONLY_FIELDS = {"model.device", "model.gradient_checkpointing", "model.ma
                        "model.max_prompt_tokens"}
 
 
+# The vision adapters' switches: a phase may add them over a checkpoint made without them (new
+# adapters start with B = 0, the function the checkpoint computed), never drop trained ones or
+# change where they sit. A same-phase resume keeps them as they are (RESUME_FIXED_FIELDS).
+VISION_FIELDS = ("lora.vision", "lora.vision_targets", "lora.merger")
+
+
+def _vision_diffs(saved: dict[str, Any], want: dict[str, Any]) -> list[str]:
+    """What of the vision switches a checkpoint made with ``saved`` forbids under ``want``."""
+    s, w = saved.get("lora") or {}, want.get("lora") or {}
+    out = [f"lora.{k}: saved {s[k]!r}, now {w.get(k)!r} (its trained adapters would be dropped)"
+           for k in ("vision", "merger") if s.get(k) and not w.get(k)]
+    if s.get("vision") and w.get("vision") and list(s.get("vision_targets") or []) != list(w.get("vision_targets") or []):
+        out.append(f"lora.vision_targets: saved {list(s['vision_targets'])!r}, now {list(w['vision_targets'])!r}")
+    return out
+
+
 def _meaning(cfg: dict[str, Any], kind: str | None = None) -> dict[str, Any]:
     """The flattened model + lora fields that change what a checkpoint's weights mean.
 
@@ -36,7 +52,7 @@ def _meaning(cfg: dict[str, Any], kind: str | None = None) -> dict[str, Any]:
     out = {}
     for sec in ("model", "lora"):
         for k, v in (cfg.get(sec) or {}).items():
-            if f"{sec}.{k}" not in RUNTIME_ONLY_FIELDS and not (kind == "base" and f"{sec}.{k}" == "model.load_in_4bit"):
+            if f"{sec}.{k}" not in RUNTIME_ONLY_FIELDS and f"{sec}.{k}" not in VISION_FIELDS and not (kind == "base" and f"{sec}.{k}" == "model.load_in_4bit"):
                 out[f"{sec}.{k}"] = list(v) if isinstance(v, tuple) else v
     return out
 
@@ -68,7 +84,8 @@ def check_compatible(run_dir: str | Path, config: TrainConfig) -> None:
         saved = _saved_config(run_dir, phase, reg) if reg["checkpoints"] else None
         if saved is None:
             continue
-        diffs = _diffs(_meaning(saved[1], saved[2]), _meaning(json.loads(config.to_json()), saved[2]))
+        now = json.loads(config.to_json())
+        diffs = _diffs(_meaning(saved[1], saved[2]), _meaning(now, saved[2])) + _vision_diffs(saved[1], now)
         if diffs:
             raise ConfigError(
                 f"run_dir {run_dir} holds checkpoints ({phase} step {saved[0]}) made with a different "
@@ -79,7 +96,8 @@ def check_init_compatible(path: str | Path, config: TrainConfig) -> None:
     """Refuse to start a phase from a checkpoint (--init PATH) made with another model or LoRA setup."""
     state = read_state(Path(path))
     kind = (state.get("extra") or {}).get("kind")
-    diffs = _diffs(_meaning(state["config"], kind), _meaning(json.loads(config.to_json()), kind))
+    now = json.loads(config.to_json())
+    diffs = _diffs(_meaning(state["config"], kind), _meaning(now, kind)) + _vision_diffs(state["config"], now)
     if diffs:
         raise ConfigError(f"--init {path} was made with a different model/LoRA config: {'; '.join(diffs)}. "
                           "Set these back, or start from another checkpoint.")
@@ -92,7 +110,7 @@ def check_init_compatible(path: str | Path, config: TrainConfig) -> None:
 RESUME_FIXED_FIELDS = ("sampling.G", "sampling.max_new_tokens", "phase.prompts_per_step", "optim.accumulation",
                        "optim.updates_per_batch", "sampling.dynamic_sampling",
                        "phase.mixture", "run.seed", "run.data", "run.train_per_stage", "data.columns",
-                       "rewards.extra")
+                       "rewards.extra", *VISION_FIELDS, "sampling.noisy_fraction", "sampling.noise_std")
 # The warm-up's step: B examples from its mixture, the caption stage first (its length moves
 # where the reasoning stage, and the style draws, begin).
 WARMUP_FIXED_FIELDS = ("phase.prompts_per_step", "phase.perception_steps", "phase.mixture", "run.seed", "run.data",
