@@ -253,7 +253,7 @@ def grpo_step(learner: Learner, draw: Callable[[int], Rollout], step: int, tempe
     for u in range(mu):
         lr = lr_at(step * mu + u, cfg)  # the schedule counts optimiser steps
         for g in learner.opt.param_groups:
-            g["lr"] = lr
+            g["lr"] = lr * g.get("lr_scale", 1.0)  # the vision tower's LoRA: its own fraction (grpo/model/vision.py)
         learner.opt.zero_grad(set_to_none=True)
         stats_u, loss_sum = [], 0.0
         for k, r in enumerate(batch):

@@ -91,6 +91,7 @@ from grpo.errors import NoRewardSpread
 from grpo.evaluation import checkpoint_eval, print_eval
 from grpo.model.policy import build_policy
 from grpo.model.prompts import NoPromptsLeft, PromptCounts
+from grpo.model.vision import VISUAL, optimizer_groups
 from grpo.rewards import RewardModel
 from grpo.rollout.dynamic_sampling import NoSpread, dynamic_batches, groups_with_spread, no_spread_message
 from grpo.rollout.merged import MergedRollout
@@ -188,11 +189,12 @@ def run_grpo_phase(cfg: TrainConfig, files: RunFiles, device: str, dp: DataParal
     # ---- policy: base (+ warm-up weights) -> 4-bit -> LoRA, the adapter warm-started
     bundle = build_policy(cfg, device, start.base)
     model = bundle.model
-    if start.adapter:
-        load_lora_state_dict(model, start.adapter)
+    if start.adapter:  # a phase that adds vision adapters starts them at B = 0 (grpo/state/compat.py)
+        load_lora_state_dict(model, start.adapter, new_under=VISUAL)
     params = lora_parameters(model)
     dp.broadcast_parameters(params)  # all ranks start from rank 0's adapter
-    opt = torch.optim.AdamW(params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
+    opt = torch.optim.AdamW(optimizer_groups(model, params, cfg.optim), lr=cfg.optim.lr,
+                            weight_decay=cfg.optim.weight_decay)
     guard = StepGuard(list(zip(lora_state_dict(model), params)), opt, files, cfg)  # same order: A, B per layer
     # Rollouts through the policy's own 4-bit + LoRA layers, or from a merged copy (bf16 on a
     # GPU, the compute dtype on a CPU) refreshed after every batch (grpo/rollout/merged.py: no

@@ -78,12 +78,16 @@ def _check_keys_and_shapes(expected: dict[str, torch.Size], got: dict[str, torch
 
 
 @torch.no_grad()
-def load_lora_state_dict(model: nn.Module, sd: dict[str, torch.Tensor]) -> None:
+def load_lora_state_dict(model: nn.Module, sd: dict[str, torch.Tensor], new_under: str | None = None) -> None:
     """Copy a `lora_state_dict` into the model's LoRA layers; keys and shapes must match
-    exactly (dtype and device are converted)."""
+    exactly (dtype and device are converted). ``new_under``: a module path whose layers ``sd``
+    may lack all of (adapters added since it was saved, e.g. the vision tower's): they keep
+    their initialisation, B = 0, so the model computes what the saved adapter computed."""
     layers = lora_modules(model)
     if not layers:
         raise ValueError("load_lora_state_dict: the model has no LoRA layers; call inject_lora first")
+    if new_under is not None and not any(k.startswith(new_under + ".") for k in sd):
+        layers = {n: m for n, m in layers.items() if not n.startswith(new_under + ".")}
     expected = {}
     for name, m in layers.items():
         expected[f"{name}.lora_A"] = m.lora_A.shape

@@ -113,7 +113,7 @@ def completion_hidden_states(
     rows = group_rows(ctx.B, G, completion_ids.device)
     T = completion_ids.shape[1]
     # [N, P + T, d]: prompt embeddings (visual tokens in) per row, then completion tokens.
-    embeds = torch.cat([prompt_embeds(model, ctx)[rows], model.get_input_embeddings()(completion_ids)], 1)
+    embeds = torch.cat([prompt_embeds(model, ctx, tower=True)[rows], model.get_input_embeddings()(completion_ids)], 1)
     attention_mask = torch.cat([ctx.attention_mask[rows], completion_mask.to(ctx.attention_mask.dtype)], 1)
     position_ids = torch.cat([ctx.position_ids[:, rows], completion_position_ids(ctx, rows, T)], 2)
     with training_mode(model.model.language_model, on=torch.is_grad_enabled()):

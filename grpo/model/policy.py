@@ -42,6 +42,7 @@ def check_policy_config(cfg: TrainConfig) -> None:
     """
     from grpo.config import ConfigError
     from grpo.model.load import model_skeleton
+    from grpo.model.vision import vision_subtrees
     from lora.inject import find_target_names
 
     skeleton = model_skeleton(cfg.model.name, seed=cfg.run.seed)  # ModelLoadError: a bad model.name
@@ -49,6 +50,10 @@ def check_policy_config(cfg: TrainConfig) -> None:
         find_target_names(skeleton, cfg.lora.to_lora())
     except ValueError as err:
         raise ConfigError(f"--lora.targets {','.join(cfg.lora.targets)}: {err}") from None
+    try:
+        vision_subtrees(skeleton, cfg.lora)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
 def input_bounds(cfg: TrainConfig) -> dict[str, int]:
@@ -70,6 +75,7 @@ def build_policy(cfg: TrainConfig, device: str, base_ckpt: Path | None = None, v
     7B's ~16 GB of bf16 weights there. LoRA is injected last, on the device.
     """
     from grpo.model.load import load_bundle
+    from grpo.model.vision import inject_vision_lora
     from grpo.state.checkpoint import load_checkpoint
     from lora import inject_lora
 
@@ -87,6 +93,7 @@ def build_policy(cfg: TrainConfig, device: str, base_ckpt: Path | None = None, v
     else:
         bundle.model.to(device)
     inject_lora(bundle.model, cfg.lora.to_lora(), verbose=verbose)
+    inject_vision_lora(bundle.model, cfg.lora, verbose=verbose)  # lora.vision / lora.merger (off: nothing)
     bundle.model.to(device)  # a guard: LoRA tensors are created beside their base layer, already there
     if cfg.model.gradient_checkpointing:
         from lora import enable_gradient_checkpointing

@@ -13,9 +13,11 @@ Generating with repeated prompts (what TRL does, and the only way transformers' 
 works with Qwen2.5-VL images here) runs the vision tower G times per prompt for sampling
 and again 2G times for the two log-prob passes: 3G vision passes instead of 1.
 
-Assumption, checked nowhere else: the vision tower is frozen (LoRA adapts the language
-model only, lora.targets), so its features are computed under
-``torch.no_grad`` and are the same for policy and reference.
+With the vision tower frozen (the default: LoRA adapts the language model only), its
+features are computed under ``torch.no_grad`` and are the same for policy and reference.
+With LoRA in the tower (lora.vision / lora.merger) the context also keeps the images
+(``vision``), and the log-prob passes run the tower again once per prompt
+(``prompt_embeds(..., tower=True)``; grpo/model/vision.py says why and how).
 
 M-RoPE recap (Qwen2.5-VL, transformers 5): every token has 3 position ids (t, h, w).
 Text tokens have t = h = w = running index; the n visual tokens of an image get a grid of
@@ -33,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from grpo.model.prompts import PromptBatch
+from grpo.model.vision import VisionInputs, image_features, tower_features, vision_inputs
 
 
 @dataclass
@@ -45,6 +48,7 @@ class PromptContext:
     next_position: torch.Tensor  # [B] long, position of the first completion token
     image_embeds: torch.Tensor  # [n_vis_total, d] merged visual tokens, rows in prompt order, no grad
     image_mask: torch.Tensor  # [B, P] bool, where image_embeds go
+    vision: VisionInputs | None = None  # the images, kept only when the tower carries LoRA (grpo/model/vision.py)
 
     @property
     def B(self) -> int:
@@ -75,7 +79,14 @@ class PromptContext:
             next_position=self.next_position[start:stop],
             image_embeds=self.image_embeds[first:last],
             image_mask=self.image_mask[start:stop],
+            vision=self.vision_of(range(start, stop)),
         )
+
+    def vision_of(self, prompts) -> VisionInputs | None:
+        """The kept images of ``prompts`` (indices, in order); None when the context keeps none."""
+        if self.vision is None:
+            return None
+        return self.vision.images_of(self.image_mask.sum(1).tolist(), list(prompts))
 
 
 def mrope_positions(model, prompts: PromptBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,9 +104,8 @@ def mrope_positions(model, prompts: PromptBatch) -> tuple[torch.Tensor, torch.Te
 
 @torch.no_grad()
 def vision_features(model, prompts: PromptBatch) -> torch.Tensor:
-    """Run the (frozen) vision tower once: [sum_i n_vis_i, d] merged visual tokens."""
-    out = model.model.get_image_features(prompts.pixel_values, prompts.image_grid_thw, return_dict=True)
-    return torch.cat(out.pooler_output, 0)  # pooler_output: one [n_vis_i, d] per image
+    """Run the vision tower once (with its adapters, if any): [sum_i n_vis_i, d] merged visual tokens."""
+    return image_features(model, prompts.pixel_values, prompts.image_grid_thw)
 
 
 def build_prompt_context(model, prompts: PromptBatch) -> PromptContext:
@@ -116,17 +126,22 @@ def build_prompt_context(model, prompts: PromptBatch) -> PromptContext:
         next_position=next_position,
         image_embeds=image_embeds,
         image_mask=image_mask,
+        vision=vision_inputs(model, prompts.pixel_values, prompts.image_grid_thw),
     )
 
 
-def prompt_embeds(model, ctx: PromptContext) -> torch.Tensor:
+def prompt_embeds(model, ctx: PromptContext, tower: bool = False) -> torch.Tensor:
     """[B, P, d] input embeddings of the prompts with the visual tokens scattered in.
 
     Cheap (an embedding lookup and a copy); recomputed per pass so it follows the
     embedding table's grad mode. Index the result with a row map to serve B*G rows.
+    ``tower``: with a context that keeps its images (LoRA in the tower), run the tower again
+    under the caller's grad mode and adapter state (the log-prob passes) instead of reading
+    the sampler's features.
     """
     embeds = model.get_input_embeddings()(ctx.input_ids)
-    feats = ctx.image_embeds.to(embeds.dtype)
+    feats = tower_features(model, ctx.vision) if tower and ctx.vision is not None else ctx.image_embeds
+    feats = feats.to(embeds.dtype)
     return embeds.masked_scatter(ctx.image_mask[..., None], feats)
 
 

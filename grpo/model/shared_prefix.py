@@ -125,7 +125,7 @@ def shared_prefix_hidden_states(
     B, P = ctx.B, ctx.P
     N, T = completion_ids.shape
     rows = group_rows(B, G, completion_ids.device)
-    x_p = prompt_embeds(model, ctx)  # [B, P, d], visual tokens in
+    x_p = prompt_embeds(model, ctx, tower=True)  # [B, P, d], visual tokens in (the tower once per prompt)
     x_c = model.get_input_embeddings()(completion_ids)  # [N, T, d]
     d = x_p.shape[-1]
     x = torch.cat([x_p.reshape(B * P, d), x_c.reshape(N * T, d)], 0)  # [S, d]

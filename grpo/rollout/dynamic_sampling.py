@@ -59,6 +59,7 @@ from typing import Any
 import torch
 
 from grpo.model.prompt_context import PromptContext, group_rows
+from grpo.model.vision import VisionInputs
 from grpo.rollout.sampler import Rollout, SampleOutput
 from kernels.grpo_advantages import check_groups, group_zscore_reference
 
@@ -130,6 +131,7 @@ def _select_context(ctx: PromptContext, prompts: torch.Tensor) -> PromptContext:
         next_position=ctx.next_position[prompts],
         image_embeds=ctx.image_embeds[vis],
         image_mask=ctx.image_mask[prompts, first:],
+        vision=ctx.vision_of(prompts.tolist()),
     )
 
 
@@ -210,6 +212,7 @@ def concat_rollouts(rs: Sequence[Rollout], pad_id: int) -> Rollout:
         next_position=torch.cat([c.next_position for c in ctxs]),
         image_embeds=torch.cat([c.image_embeds for c in ctxs]),
         image_mask=torch.cat([_pad_left(c.image_mask, P, False) for c in ctxs]),
+        vision=VisionInputs.cat([c.vision for c in ctxs]),
     )
     dev = outs[0].completion_ids.device
     n_prompts = sum(r.n_groups for r in rs)
