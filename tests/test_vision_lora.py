@@ -6,6 +6,7 @@ selections, the optimiser's groups, a phase adding the adapters, and the one-lin
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -150,8 +151,11 @@ def test_micro_batches_and_dynamic_selections_keep_their_prompts_images(policy):
         for name in ("completion_ids", "completion_mask", "logprobs", "filtered_logprobs", "finished", "truncated"):
             setattr(first, name, getattr(out, name)[:G])
         first.texts = out.texts[:G]
-        joined = concat_rollouts([Rollout([None], first, None), Rollout([None], single, None)], bundle.pad_token_id)
-        # concat_rollouts' scores of None: only the context and completions are read here
+        def scores(n):  # only the context and completions are read here; the rewards just ride along
+            return SimpleNamespace(total=torch.zeros(n), components={}, weights={}, prefix=None, vetoed=None)
+
+        joined = concat_rollouts([Rollout([None], first, scores(G)), Rollout([None], single, scores(G))],
+                                 bundle.pad_token_id)
         j = joined.out
         got = completion_logprobs(model, j.context, j.completion_ids, j.completion_mask, G)
         assert torch.allclose(got, whole[: 2 * G], rtol=0, atol=1e-5)
