@@ -244,7 +244,6 @@ def test_optimizer_groups_give_the_tower_and_merger_their_learning_rates(policy)
 
     cfg = _cfg()
     bundle = build_policy(cfg, "cpu", verbose=False)
-    groups = optimizer_groups(bundle.model, list(bundle.model.parameters()), cfg.optim)
     params = [p for p in bundle.model.parameters() if p.requires_grad]
     groups = optimizer_groups(bundle.model, params, cfg.optim)
     assert [(g["name"], g["lr_scale"]) for g in groups] == [("language", 1.0), ("vision", 0.1), ("merger", 0.5)]
