@@ -335,6 +335,14 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in [
     Variant("arithmetic", "the reasoning's arithmetic as a reward (1 iff every 'expression = number' of the "
             "reasoning is right; none of the four papers' terms) at half the correctness weight, in A and B",
             _plus(("A", "B"), lambda c: {"arithmetic": c.rewards.weights.get("correctness", 1.0) / 2})),
+    Variant("vision", "LoRA on the vision tower's blocks and its merger too, in A and B (lora.vision, lora.merger; "
+            "their learning rates the language model's)",
+            lambda cfgs: _both("lora.vision", lambda c: "true")(cfgs) + _both("lora.merger", lambda c: "true")(cfgs)),
+    Variant("merger", "LoRA on the vision merger (the projector) too, the tower's blocks frozen, in A and B",
+            _both("lora.merger", lambda c: "true")),
+    Variant("vision_b", "the tower's blocks and merger get LoRA in phase B only (A frozen, as the default's), "
+            "from the same phase A", lambda cfgs: ["--B.lora.vision", "true", "--B.lora.merger", "true"],
+            shares=("A",)),
     Variant("phase_c", "phase C (stages 2 and 3, tolerance credit) after the default's A and B, copied from the "
             "default run; reported per stage, and C:latest - B:latest", lambda cfgs: [], shares=("A", "B"), last="C"),
     Variant("frozen", "frozen-policy control: phase B from the same A:best_structure with --B.optim.lr 0 "

@@ -155,8 +155,16 @@ def _run(rollout_and_state, cfg, checkpointing=False):
     ("grpo", 2, 0.04, "sequence"), ("bnpo", 1, 0.04, "off"), ("dr_grpo", 2, 0.0, "token"), ("dapo", 2, 0.04, "off"),
 ])
 def test_micro_batches_equal_the_one_pass_update(rollouts, loss_type, mu, beta, correction):
-    cfg = _config(loss_type, mu, beta, correction)
-    whole, whole_grads, _ = _run(rollouts, cfg)
+    _check_micro_batches_equal_one_pass(rollouts, _config(loss_type, mu, beta, correction))
+
+
+def _check_micro_batches_equal_one_pass(rollouts, cfg, must_move=lambda ln: ln.params):
+    """The same rollouts trained in one pass and in micro-batches of one and two groups: equal
+    gradients (every parameter; ``must_move(learner)`` must get a non-zero one), losses and
+    logged statistics in each of the mu updates."""
+    mu = cfg.optim.updates_per_batch
+    whole, whole_grads, ln = _run(rollouts, cfg)
+    moving = {id(p) for p in must_move(ln)}
     assert len(whole.updates) == mu
     for rows in (G, 2 * G):  # one group per pass; two groups then one (uneven)
         cfg.optim.micro_batch_rows = rows
@@ -164,13 +172,34 @@ def test_micro_batches_equal_the_one_pass_update(rollouts, loss_type, mu, beta, 
         assert len(part.updates) == mu
         for u in range(mu):
             gmax = max(float(g.abs().max()) for g in whole_grads[u])
-            assert gmax > 0, "no gradient: nothing is compared"
+            assert max(float(g.abs().max()) for g, p in zip(whole_grads[u], ln.params) if id(p) in moving) > 0, \
+                "no gradient: nothing is compared"
             for a, b in zip(part_grads[u], whole_grads[u]):
                 assert torch.allclose(a, b, rtol=0, atol=64 * EPS32 * gmax), (rows, u, float((a - b).abs().max()), gmax)
             assert math.isclose(part.updates[u].loss, whole.updates[u].loss, rel_tol=1e-5, abs_tol=1e-6)
             for name, v in whole.updates[u].stats[0].to_dict().items():
                 assert math.isclose(float(getattr(part.updates[u].stats[0], name)), float(v),
                                     rel_tol=1e-5, abs_tol=1e-6), (name, rows, u)
+
+
+def test_micro_batches_with_vision_adapters_equal_the_one_pass_update():
+    """mu = 2 with LoRA in the vision tower and merger (lora.vision, lora.merger): each
+    micro-batch reruns the tower on its own prompts' images; the tower's adapters get the one
+    pass's gradient in both updates, the second taken after the first moved them."""
+    from grpo.model.vision import VISUAL
+    from lora import lora_modules
+
+    cfg = _config("grpo", 2, 0.04, "sequence")
+    cfg.lora.vision = cfg.lora.merger = True
+    torch.manual_seed(0)
+    rollout = spread_rollout(_learner(cfg), 3)
+    assert rollout[0].out.context.vision is not None  # the context keeps its images for the reruns
+
+    def tower(ln):
+        return [p for n, m in lora_modules(ln.bundle.model).items() if n.startswith(VISUAL + ".")
+                for p in (m.lora_A, m.lora_B)]
+
+    _check_micro_batches_equal_one_pass(rollout, cfg, must_move=tower)
 
 
 def test_micro_batch_rows_must_be_whole_groups_dividing_the_batch():
