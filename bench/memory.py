@@ -262,7 +262,7 @@ def measured_step(bundle, cfg, examples, *, early_stop: bool = True) -> dict[str
     init_adamw_state(opt)
     rewards = RewardModel(cfg.rewards, cfg.sampling.max_new_tokens, tokenizer=bundle.tokenizer)
     merged = MergedRollout(model) if cfg.sampling.rollout == "merged" else None  # as the trainer builds it
-    learner = Learner(bundle, opt, rewards, cfg, torch.Generator().manual_seed(cfg.run.seed),
+    learner = Learner(bundle, opt, rewards, cfg, torch.Generator(device=bundle.device).manual_seed(cfg.run.seed),
                       rollout=merged.sample if merged is not None else sample)
     resident = resident_tensors(model, opt)
     if merged is not None:
@@ -500,9 +500,11 @@ def saved_per_layer(bundle, cfg, examples, G: int = 2, T: int = 8) -> tuple[int,
     prompts = encode_prompts(bundle, examples[:1], on_bad_image="skip").to(bundle.device)
     with torch.no_grad():
         ctx = build_prompt_context(model, prompts)
+    # drawn on the CPU (the same ids on every device), then put on the model's device
     ids = torch.randint(0, len(bundle.tokenizer), (G, T), generator=torch.Generator().manual_seed(0))
     mask = torch.ones(G, T, dtype=torch.long)
     mask[0, -1] = 0
+    ids, mask = ids.to(bundle.device), mask.to(bundle.device)
     total, resident = {}, resident_tensors(model, None)
     for n in (1, 2):
         with first_layers(model, n), checkpointing_off(model), saved_bytes(resident) as seen:
