@@ -223,3 +223,51 @@ def test_step_benchmark_runs_one_log_prob_path():
     assert re.search(r"^\s*logp \(grad\)\s+\d", out, re.M) and "[shared]" not in out
     assert re.search(r"^# log-prob paths \(plain rollouts\): full: training passes [\d.]+ ms, policy pass [\d.]+ ms, "
                      r"saved [\d.]+ [KMG]?i?B$", out, re.M)
+
+
+def _fake_wheel(path: Path) -> Path:
+    """A bitsandbytes-shaped wheel: Python files, three native libraries, metadata, a RECORD."""
+    import zipfile
+
+    from bench.gpu_kit import record_line
+
+    files = {"bitsandbytes/__init__.py": b"__version__ = '0.0'\n",
+             "bitsandbytes/libbitsandbytes_cpu.so": b"cpu" * 10,
+             "bitsandbytes/libbitsandbytes_cuda118.so": b"118" * 1000,
+             "bitsandbytes/libbitsandbytes_cuda130.so": b"130" * 100,
+             "bitsandbytes-0.0.dist-info/METADATA": b"Name: bitsandbytes\nVersion: 0.0\n"}
+    rows = [record_line(n, d) for n, d in files.items()] + ["bitsandbytes-0.0.dist-info/RECORD,,"]
+    wheel = path / "bitsandbytes-0.0-py3-none-manylinux_2_24_x86_64.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        for n, d in files.items():
+            z.writestr(n, d)
+        z.writestr("bitsandbytes-0.0.dist-info/RECORD", "\n".join(rows) + "\n")
+    return wheel
+
+
+def test_gpu_kit_trims_a_wheel_and_rewrites_its_record(tmp_path):
+    """bench/gpu_kit.sh's repacking: only the named libraries stay, the RECORD matches every
+    file (what pip checks), a tampered file is caught, a library the wheel lacks is one line."""
+    import zipfile
+
+    from bench.gpu_kit import check_wheel
+
+    src = _fake_wheel(tmp_path)
+    out = cli("bench.gpu_kit", str(src), str(tmp_path / "kit"), "--keep-lib", "cuda130", "--keep-lib", "cpu")
+    assert re.search(r"^summary: .*bitsandbytes-0.0-py3-none-manylinux_2_24_x86_64.whl .* 4 files, RECORD checked; "
+                     r"libraries kept: cuda130, cpu\)$", out, re.M), out
+    kit = tmp_path / "kit" / src.name
+    with zipfile.ZipFile(kit) as z:
+        assert sorted(n.rsplit("/", 1)[1] for n in z.namelist() if n.endswith(".so")) == [
+            "libbitsandbytes_cpu.so", "libbitsandbytes_cuda130.so"]
+    assert check_wheel(kit) == 4
+    tampered = tmp_path / "tampered.whl"
+    with zipfile.ZipFile(kit) as zin, zipfile.ZipFile(tampered, "w") as zout:
+        for n in zin.namelist():
+            zout.writestr(n, b"changed" if n.endswith("__init__.py") else zin.read(n))
+    with pytest.raises(ValueError, match="__init__.py does not match its RECORD row"):
+        check_wheel(tampered)
+    proc = subprocess.run([sys.executable, "-m", "bench.gpu_kit", str(src), str(tmp_path / "k2"), "--keep-lib", "cuda999"],
+                          cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+    assert "no libbitsandbytes_cuda999 in the wheel; it has ['cpu', 'cuda118', 'cuda130']" in proc.stderr
