@@ -39,10 +39,10 @@ the rows it is given; the global loss is a weighted sum of those per-rank losses
                                                          every rank (one all-reduce)
 
 Summing the shared-out gradients over ranks then gives the gradient of the global loss.
-adv_scale="batch" (one std over the whole micro-batch, TRL's option) would otherwise use each
-rank's own std: ``advantage_inputs`` computes the global std with two all-reduces and hands
-the kernel r / (std + eps) with scale "none", which is the same advantage
-((r - mean_g) / (std + eps) = r/(std + eps) - mean_g(r/(std + eps))).
+adv_scale="batch" (one std over the whole rollout batch, TRL's option) would otherwise use each
+rank's own std: ``global_batch_std`` computes the global std with two all-reduces, and the
+advantage kernel, given it (``AdvantageSource.batch_std``), centres r / (std + eps) within
+each group, which is the same advantage ((r - mean_g) / (std + eps) = r/(std + eps) - mean_g(r/(std + eps))).
 
 What is exact and what is not
 -----------------------------
@@ -186,21 +186,15 @@ class DataParallel:
         # (its loss is 0, not 0 / 0)
         return max(1.0, float(glob[:, 1].sum())), shares
 
-    def advantage_inputs(self, rewards: torch.Tensor, adv_scale: str, eps: float = 1e-4,
-                         std_floor: float = 0.0) -> tuple[torch.Tensor, str]:
-        """(rewards, scale) to hand the loss kernel so that scale="batch" uses the global std.
-
-        Single process, or another scale: unchanged. Otherwise the unbiased std of the
-        micro-batch's rewards over all ranks (two all-reduces: mean, then squared
-        deviations, which avoids the cancellation of sum-of-squares) and the rewards
-        divided by (max(std, std_floor) + eps) with scale "none" -- the same advantages
-        (module doc). rewards [N], or reward components [N, K]: one std per column.
-        """
-        if not self.enabled or adv_scale != "batch":
-            return rewards, adv_scale
-        c = rewards.double().reshape(rewards.shape[0], -1)  # [N, C]
-        std = batch_std(c, std_floor=std_floor, all_reduce=self._all_reduce)  # two all-reduces
-        return (c / (std + eps)).reshape(rewards.shape).to(rewards.dtype), "none"
+    def global_batch_std(self, columns: torch.Tensor, std_floor: float = 0.0) -> torch.Tensor | None:
+        """scale="batch"'s std of each reward column [N, C] over every rank's rows (float64,
+        floored at std_floor; two all-reduces: the mean, then the squared deviations, which
+        avoids the cancellation of a sum of squares); None in a single process, where the
+        kernel takes the batch's own std. The advantage kernel then centres r / (std + eps)
+        within each group: the same advantages as one process on the global batch (module doc)."""
+        if not self.enabled:
+            return None
+        return batch_std(columns.double(), std_floor=std_floor, all_reduce=self._all_reduce)
 
     # -------------------------------------------------------------- collectives
 

@@ -48,8 +48,8 @@ from grpo.rewards import RewardBatch, RewardModel
 from grpo.rollout.dynamic_sampling import FillStats
 from grpo.rollout.sampler import Rollout, content_tokens, sample
 from grpo.run.schedule import lr_at
-from kernels.grpo_advantages import Advantages, PrefixRubrics, group_advantages
-from kernels.grpo_loss import GRPOStats, grpo_loss, micro_batch_share
+from kernels.grpo_advantages import Advantages, AdvantageSource, group_advantages
+from kernels.grpo_loss import GRPOStats, LossOptions, grpo_loss, micro_batch_share
 from lora import disable_adapters
 
 
@@ -88,9 +88,10 @@ class Hooks:
         """(active tokens of the whole step, each micro-batch's share of the step's loss)."""
         return max(1.0, float(sum(int(m.sum()) for m in masks))), [1.0] * len(masks)  # mask_truncated may leave 0
 
-    def batch_scaled(self, values: torch.Tensor, scale: str, std_floor: float) -> tuple[torch.Tensor, str]:
-        """Rewards [N, C] and the z-score scale to use (data parallel: divided by the global batch std)."""
-        return values, scale
+    def batch_std(self, columns: torch.Tensor, std_floor: float) -> torch.Tensor | None:
+        """scale="batch"'s std of each reward column [N, C] over every process's rows (data
+        parallel); None: this process's rows are the batch (the kernel takes their std)."""
+        return None
 
     def global_loss(self, loss: float) -> float:
         """The step's loss summed over processes."""
@@ -129,20 +130,8 @@ def sample_and_score(learner: Learner, examples: list, temperature: float, hooks
 # ----------------------------------------------------------------------------- 3. advantages
 
 
-@dataclass
-class AdvantageSource:
-    """The reward columns a micro-batch's advantages are group z-scores of. Chosen once
-    (``advantage_source``) and read by both the loss and dynamic sampling, so "a group has
-    spread" means exactly "its advantages are not all zero"."""
-
-    columns: torch.Tensor  # [N, C] rewards
-    valid: torch.Tensor | None = None  # [N, C] bool: entries that take part (rubric items the judge scored)
-    weights: torch.Tensor | None = None  # [C]: components mode, A = sum_c weights_c z(columns_c)
-    prefix: PrefixRubrics | None = None  # V-Rubrics prefix mode: columns = [R_ans, s_1..s_J]
-
-
 def advantage_source(scores: RewardBatch, cfg: TrainConfig, device: torch.device | str = "cpu") -> AdvantageSource:
-    """Which rewards the advantages come from:
+    """Which rewards the advantages come from (kernels/grpo_advantages.py ``AdvantageSource``):
 
     total       A = z(sum_k w_k r_k): GRPO's one z-score of the weighted reward (the default)
     components  A = sum_k (w_k / sum_j w_j) z(r_k): each term z-scored in its group on its own
@@ -153,10 +142,7 @@ def advantage_source(scores: RewardBatch, cfg: TrainConfig, device: torch.device
                 rubric credited to the token prefix that earned it.
     """
     if cfg.rewards.rubric_mode == "prefix" and scores.prefix is not None:
-        p = replace(scores.prefix.to(device), a=cfg.rewards.prefix_answer_weight)
-        columns = torch.cat([p.R_ans.float()[:, None], p.s.float()], 1)
-        valid = torch.cat([torch.ones(len(p.R_ans), 1, dtype=torch.bool, device=columns.device), p.scored.bool()], 1)
-        return AdvantageSource(columns, valid, prefix=p)
+        return AdvantageSource.of_prefix(replace(scores.prefix.to(device), a=cfg.rewards.prefix_answer_weight))
     names = [k for k, w in scores.weights.items() if w > 0]
     if cfg.optim.adv_mode == "components" and names:
         w = torch.tensor([scores.weights[k] for k in names], dtype=torch.float32)
@@ -168,17 +154,12 @@ def advantage_source(scores: RewardBatch, cfg: TrainConfig, device: torch.device
 def advantages(learner: Learner, r: Rollout, hooks: Hooks = Hooks()) -> Advantages:
     """z-scores of the micro-batch's rewards within each group of G (kernels/grpo_advantages.py):
     A = (r - mean_group) / (std_group + 1e-4), the same for all mu updates."""
-    o, T = learner.cfg.optim, r.out.completion_ids.shape[1]
+    o = learner.cfg.optim
     src = advantage_source(r.scores, learner.cfg, learner.bundle.device)
-    common = dict(G=learner.cfg.sampling.G, T=T, backend=learner.backend)
-    if src.prefix is not None:
-        return group_advantages(prefix=src.prefix, scale=o.adv_scale, adv_std_floor=o.adv_std_floor, **common)
-    values, scale = hooks.batch_scaled(src.columns, o.adv_scale, o.adv_std_floor)
-    floor = o.adv_std_floor if scale == o.adv_scale else 0.0  # a global batch std was floored already
-    if src.weights is None:
-        return group_advantages(rewards=values[:, 0], scale=scale, adv_std_floor=floor, **common)
-    return group_advantages(reward_components=values, component_weights=src.weights, scale=scale,
-                            adv_std_floor=floor, **common)
+    if o.adv_scale == "batch" and src.prefix is None:  # data parallel: the std of every rank's rows
+        src.batch_std = hooks.batch_std(src.columns, o.adv_std_floor)
+    return group_advantages(src, learner.cfg.sampling.G, T=r.out.completion_ids.shape[1], scale=o.adv_scale,
+                            adv_std_floor=o.adv_std_floor, backend=learner.backend)
 
 
 # ----------------------------------------------------------------------------- 4-6. log-probs, loss, update
@@ -212,13 +193,13 @@ class StepResult:
     fill: FillStats | None = None  # what dynamic sampling did (None without it)
 
 
-def loss_options(cfg: TrainConfig) -> dict:
+def loss_options(cfg: TrainConfig) -> LossOptions:
     """grpo_loss's options from the config (formulas: kernels/grpo_loss.py)."""
     o = cfg.optim
-    return dict(beta=o.beta, eps_low=o.eps_low, eps_high=o.eps_high, loss_type=o.loss_type, importance=o.importance,
-                max_len=cfg.sampling.max_new_tokens, kl_bias_correction=o.kl_bias_correction,
-                correction=o.rollout_correction, correction_mode=o.rollout_correction_mode,
-                correction_cap=o.rollout_correction_cap)
+    return LossOptions(beta=o.beta, eps_low=o.eps_low, eps_high=o.eps_high, loss_type=o.loss_type,
+                       importance=o.importance, max_len=cfg.sampling.max_new_tokens,
+                       kl_bias_correction=o.kl_bias_correction, correction=o.rollout_correction,
+                       correction_mode=o.rollout_correction_mode, correction_cap=o.rollout_correction_cap)
 
 
 def grpo_step(learner: Learner, draw: Callable[[int], Rollout], step: int, temperature: float,
@@ -276,10 +257,10 @@ def grpo_step(learner: Learner, draw: Callable[[int], Rollout], step: int, tempe
                 # sampler_logp: the rollout's own log-probs (mismatch stats, rollout correction weights).
                 # The share makes the micro-batches' losses sum to the rollout batch's.
                 with hooks.timed("backward"):
-                    loss, stats = grpo_loss(logp, mask[rows].float(), G=G, advantages=adv[k].groups(b0, b1),
+                    loss, stats = grpo_loss(logp, mask[rows].float(), adv[k].groups(b0, b1),
                                             old_logp=pick(old_logp[k]), ref_logp=pick(ref_logp[k]),
                                             num_active_tokens=active_tokens, sampler_logp=pick(r.out.logprobs),
-                                            backend=learner.backend, **opts)
+                                            options=opts, backend=learner.backend)
                     loss = loss * shares[k] / n_micro * micro_batch_share(cfg.optim.loss_type, mask, rows)
                     if torch.isfinite(loss):  # a host sync per micro-batch: the price of the NaN guard
                         loss.backward()
@@ -287,9 +268,9 @@ def grpo_step(learner: Learner, draw: Callable[[int], Rollout], step: int, tempe
                 logps.append((logp.detach(), ent))
             logp, ent = map(torch.cat, zip(*logps))
             if len(parts) > 1:  # the diagnostics of the whole batch, as one pass reports them (no grad: cheap)
-                _, stats = grpo_loss(logp, mask.float(), G=G, advantages=adv[k], old_logp=old_logp[k],
-                                     ref_logp=ref_logp[k], num_active_tokens=active_tokens,
-                                     sampler_logp=r.out.logprobs, backend=learner.backend, **opts)
+                _, stats = grpo_loss(logp, mask.float(), adv[k], old_logp=old_logp[k], ref_logp=ref_logp[k],
+                                     num_active_tokens=active_tokens, sampler_logp=r.out.logprobs,
+                                     options=opts, backend=learner.backend)
             stats_u.append(stats)
             if u == 0:
                 old_logp[k] = logp

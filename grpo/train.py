@@ -133,8 +133,8 @@ class PhaseHooks(Hooks):
     def loss_shares(self, loss_type, masks):
         return self.dp.loss_shares(loss_type, masks)
 
-    def batch_scaled(self, values, scale, std_floor):
-        return self.dp.advantage_inputs(values, scale, std_floor=std_floor)
+    def batch_std(self, columns, std_floor):
+        return self.dp.global_batch_std(columns, std_floor)
 
     def global_loss(self, loss):
         return self.dp.all_reduce_sum(loss)

@@ -98,7 +98,7 @@ def test_single_process_is_the_identity():
     total, shares = dp.loss_shares("bnpo", masks)
     assert total == 9.0 and shares == [1.0, 1.0]
     r = torch.tensor([1.0, 0.0, 2.0, 2.0])
-    assert dp.advantage_inputs(r, "batch") == (r, "batch")
+    assert dp.global_batch_std(r[:, None]) is None
     rec = {"loss": 0.5, "step": 3, "time": {"step": 1.5}}
     assert dp.mean_over_ranks(rec) == rec
     assert dp.totals_over_ranks({"n": 3, "top": 7}, ("top",)) == {"n": 3, "top": 7}
@@ -265,15 +265,24 @@ def _rollouts(bundle, examples):
     return ids, mask, rewards
 
 
+def _advantages(r, weights, adv_scale, floor, dp):
+    """The step's advantages of rewards r [N] or components [N, K] (+ weights): with ``dp``, its
+    global batch std for scale="batch", as grpo/step.py ``advantages`` asks the hook for it."""
+    from kernels.grpo_advantages import AdvantageSource, group_advantages
+
+    src = AdvantageSource(r[:, None]) if r.dim() == 1 else AdvantageSource(r, weights=weights)
+    if dp is not None and adv_scale == "batch":
+        src.batch_std = dp.global_batch_std(src.columns, floor)
+    return group_advantages(src, G, scale=adv_scale, adv_std_floor=floor)
+
+
 def _micro_loss(logp, mask, r, ref, share, n_micro, loss_type, adv_scale, beta, dp, naive, floor, weights, active):
     """One micro-batch's part of the global loss, as the trainer's step forms it."""
-    from kernels.grpo_loss import grpo_loss
+    from kernels.grpo_loss import LossOptions, grpo_loss
 
-    rr, scale = (r, adv_scale) if naive else dp.advantage_inputs(r, adv_scale, std_floor=floor)
-    source = dict(rewards=rr) if r.dim() == 1 else dict(reward_components=rr, component_weights=weights)
-    loss, _ = grpo_loss(logp, mask.float(), G=G, ref_logp=ref, beta=beta, loss_type=loss_type,
-                        scale=scale, max_len=L, num_active_tokens=active,
-                        adv_std_floor=floor if scale == adv_scale else 0.0, **source)
+    adv = _advantages(r, weights, adv_scale, floor, None if naive else dp)
+    loss, _ = grpo_loss(logp, mask.float(), adv, ref_logp=ref, num_active_tokens=active,
+                        options=LossOptions(beta=beta, loss_type=loss_type, max_len=L))
     loss = loss * share
     return loss if loss_type == "dapo" else loss / n_micro
 
@@ -346,8 +355,8 @@ def _magnitudes(model, micro_batches, jacobian, mine, dp, loss_type, adv_scale, 
     sum_it |c_it| |d logp_it / d theta|, each rank summing the tokens of ``jacobian`` (those
     ``mine`` marks) and one all-reduce adding the ranks' parts.
     """
-    from kernels.grpo_advantages import Advantages, group_advantages
-    from kernels.grpo_loss import grpo_loss
+    from kernels.grpo_advantages import Advantages
+    from kernels.grpo_loss import LossOptions, grpo_loss
 
     single = DataParallel()
     active, shares = single.loss_shares(loss_type, [m for _, _, m, _ in micro_batches])
@@ -359,11 +368,10 @@ def _magnitudes(model, micro_batches, jacobian, mine, dp, loss_type, adv_scale, 
         loss = _micro_loss(leaf, mask, r, ref, share, len(micro_batches), loss_type, adv_scale, beta, single, False,
                            floor, weights, active)
         coefs.append(torch.autograd.grad(loss, leaf)[0])
-        source = dict(rewards=r) if r.dim() == 1 else dict(reward_components=r, component_weights=weights)
-        adv = group_advantages(G=G, scale=adv_scale, adv_std_floor=floor, **source)
+        adv = _advantages(r, weights, adv_scale, floor, None)
         flipped = Advantages(G, "row", coef=-adv.coef.abs(), constant=adv.constant)
-        term_abs, _ = grpo_loss(logp, mask.float(), G=G, advantages=flipped, ref_logp=ref, beta=beta,
-                                loss_type=loss_type, max_len=L, num_active_tokens=active)
+        term_abs, _ = grpo_loss(logp, mask.float(), flipped, ref_logp=ref, num_active_tokens=active,
+                                options=LossOptions(beta=beta, loss_type=loss_type, max_len=L))
         loss_abs += float(term_abs) * share / (1 if loss_type == "dapo" else len(micro_batches))
     grad_abs = torch.cat(coefs)[mine].abs() @ jacobian  # micro-batches hold the rows in order
     if dp.enabled:
@@ -412,8 +420,8 @@ def _micro_batch_cases(dp, bundle, examples) -> dict:
         def loss_shares(self, loss_type, masks):
             return dp.loss_shares(loss_type, masks)
 
-        def batch_scaled(self, values, scale, std_floor):
-            return dp.advantage_inputs(values, scale, std_floor=std_floor)
+        def batch_std(self, columns, std_floor):
+            return dp.global_batch_std(columns, std_floor)
 
         def global_loss(self, loss):
             return dp.all_reduce_sum(loss)

@@ -175,10 +175,10 @@ def test_the_step_core_stays_small_and_plain():
 READING_ANCHORS = {
     "grpo/step.py": (["def grpo_step(", "def advantage_source(", "def sample_and_score("], []),
     "grpo/rollout/sampler.py": (["def sample_token(", "def decode_n_tokens(", "def sample("], []),
-    "kernels/grpo_advantages.py": (["class Advantages:", "def group_zscore_reference(", "def group_advantages("],
+    "kernels/grpo_advantages.py": (["class AdvantageSource:", "class Advantages:", "def group_zscore_reference(", "def group_advantages("],
                                    ["@triton.jit"]),
     "grpo/model/logprobs.py": (["def completion_logprobs(", "def reference_logprobs("], []),
-    "kernels/grpo_loss.py": (["def grpo_loss_reference(", "pg_t       = -min("], ["@triton.jit"]),
+    "kernels/grpo_loss.py": (["class LossOptions:", "def grpo_loss_reference(", "pg_t       = -min("], ["@triton.jit"]),
 }
 
 

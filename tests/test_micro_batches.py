@@ -33,8 +33,8 @@ from grpo.config import phase_preset
 from grpo.model.logprobs import completion_logprobs
 from grpo.model.prompt_context import training_micro_batches
 from grpo.step import Hooks, grpo_step
-from kernels.grpo_advantages import PrefixRubrics, group_advantages
-from kernels.grpo_loss import LOSS_TYPES, grpo_loss, micro_batch_share
+from kernels.grpo_advantages import AdvantageSource, PrefixRubrics, group_advantages
+from kernels.grpo_loss import LOSS_TYPES, LossOptions, grpo_loss, micro_batch_share
 from train_helpers import spread_rollout, step_learner
 
 EPS32 = torch.finfo(torch.float32).eps
@@ -53,7 +53,7 @@ def test_group_slices_cover_the_batch_in_whole_groups():
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
-@pytest.mark.parametrize("mode", ["row", "prefix", "token"])
+@pytest.mark.parametrize("mode", ["row", "prefix"])
 @pytest.mark.parametrize("importance,correction", [("token", "off"), ("sequence", "sequence"), ("token", "token")])
 def test_shared_micro_batch_losses_sum_to_the_one_pass_loss(loss_type, mode, importance, correction):
     gen = torch.Generator().manual_seed(7)
@@ -66,26 +66,24 @@ def test_shared_micro_batch_losses_sum_to_the_one_pass_loss(loss_type, mode, imp
     ref = logp + 0.1 * torch.randn(N, T, generator=gen)
     sampler = old + 0.05 * torch.randn(N, T, generator=gen)
     if mode == "row":
-        adv = group_advantages(torch.randn(N, generator=gen), G, backend="torch")
+        adv = group_advantages(AdvantageSource(torch.randn(N, 1, generator=gen)), G, backend="torch")
     elif mode == "prefix":
         J = 2
         prefix = PrefixRubrics(R_ans=torch.randn(N, generator=gen), s=torch.rand(N, J, generator=gen),
                                scored=torch.rand(N, J, generator=gen) > 0.2, rho=torch.tensor([0.6, 0.4]),
                                t_end=torch.randint(0, T, (N, J), generator=gen).int(), a=0.5)
-        adv = group_advantages(prefix=prefix, G=G, T=T, backend="torch")
-    else:
-        adv = group_advantages(token_adv=torch.randn(N, T, generator=gen), G=G, mask=mask, T=T, backend="torch")
-    opts = dict(G=G, old_logp=old, ref_logp=ref, beta=0.04, loss_type=loss_type, importance=importance,
-                max_len=12, num_active_tokens=float(mask.sum()) + 5, sampler_logp=sampler, correction=correction,
-                backend="torch")
+        adv = group_advantages(AdvantageSource.of_prefix(prefix), G, T=T, backend="torch")
+    opts = dict(old_logp=old, ref_logp=ref, num_active_tokens=float(mask.sum()) + 5, sampler_logp=sampler,
+                options=LossOptions(beta=0.04, loss_type=loss_type, importance=importance, max_len=12,
+                                    correction=correction), backend="torch")
     x = logp.clone().requires_grad_()
-    whole, _ = grpo_loss(x, mask.float(), advantages=adv, **opts)
+    whole, _ = grpo_loss(x, mask.float(), adv, **opts)
     whole.backward()
     y = logp.clone().requires_grad_()
     parts = 0.0
     for b0, b1, rows in training_micro_batches(B, G, G):
         sub = {k: (v[rows] if isinstance(v, torch.Tensor) else v) for k, v in opts.items()}
-        loss, _ = grpo_loss(y[rows], mask[rows].float(), advantages=adv.groups(b0, b1), **sub)
+        loss, _ = grpo_loss(y[rows], mask[rows].float(), adv.groups(b0, b1), **sub)
         loss = loss * micro_batch_share(loss_type, mask, rows)
         loss.backward()
         parts = parts + float(loss.detach())
