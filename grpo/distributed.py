@@ -11,7 +11,7 @@ step of B prompts (``phase.prompts_per_step`` is the GLOBAL batch) is split over
              exactly the batch one process would take
     sample   G completions per kept prompt with the rank's own generator, seeded from
              (seed, rank); a group never straddles ranks, so group advantages stay local
-    loss     each rank scales its micro-batch loss to its *share* of the global loss (table
+    loss     each rank scales each micro-batch's loss to its *share* of the global loss (table
              below); the LoRA gradients are then SUMMED over ranks: one all-reduce of the
              flattened gradients (20M fp32 numbers = 80 MB for the 7B's rank-8 LoRA, about a
              millisecond over NVLink, so there is no bucketing or overlap with backward)
@@ -26,17 +26,19 @@ step of B prompts (``phase.prompts_per_step`` is the GLOBAL batch) is split over
 
 Loss normalisation: why W ranks equal one process on the global batch
 ---------------------------------------------------------------------
-Rank r's micro-batch has n_r rows (completions) and m_r active tokens; N = sum_r n_r and
-M = sum_r m_r are the global micro-batch's counts. ``kernels.grpo_loss`` returns the loss of
-the rows it is given; the global loss is a weighted sum of those per-rank losses:
+Rank r's part of a rollout batch has n_r rows (completions) and m_r active tokens; N = sum_r n_r
+and M = sum_r m_r are the global rollout batch's counts. ``kernels.grpo_loss`` returns the loss
+of the rows it is given; the global loss is a weighted sum of those per-rank losses
+(grpo/batches.py ``loss_share``, which also folds in the micro-batches and the accumulation;
+``counts_over_ranks`` is its one all-reduce):
 
-    loss_type  one process, global micro-batch         share of rank r (times its local loss)
+    loss_type  one process, global rollout batch       share of rank r (times its local loss)
     grpo       (1/N) sum_i (1/n_i) sum_t l_it           n_r / N
     dr_grpo    (1/(N L)) sum_it l_it                     n_r / N
     bnpo       (1/M) sum_it l_it                         m_r / M
     dapo       (1/M_step) sum_it l_it                    1, and the kernel is given M_step = the
-                                                         active tokens of every micro-batch of
-                                                         every rank (one all-reduce)
+                                                         active tokens of every rollout batch
+                                                         of every rank (one all-reduce)
 
 Summing the shared-out gradients over ranks then gives the gradient of the global loss.
 adv_scale="batch" (one std over the whole rollout batch, TRL's option) would otherwise use each
@@ -81,7 +83,6 @@ import torch.distributed as dist
 
 from grpo.config import ConfigError
 from kernels.grpo_advantages import batch_std
-from kernels.grpo_loss import LOSS_TYPES
 
 
 class DistributedError(ConfigError):
@@ -104,21 +105,6 @@ def sampling_seed(seed: int, rank: int, world: int) -> int:
     if world == 1:
         return seed
     return int(np.random.SeedSequence([seed, rank]).generate_state(1, dtype=np.uint64)[0] >> 1)
-
-
-def loss_share(loss_type: str, rows: float, tokens: float, global_rows: float, global_tokens: float) -> float:
-    """The factor that turns a rank's micro-batch loss into its share of the global loss.
-
-    rows/tokens: this rank's completions and active tokens in the micro-batch; global_*:
-    their sums over ranks. dapo returns 1: its kernel already divides by the global count.
-    """
-    if loss_type not in LOSS_TYPES:
-        raise DistributedError(f"loss_type={loss_type!r}: use one of {', '.join(LOSS_TYPES)}")
-    if loss_type in ("grpo", "dr_grpo"):
-        return rows / max(global_rows, 1.0)
-    if loss_type == "bnpo":
-        return tokens / max(global_tokens, 1.0)
-    return 1.0
 
 
 # ----------------------------------------------------------------------------- the process group
@@ -172,19 +158,10 @@ class DataParallel:
 
     # -------------------------------------------------------------- loss normalisation
 
-    def loss_shares(self, loss_type: str, masks: Sequence[torch.Tensor]) -> tuple[float, list[float]]:
-        """(active tokens of the whole step, share of each micro-batch) -- see the module table.
-
-        masks: this rank's completion masks, one [n_r, T] per micro-batch. One all-reduce of
-        a [A, 2] tensor of (rows, tokens) gives every micro-batch's global counts.
-        """
-        local = torch.tensor([[float(m.shape[0]), float(m.sum())] for m in masks], dtype=torch.float64)
-        glob = self._all_reduce(local.clone())
-        shares = [loss_share(loss_type, float(n), float(m), float(gn), float(gm))
-                  for (n, m), (gn, gm) in zip(local.tolist(), glob.tolist())]
-        # at least 1: with optim.mask_truncated a step of truncated rows only has no active token
-        # (its loss is 0, not 0 / 0)
-        return max(1.0, float(glob[:, 1].sum())), shares
+    def counts_over_ranks(self, counts: torch.Tensor) -> torch.Tensor:
+        """(rows, active tokens) of each rollout batch [batches, 2] summed over ranks: one
+        all-reduce gives what every loss share needs (grpo/batches.py ``loss_share``)."""
+        return self._all_reduce(counts.clone())
 
     def global_batch_std(self, columns: torch.Tensor, std_floor: float = 0.0) -> torch.Tensor | None:
         """scale="batch"'s std of each reward column [N, C] over every rank's rows (float64,

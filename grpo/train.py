@@ -130,8 +130,8 @@ class PhaseHooks(Hooks):
         yield
         self.timing[part] += time.time() - t0
 
-    def loss_shares(self, loss_type, masks):
-        return self.dp.loss_shares(loss_type, masks)
+    def counts_over_ranks(self, counts):
+        return self.dp.counts_over_ranks(counts)
 
     def batch_std(self, columns, std_floor):
         return self.dp.global_batch_std(columns, std_floor)

@@ -107,9 +107,9 @@ atomics, deterministic):
        normaliser of bnpo/dapo is known only after every row is done, and g only in
        backward, so the forward stores the gradient without them.
 
-Gradient accumulation: grpo/bnpo/dr_grpo are per-micro-batch means (average the
-micro-batch losses, i.e. divide by the number of steps); dapo with num_active_tokens =
-active tokens of the whole accumulated batch is already normalised (sum the losses).
+Gradient accumulation and micro-batches: this loss is the loss of the rows it is given;
+grpo/batches.py ``loss_share`` weighs it into the step's loss (dapo, given num_active_tokens =
+the active tokens of the whole step, is already normalised: weight 1).
 
 Simplified: the rollout correction caps the ratio from above only (IcePop also masks
 ratios below 1 / C); no "GSPO-token" variant, no entropy masking, no top-entropy token selection.
@@ -138,28 +138,6 @@ LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")  # the one list: grpo/config.py
 IMPORTANCE = ("token", "sequence")
 CORRECTIONS = ("off", "token", "sequence")  # rollout correction level (sampler vs trainer)
 CORRECTION_MODES = ("truncate", "mask")
-
-
-def micro_batch_share(loss_type: str, mask: torch.Tensor, rows: slice) -> float:
-    """The factor that turns the loss of rows ``rows`` alone into their part of the loss of
-    the whole batch (mask [N, T]): sum over micro-batches of share * loss = the batch's loss,
-    so their gradients sum to the batch's gradient. Every aggregation is a sum over rows
-    divided by a normaliser (module docstring); a micro-batch divides by its own:
-
-        grpo, dr_grpo  n_rows / N        both average over rows (dr_grpo: N * max_len)
-        bnpo           M_rows / M        a token mean: the micro-batch's active tokens over the batch's
-        dapo           1                 already divided by the whole batch's num_active_tokens
-
-    Exactly 1.0 for the whole batch, so one micro-batch is the one-pass loss bit for bit.
-    bnpo reads the mask: two host syncs."""
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"loss_type={loss_type!r}: use one of {LOSS_TYPES}")
-    start, stop, _ = rows.indices(mask.shape[0])
-    if (start, stop) == (0, mask.shape[0]) or loss_type == "dapo":
-        return 1.0
-    if loss_type == "bnpo":
-        return float((mask[start:stop] != 0).sum()) / max(float((mask != 0).sum()), 1.0)
-    return (stop - start) / mask.shape[0]
 
 
 # The finalisation kernel's LOSS_TYPE codes, one per name of LOSS_TYPES.
