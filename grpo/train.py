@@ -57,8 +57,8 @@ rollout batch; the learning-rate schedule counts optimiser steps (grpo/run/sched
 
 Simplified, on purpose:
   - no value model (GRPO's point: the group mean is the baseline);
-  - the policy runs in eval mode (no dropout), so two passes of one policy agree and the
-    ratio of update 1 is exactly 1;
+  - no dropout (Qwen2.5-VL has none, GRPO phases refuse LoRA dropout): two passes of one
+    policy agree, in training mode or eval mode, and the ratio of update 1 is exactly 1;
   - the reference policy is the base with LoRA off, not a separate frozen copy (the same
     weights, no second model in memory);
   - rollouts and the loss use the same temperature-scaled distribution; with
