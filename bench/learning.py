@@ -647,7 +647,7 @@ def _metric(value: Any, lo: Any, hi: Any) -> dict[str, float]:
 
 
 def greedy_metrics(model: dict) -> dict[str, dict[str, float]]:
-    """The table's greedy numbers of one report.json model entry (eval/evaluate.EvalResult.to_dict)."""
+    """The table's greedy numbers of one report.json model entry (eval/results.EvalResult.to_dict)."""
     from eval.metrics import wilson_interval
 
     ov, ctrl = model["overall"], (model.get("control") or {}).get("overall")
@@ -685,8 +685,8 @@ def sampled_metrics(run: Run, selector: str, k: int, cache_dir: Path) -> dict[st
     """pass@k (k samples at temperature 1) with true and with shuffled images, and their
     paired gap; cached by the checkpoint's state.json digest and the protocol."""
     from eval.blind import blind_gap, shuffle_images
-    from eval.evaluate import EvalProtocol
-    from grpo.evaluation import evaluate_model
+    from eval.results import EvalProtocol
+    from grpo.model_eval import evaluate_model
     from grpo.state.registry import resolve
 
     cfg = run.configs["B"]

@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from eval.blind import BlindGap
-from eval.evaluate import EvalResult, SubsetResult
 from eval.metrics import FAILURE_MODES
+from eval.results import EvalResult, SubsetResult
 
 # (key, column header, format) of the headline table, in reading order.
 COLUMNS: tuple[tuple[str, str, str], ...] = (

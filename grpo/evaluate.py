@@ -12,7 +12,7 @@ rows are counted and named in one warning line (``warn_contamination``): an own-
 report holds its test rows out itself (data/holdout.py), so evaluating on a given set is
 where training rows can come back.
 
-Evaluating a model (sampling, then scoring with eval/) is grpo/evaluation.py; this is the
+Evaluating a model (sampling, then scoring with eval/) is grpo/model_eval.py; this is the
 command around it: checkpoint selectors, data sources, reports.
 
 grpo.model.load / grpo.model.policy / grpo.state.registry are called through their modules
@@ -36,12 +36,12 @@ import grpo.model.load
 import grpo.model.policy
 import grpo.state.registry
 from data.holdout import shared_pids
-from eval.evaluate import EvalProtocol, EvalResult, evaluate_completions
 from eval.inputs import load_examples, read_completions
 from eval.report import control_summary, write_report
+from eval.results import EvalProtocol, EvalResult, evaluate_completions
 from grpo.config import ConfigError, from_json
 from grpo.errors import inside, one_line
-from grpo.evaluation import evaluate_model
+from grpo.model_eval import evaluate_model
 from grpo.model.load import ModelLoadError
 from grpo.run.phase_data import load_own_data
 from grpo.run.stop import STOP, StopNow, exit_code, signal_name, signals_held, stop_at_once

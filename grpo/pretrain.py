@@ -127,8 +127,8 @@ def _record_wall(run_dir: Path, seconds: float) -> dict:
 def evaluate_base(bundle, seed: int, n_per_stage: int, max_new_tokens: int) -> dict:
     """Greedy test-split metrics of the pretrained model, with the shuffled-image control."""
     from data.synthetic import generate
-    from eval.evaluate import EvalProtocol
-    from grpo.evaluation import evaluate_model
+    from eval.results import EvalProtocol
+    from grpo.model_eval import evaluate_model
 
     examples = [ex for s in (1, 2, 3) for ex in generate("test", s, n_per_stage, seed, 112)]
     protocol = EvalProtocol(max_new_tokens=max_new_tokens, temperature=0.0, seed=seed, batch_size=64)

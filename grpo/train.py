@@ -34,7 +34,7 @@ checkpoint):
     4-6 run mu = optim.updates_per_batch times on the same rollouts (PPO epochs)
     7. log        one JSON line (eval/plots.py documents the format)
     every run.eval_every steps and at the end:
-    8. eval       greedy decoding on a fixed held-out subset (grpo/evaluation.py)
+    8. eval       greedy decoding on a fixed held-out subset (grpo/model_eval.py)
     9. gate       the controller changes reward weights only when those metrics say so
     10. save      atomic checkpoint + aliases latest / best_structure / best_correctness /
                   best_composite (grpo/state/checkpoint.py, grpo/state/registry.py)
@@ -88,7 +88,7 @@ from grpo.config import ConfigError, TrainConfig
 from grpo.controller import Controller
 from grpo.distributed import DataParallel
 from grpo.errors import NoRewardSpread
-from grpo.evaluation import checkpoint_eval, print_eval
+from grpo.model_eval import checkpoint_eval, print_eval
 from grpo.model.policy import build_policy
 from grpo.model.prompts import NoPromptsLeft, PromptCounts
 from grpo.rewards import RewardModel

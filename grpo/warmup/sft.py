@@ -55,7 +55,7 @@ from data.contract import format_response
 from data.mixture import MixtureStream
 from data.schema import Example
 from grpo.config import ConfigError, TrainConfig, trains_from_scratch
-from grpo.evaluation import checkpoint_eval, print_eval
+from grpo.model_eval import checkpoint_eval, print_eval
 from grpo.model.load import load_bundle
 from grpo.model.policy import build_policy, input_bounds, load_base_weights
 from grpo.model.prompts import encode_prompts
