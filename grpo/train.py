@@ -83,6 +83,7 @@ import numpy as np
 import torch
 
 from data.mixture import MixtureStream
+from data.signals import STOP
 from grpo import cli
 from grpo.config import ConfigError, TrainConfig
 from grpo.controller import Controller
@@ -102,7 +103,7 @@ from grpo.run.phase_data import eval_subset, load_training_data
 from grpo.run.progress import Progress
 from grpo.run.records import progress_line, step_record
 from grpo.run.schedule import SaveClock, lr_at
-from grpo.run.stop import STOP, EvalAbandoned, Stopped, evals_run_to_the_end, stop_message
+from grpo.run.stop import EvalAbandoned, Stopped, evals_run_to_the_end, stop_message
 from grpo.state.resume import phase_finished
 from grpo.state.train_state import TrainState, find_start
 from grpo.step import Hooks, Learner, advantage_source, grpo_step, plain_batches, sample_and_score
