@@ -345,14 +345,14 @@ class DataParallel:
     # -------------------------------------------------------------- evaluation
 
     def evaluate(self, bundle: Any, examples: Sequence[Any], protocol: Any) -> Any:
-        """grpo.evaluation.evaluate_model, with each sampling pass split over ranks and the
+        """grpo.model_eval.evaluate_model, with each sampling pass split over ranks and the
         completions gathered: every rank returns the same EvalResult (control included).
 
         Each rank decodes its share in batches seeded like evaluate_model's (seed + batch
         start within the share): greedy results equal a single process's; sampled ones
         (temperature > 0) are other draws.
         """
-        from grpo.evaluation import evaluate_model, sample_completions
+        from grpo.model_eval import evaluate_model, sample_completions
 
         if not self.enabled:
             return evaluate_model(bundle, examples, protocol)

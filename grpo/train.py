@@ -34,7 +34,7 @@ checkpoint):
     4-6 run mu = optim.updates_per_batch times on the same rollouts (PPO epochs)
     7. log        one JSON line (eval/plots.py documents the format)
     every run.eval_every steps and at the end:
-    8. eval       greedy decoding on a fixed held-out subset (grpo/evaluation.py)
+    8. eval       greedy decoding on a fixed held-out subset (grpo/model_eval.py)
     9. gate       the controller changes reward weights only when those metrics say so
     10. save      atomic checkpoint + aliases latest / best_structure / best_correctness /
                   best_composite (grpo/state/checkpoint.py, grpo/state/registry.py)
@@ -83,12 +83,13 @@ import numpy as np
 import torch
 
 from data.mixture import MixtureStream
+from data.signals import STOP
 from grpo import cli
 from grpo.config import ConfigError, TrainConfig
 from grpo.controller import Controller
 from grpo.distributed import DataParallel
 from grpo.errors import NoRewardSpread
-from grpo.evaluation import checkpoint_eval, print_eval
+from grpo.model_eval import checkpoint_eval, print_eval
 from grpo.model.policy import build_policy
 from grpo.model.prompts import NoPromptsLeft, PromptCounts
 from grpo.rewards import RewardModel
@@ -102,7 +103,7 @@ from grpo.run.phase_data import eval_subset, load_training_data
 from grpo.run.progress import Progress
 from grpo.run.records import progress_line, step_record
 from grpo.run.schedule import SaveClock, lr_at
-from grpo.run.stop import STOP, EvalAbandoned, Stopped, evals_run_to_the_end, stop_message
+from grpo.run.stop import EvalAbandoned, Stopped, evals_run_to_the_end, stop_message
 from grpo.state.resume import phase_finished
 from grpo.state.train_state import TrainState, find_start
 from grpo.step import Hooks, Learner, advantage_source, grpo_step, plain_batches, sample_and_score

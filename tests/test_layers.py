@@ -113,7 +113,7 @@ def test_eval_imports_nothing_from_grpo():
 
 def test_the_walker_sees_lazy_imports_and_cycles():
     graph = import_graph()
-    assert "grpo.rollout.sampler" in graph["grpo.evaluation"]  # a module-top import
+    assert "grpo.rollout.sampler" in graph["grpo.model_eval"]  # a module-top import
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
     lazy = ast.parse("def f():\n    from grpo.model.load import load_bundle\n")
@@ -137,7 +137,7 @@ GRPO_ALLOWED = {
     "grpo.model": {"grpo.state"},  # loading, prompts, the policy, log-probs
     "grpo.rollout": {"grpo.model"},  # sampling
     "grpo.step": {"grpo.model", "grpo.rewards", "grpo.rollout", "grpo.run"},  # one GRPO step
-    "grpo.warmup": {"grpo.model", "grpo.run", "grpo.state", "grpo.evaluation"},  # the SFT warm-up
+    "grpo.warmup": {"grpo.model", "grpo.run", "grpo.state", "grpo.model_eval"},  # the SFT warm-up
 }
 
 
@@ -166,7 +166,7 @@ def test_the_step_core_stays_small_and_plain():
     micro-batches), with no harness in it."""
     step = ROOT / "grpo" / "step.py"
     assert len(step.read_text().splitlines()) <= 320
-    harness = {"grpo.distributed", "grpo.state", "grpo.evaluate", "grpo.evaluation", "grpo.train", "grpo.cli", "grpo.run.stop",
+    harness = {"grpo.distributed", "grpo.state", "grpo.evaluate", "grpo.model_eval", "grpo.train", "grpo.cli", "grpo.run.stop",
                "grpo.run.guard", "grpo.run.files"}
     assert not {t for t in import_graph()["grpo.step"] if t in harness or _grpo_unit(t) in harness}
 
