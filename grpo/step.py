@@ -154,7 +154,7 @@ def advantage_source(scores: RewardBatch, cfg: TrainConfig, device: torch.device
 
 
 def advantages(learner: Learner, r: Rollout, hooks: Hooks = Hooks()) -> Advantages:
-    """z-scores of the micro-batch's rewards within each group of G (kernels/grpo_advantages.py):
+    """z-scores of the rollout batch's rewards within each group of G (kernels/grpo_advantages.py):
     A = (r - mean_group) / (std_group + 1e-4), the same for all mu updates."""
     o = learner.cfg.optim
     src = advantage_source(r.scores, learner.cfg, learner.bundle.device)
