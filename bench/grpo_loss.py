@@ -12,7 +12,7 @@ d loss / d logp. Input validation (shape checks and the NaN scan of the rewards,
 sync) is left out of all three and timed on its own row, so the providers compare math.
 
 Bandwidth counts the bytes a perfect single pass must move: read logp, old, ref, the mask
-(and token advantages when given), write d loss / d logp. Peak memory is what one forward
+and the reference when beta > 0, write d loss / d logp. Peak memory is what one forward
 + backward allocates above the inputs. On a CPU the Triton provider is skipped (the
 interpreter is for correctness, not speed) and shapes are scaled down.
 """
@@ -33,7 +33,7 @@ MODES = {  # name -> loss options; the first is the default swept over shapes
     "grpo/token/kl": dict(loss_type="grpo", importance="token", beta=0.04, source="rewards"),
     "dapo/sequence": dict(loss_type="dapo", importance="sequence", beta=0.0, source="rewards"),
     "bnpo/prefix": dict(loss_type="bnpo", importance="token", beta=0.04, source="prefix"),
-    "dr_grpo/token_adv": dict(loss_type="dr_grpo", importance="token", beta=0.0, source="token_adv"),
+    "dr_grpo/components": dict(loss_type="dr_grpo", importance="token", beta=0.0, source="components"),
 }
 G = 8
 J = 4  # rubric items in the prefix mode
@@ -50,8 +50,9 @@ def make_inputs(N: int, T: int, device: str, source: str, seed: int = 0) -> dict
         mask=torch.arange(T)[None, :] < lengths[:, None],
         rewards=torch.randint(0, 3, (N,), generator=g).float(),
     )
-    if source == "token_adv":
-        inp["token_adv"] = torch.randn(N, T, generator=g)
+    if source == "components":
+        inp["components"] = torch.randint(0, 2, (N, 3), generator=g).float()
+        inp["weights"] = torch.tensor([0.6, 0.3, 0.1])
     inp = {k: v.to(device) for k, v in inp.items()}
     if source == "prefix":
         inp["prefix"] = gl.PrefixRubrics(
@@ -67,8 +68,8 @@ def eager_loss(logp, inp: dict, mode: dict) -> torch.Tensor:
     T = logp.shape[1]
     if mode["source"] == "prefix":
         adv, _ = gl.prefix_advantages_reference(inp["prefix"], T, G)
-    elif mode["source"] == "token_adv":
-        adv = inp["token_adv"]
+    elif mode["source"] == "components":
+        adv, _ = gl.grpo_advantages_reference(inp["components"], G, weights=inp["weights"])
     else:
         adv, _ = gl.grpo_advantages_reference(inp["rewards"], G)
     loss, _ = gl.grpo_loss_reference(logp, inp["mask"], adv, **loss_args(mode, inp))
@@ -77,33 +78,39 @@ def eager_loss(logp, inp: dict, mode: dict) -> torch.Tensor:
 
 def loss_args(mode: dict, inp: dict) -> dict:
     """grpo_loss's keyword arguments after the advantages, as the trainer passes them."""
-    return dict(old_logp=inp["old"], ref_logp=inp["ref"] if mode["beta"] else None, beta=mode["beta"],
-                eps_low=0.2, eps_high=0.2, loss_type=mode["loss_type"], importance=mode["importance"],
-                max_len=None, num_active_tokens=None, kl_bias_correction=False)
+    return dict(old_logp=inp["old"], ref_logp=inp["ref"] if mode["beta"] else None, sampler_logp=None,
+                num_active_tokens=None, options=gl.LossOptions(beta=mode["beta"], loss_type=mode["loss_type"],
+                                                               importance=mode["importance"]))
+
+
+def source(inp: dict, mode: dict) -> "gl.AdvantageSource":
+    """The advantage input of ``mode``."""
+    if mode["source"] == "prefix":
+        return gl.AdvantageSource.of_prefix(inp["prefix"])
+    if mode["source"] == "components":
+        return gl.AdvantageSource(inp["components"], weights=inp["weights"])
+    return gl.AdvantageSource(inp["rewards"][:, None])
 
 
 def triton_loss(logp, inp: dict, mode: dict) -> torch.Tensor:
     """The kernel path of grpo_loss without its input validation: advantages, then the loss."""
-    adv = gl.group_advantages(G=G, mask=inp["mask"], T=logp.shape[1], backend="triton", checked=True,
-                              **{mode["source"]: inp[mode["source"]]})
+    adv = gl.advantages_unchecked(source(inp, mode), G, logp.shape[1], "group", 1e-4, 0.0, "triton")
     loss, _ = gl._FusedGRPOLoss.apply(logp, dict(mask=inp["mask"], adv=adv, **loss_args(mode, inp)))
     return loss
 
 
 def validation_only(logp, inp: dict, mode: dict) -> None:
-    """What grpo_loss checks before any math: the loss's arguments and the advantage inputs
-    (shapes, then the NaN scan, the one host sync)."""
-    N, T = logp.shape
-    gl._validate(logp, inp["mask"], G, adv_eps=1e-4, **loss_args(mode, inp))
-    src = mode["source"]
-    gl.check_advantage_inputs(N, T, logp.device, inp["mask"], inp.get("rewards") if src == "rewards" else None,
-                              None, None, inp.get("prefix"), inp.get("token_adv"), "group", 1e-4, 0.0)
+    """What grpo_loss and group_advantages check before any math: the loss's arguments and
+    the advantage input (shapes, then the NaN scan, the one host sync)."""
+    src = source(inp, mode)
+    gl.check_source(src, logp.shape[1], "group", 1e-4, 0.0)
+    adv = gl.Advantages(G, "row", coef=src.columns)  # a stand-in of the right shape: no math
+    gl._validate(logp, inp["mask"], adv, **loss_args(mode, inp))
 
 
 def min_bytes(N: int, T: int, mode: dict) -> int:
     per_token = 4 + 4 + 1 + 4  # logp, old, mask (bool), grad out
     per_token += 4 if mode["beta"] else 0
-    per_token += 4 if mode["source"] == "token_adv" else 0
     return N * T * per_token
 
 

@@ -17,12 +17,13 @@ import errno
 import os
 import sys
 import time
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 
 from transformers.utils import logging as hf_logging
 
+from data.atomic import temp_path
+from data.signals import STOP, StopNow, exit_code, signal_name
 from grpo.config import (PERCEPTION_DEFAULTS, PHASES, PRESETS, ConfigError, TrainConfig, apply_overrides,
                          describe_fields, parse_override_args, phase_init, phase_preset, preset_for_model,
                          preset_overrides, trains_from_scratch, weigh_plugins)
@@ -35,7 +36,7 @@ from grpo.rewards.plugins import load_plugins
 from grpo.run.files import RunFiles
 from grpo.run.phase_data import fall_back_to_all, load_training_data
 from grpo.run.runtime import keep_freed_memory, pick_device, seed_everything, set_threads
-from grpo.run.stop import STOP, EvalAbandoned, StopNow, Stopped, exit_code, signal_name, stop_message
+from grpo.run.stop import EvalAbandoned, Stopped, stop_message
 from grpo.state.checkpoint import load_checkpoint
 from grpo.state.compat import check_compatible, check_init_compatible, check_resumable
 from grpo.state.layout import CheckpointError
@@ -109,7 +110,7 @@ def prepare_run_dir(root: Path) -> None:
         raise ConfigError(f"--run.run_dir {root}: a part of that path is a file, so the directory cannot be "
                           "created; name another directory") from None
     # os.access says yes to root on a read-only directory and no to some ACL'd ones: try it.
-    probe = root / f".tmp-write-probe-{uuid.uuid4().hex[:8]}"
+    probe = temp_path(root / "write-probe")  # a .tmp- name: a kill here leaves a recognisable leftover
     fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     os.close(fd)
     os.unlink(probe)
@@ -205,7 +206,7 @@ def main(argv: list[str] | None, run_phase: Callable[[TrainConfig, RunFiles, str
     checkpoint, divergence, the run directory's disk). Anything else is a bug and keeps its
     traceback."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    STOP.install()  # from here a signal never ends the run with a traceback (grpo/run/stop.py)
+    STOP.install()  # from here a signal never ends the run with a traceback (data/signals.py, grpo/run/stop.py)
     try:
         return _main(argv, run_phase)
     finally:

@@ -34,6 +34,7 @@ from typing import Any, Literal
 import torch
 
 from data.rows import FIELDS as ROW_FIELDS
+from grpo.batches import micro_batch_rows_fit
 from data.stages import ALL
 
 from kernels.grpo_advantages import SCALES
@@ -430,8 +431,7 @@ class TrainConfig:
             # Whole groups: a group's G rows share one prompt (issue: the prompt once per group)
             # and one advantage baseline, so a micro-batch never splits one.
             # (at least the batch's rows: one pass, so a preset's value survives a smaller --G or batch)
-            (o.micro_batch_rows == 0 or o.micro_batch_rows >= p.prompts_per_step * s.G
-             or (o.micro_batch_rows % s.G == 0 and (p.prompts_per_step * s.G) % o.micro_batch_rows == 0),
+            (micro_batch_rows_fit(p.prompts_per_step, s.G, o.micro_batch_rows),
              f"optim.micro_batch_rows={o.micro_batch_rows}: must be a multiple of sampling.G={s.G} (whole groups) that "
              f"divides the rollout batch's {p.prompts_per_step} x {s.G} = {p.prompts_per_step * s.G} rows, e.g. "
              f"{s.G} or {p.prompts_per_step * s.G}; 0 = all rows at once"),

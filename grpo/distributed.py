@@ -11,7 +11,7 @@ step of B prompts (``phase.prompts_per_step`` is the GLOBAL batch) is split over
              exactly the batch one process would take
     sample   G completions per kept prompt with the rank's own generator, seeded from
              (seed, rank); a group never straddles ranks, so group advantages stay local
-    loss     each rank scales its micro-batch loss to its *share* of the global loss (table
+    loss     each rank scales each micro-batch's loss to its *share* of the global loss (table
              below); the LoRA gradients are then SUMMED over ranks: one all-reduce of the
              flattened gradients (20M fp32 numbers = 80 MB for the 7B's rank-8 LoRA, about a
              millisecond over NVLink, so there is no bucketing or overlap with backward)
@@ -26,23 +26,25 @@ step of B prompts (``phase.prompts_per_step`` is the GLOBAL batch) is split over
 
 Loss normalisation: why W ranks equal one process on the global batch
 ---------------------------------------------------------------------
-Rank r's micro-batch has n_r rows (completions) and m_r active tokens; N = sum_r n_r and
-M = sum_r m_r are the global micro-batch's counts. ``kernels.grpo_loss`` returns the loss of
-the rows it is given; the global loss is a weighted sum of those per-rank losses:
+Rank r's part of a rollout batch has n_r rows (completions) and m_r active tokens; N = sum_r n_r
+and M = sum_r m_r are the global rollout batch's counts. ``kernels.grpo_loss`` returns the loss
+of the rows it is given; the global loss is a weighted sum of those per-rank losses
+(grpo/batches.py ``loss_share``, which also folds in the micro-batches and the accumulation;
+``counts_over_ranks`` is its one all-reduce):
 
-    loss_type  one process, global micro-batch         share of rank r (times its local loss)
+    loss_type  one process, global rollout batch       share of rank r (times its local loss)
     grpo       (1/N) sum_i (1/n_i) sum_t l_it           n_r / N
     dr_grpo    (1/(N L)) sum_it l_it                     n_r / N
     bnpo       (1/M) sum_it l_it                         m_r / M
     dapo       (1/M_step) sum_it l_it                    1, and the kernel is given M_step = the
-                                                         active tokens of every micro-batch of
-                                                         every rank (one all-reduce)
+                                                         active tokens of every rollout batch
+                                                         of every rank (one all-reduce)
 
 Summing the shared-out gradients over ranks then gives the gradient of the global loss.
-adv_scale="batch" (one std over the whole micro-batch, TRL's option) would otherwise use each
-rank's own std: ``advantage_inputs`` computes the global std with two all-reduces and hands
-the kernel r / (std + eps) with scale "none", which is the same advantage
-((r - mean_g) / (std + eps) = r/(std + eps) - mean_g(r/(std + eps))).
+adv_scale="batch" (one std over the whole rollout batch, TRL's option) would otherwise use each
+rank's own std: ``global_batch_std`` computes the global std with two all-reduces, and the
+advantage kernel, given it (``AdvantageSource.batch_std``), centres r / (std + eps) within
+each group, which is the same advantage ((r - mean_g) / (std + eps) = r/(std + eps) - mean_g(r/(std + eps))).
 
 What is exact and what is not
 -----------------------------
@@ -81,7 +83,6 @@ import torch.distributed as dist
 
 from grpo.config import ConfigError
 from kernels.grpo_advantages import batch_std
-from kernels.grpo_loss import LOSS_TYPES
 
 
 class DistributedError(ConfigError):
@@ -104,21 +105,6 @@ def sampling_seed(seed: int, rank: int, world: int) -> int:
     if world == 1:
         return seed
     return int(np.random.SeedSequence([seed, rank]).generate_state(1, dtype=np.uint64)[0] >> 1)
-
-
-def loss_share(loss_type: str, rows: float, tokens: float, global_rows: float, global_tokens: float) -> float:
-    """The factor that turns a rank's micro-batch loss into its share of the global loss.
-
-    rows/tokens: this rank's completions and active tokens in the micro-batch; global_*:
-    their sums over ranks. dapo returns 1: its kernel already divides by the global count.
-    """
-    if loss_type not in LOSS_TYPES:
-        raise DistributedError(f"loss_type={loss_type!r}: use one of {', '.join(LOSS_TYPES)}")
-    if loss_type in ("grpo", "dr_grpo"):
-        return rows / max(global_rows, 1.0)
-    if loss_type == "bnpo":
-        return tokens / max(global_tokens, 1.0)
-    return 1.0
 
 
 # ----------------------------------------------------------------------------- the process group
@@ -172,35 +158,20 @@ class DataParallel:
 
     # -------------------------------------------------------------- loss normalisation
 
-    def loss_shares(self, loss_type: str, masks: Sequence[torch.Tensor]) -> tuple[float, list[float]]:
-        """(active tokens of the whole step, share of each micro-batch) -- see the module table.
+    def counts_over_ranks(self, counts: torch.Tensor) -> torch.Tensor:
+        """(rows, active tokens) of each rollout batch [batches, 2] summed over ranks: one
+        all-reduce gives what every loss share needs (grpo/batches.py ``loss_share``)."""
+        return self._all_reduce(counts.clone())
 
-        masks: this rank's completion masks, one [n_r, T] per micro-batch. One all-reduce of
-        a [A, 2] tensor of (rows, tokens) gives every micro-batch's global counts.
-        """
-        local = torch.tensor([[float(m.shape[0]), float(m.sum())] for m in masks], dtype=torch.float64)
-        glob = self._all_reduce(local.clone())
-        shares = [loss_share(loss_type, float(n), float(m), float(gn), float(gm))
-                  for (n, m), (gn, gm) in zip(local.tolist(), glob.tolist())]
-        # at least 1: with optim.mask_truncated a step of truncated rows only has no active token
-        # (its loss is 0, not 0 / 0)
-        return max(1.0, float(glob[:, 1].sum())), shares
-
-    def advantage_inputs(self, rewards: torch.Tensor, adv_scale: str, eps: float = 1e-4,
-                         std_floor: float = 0.0) -> tuple[torch.Tensor, str]:
-        """(rewards, scale) to hand the loss kernel so that scale="batch" uses the global std.
-
-        Single process, or another scale: unchanged. Otherwise the unbiased std of the
-        micro-batch's rewards over all ranks (two all-reduces: mean, then squared
-        deviations, which avoids the cancellation of sum-of-squares) and the rewards
-        divided by (max(std, std_floor) + eps) with scale "none" -- the same advantages
-        (module doc). rewards [N], or reward components [N, K]: one std per column.
-        """
-        if not self.enabled or adv_scale != "batch":
-            return rewards, adv_scale
-        c = rewards.double().reshape(rewards.shape[0], -1)  # [N, C]
-        std = batch_std(c, std_floor=std_floor, all_reduce=self._all_reduce)  # two all-reduces
-        return (c / (std + eps)).reshape(rewards.shape).to(rewards.dtype), "none"
+    def global_batch_std(self, columns: torch.Tensor, std_floor: float = 0.0) -> torch.Tensor | None:
+        """scale="batch"'s std of each reward column [N, C] over every rank's rows (float64,
+        floored at std_floor; two all-reduces: the mean, then the squared deviations, which
+        avoids the cancellation of a sum of squares); None in a single process, where the
+        kernel takes the batch's own std. The advantage kernel then centres r / (std + eps)
+        within each group: the same advantages as one process on the global batch (module doc)."""
+        if not self.enabled:
+            return None
+        return batch_std(columns.double(), std_floor=std_floor, all_reduce=self._all_reduce)
 
     # -------------------------------------------------------------- collectives
 
@@ -374,14 +345,14 @@ class DataParallel:
     # -------------------------------------------------------------- evaluation
 
     def evaluate(self, bundle: Any, examples: Sequence[Any], protocol: Any) -> Any:
-        """grpo.evaluation.evaluate_model, with each sampling pass split over ranks and the
+        """grpo.model_eval.evaluate_model, with each sampling pass split over ranks and the
         completions gathered: every rank returns the same EvalResult (control included).
 
         Each rank decodes its share in batches seeded like evaluate_model's (seed + batch
         start within the share): greedy results equal a single process's; sampled ones
         (temperature > 0) are other draws.
         """
-        from grpo.evaluation import evaluate_model, sample_completions
+        from grpo.model_eval import evaluate_model, sample_completions
 
         if not self.enabled:
             return evaluate_model(bundle, examples, protocol)

@@ -34,7 +34,7 @@ checkpoint):
     4-6 run mu = optim.updates_per_batch times on the same rollouts (PPO epochs)
     7. log        one JSON line (eval/plots.py documents the format)
     every run.eval_every steps and at the end:
-    8. eval       greedy decoding on a fixed held-out subset (grpo/evaluation.py)
+    8. eval       greedy decoding on a fixed held-out subset (grpo/model_eval.py)
     9. gate       the controller changes reward weights only when those metrics say so
     10. save      atomic checkpoint + aliases latest / best_structure / best_correctness /
                   best_composite (grpo/state/checkpoint.py, grpo/state/registry.py)
@@ -57,8 +57,8 @@ rollout batch; the learning-rate schedule counts optimiser steps (grpo/run/sched
 
 Simplified, on purpose:
   - no value model (GRPO's point: the group mean is the baseline);
-  - the policy runs in eval mode (no dropout), so two passes of one policy agree and the
-    ratio of update 1 is exactly 1;
+  - no dropout (Qwen2.5-VL has none, GRPO phases refuse LoRA dropout): two passes of one
+    policy agree, in training mode or eval mode, and the ratio of update 1 is exactly 1;
   - the reference policy is the base with LoRA off, not a separate frozen copy (the same
     weights, no second model in memory);
   - rollouts and the loss use the same temperature-scaled distribution; with
@@ -83,12 +83,13 @@ import numpy as np
 import torch
 
 from data.mixture import MixtureStream
+from data.signals import STOP
 from grpo import cli
 from grpo.config import ConfigError, TrainConfig
 from grpo.controller import Controller
 from grpo.distributed import DataParallel
 from grpo.errors import NoRewardSpread
-from grpo.evaluation import checkpoint_eval, print_eval
+from grpo.model_eval import checkpoint_eval, print_eval
 from grpo.model.policy import build_policy
 from grpo.model.prompts import NoPromptsLeft, PromptCounts
 from grpo.rewards import RewardModel
@@ -102,7 +103,7 @@ from grpo.run.phase_data import eval_subset, load_training_data
 from grpo.run.progress import Progress
 from grpo.run.records import progress_line, step_record
 from grpo.run.schedule import SaveClock, lr_at
-from grpo.run.stop import STOP, EvalAbandoned, Stopped, evals_run_to_the_end, stop_message
+from grpo.run.stop import EvalAbandoned, Stopped, evals_run_to_the_end, stop_message
 from grpo.state.resume import phase_finished
 from grpo.state.train_state import TrainState, find_start
 from grpo.step import Hooks, Learner, advantage_source, grpo_step, plain_batches, sample_and_score
@@ -130,11 +131,11 @@ class PhaseHooks(Hooks):
         yield
         self.timing[part] += time.time() - t0
 
-    def loss_shares(self, loss_type, masks):
-        return self.dp.loss_shares(loss_type, masks)
+    def counts_over_ranks(self, counts):
+        return self.dp.counts_over_ranks(counts)
 
-    def batch_scaled(self, values, scale, std_floor):
-        return self.dp.advantage_inputs(values, scale, std_floor=std_floor)
+    def batch_std(self, columns, std_floor):
+        return self.dp.global_batch_std(columns, std_floor)
 
     def global_loss(self, loss):
         return self.dp.all_reduce_sum(loss)

@@ -62,7 +62,7 @@ def test_grpo_loss():
 
 @pytest.mark.parametrize("module, args, rows", [
     ("bench.grpo_loss", ["--shape", "8", "16"],
-     [["N=8", "T=16", mode, "triton"] for mode in ("grpo/token/kl", "dapo/sequence", "bnpo/prefix", "dr_grpo/token_adv")]),
+     [["N=8", "T=16", mode, "triton"] for mode in ("grpo/token/kl", "dapo/sequence", "bnpo/prefix", "dr_grpo/components")]),
     ("bench.logprob", ["--quick", "--shape", "2", "8", "--vocab", "500", "--hidden", "64"],
      [["N=2", "T=8", "V=500", "triton", p] for p in ("fwd", "fwd+bwd")] + [["N=2", "T=8", "V=500", "d=64", p, "fwd+bwd"] for p in ("eager", "triton-chunked")]),
 ])

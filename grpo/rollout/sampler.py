@@ -23,8 +23,8 @@ state transformers keeps inside the model.
 
 Which log-prob is returned: ``logprobs`` is log softmax(logits / temperature)[token], the
 temperature-scaled distribution *before* top-k / top-p filtering. That is the quantity
-grpo/model/logprobs.py recomputes (GRPO's old log-prob and the policy's log-prob must be the same
-function, or the importance ratio is biased at step 0); top-k / top-p are treated as part
+grpo/model/logprobs.py recomputes (the loss's sampler_logp: the mismatch stats and the rollout
+correction compare the two, so they must be the same function); top-k / top-p are treated as part
 of the sampler, not of the policy, as in TRL. ``filtered_logprobs`` is the log-prob under
 the distribution actually sampled from (after filtering), for diagnostics. With
 temperature 0 (greedy) both are taken at temperature 1.
@@ -41,8 +41,8 @@ hand-written decoder step (grpo/rollout/static_cache.py), the default where supp
 transformers' forward with its DynamicCache, kept as the reference. Tests hold both to
 transformers' greedy ``generate`` token for token.
 
-Simplified: one host sync per step for the stop check, no speculative decoding, no CUDA
-graphs or torch.compile.
+Simplified: one host sync per step for the stop check, no speculative decoding, no
+torch.compile (a CUDA graph only behind a DecodeHook: grpo/rollout/merged.py).
 """
 
 from __future__ import annotations
@@ -126,8 +126,8 @@ def prefill(model, ctx: PromptContext):
         attention_mask=ctx.attention_mask,
         position_ids=ctx.position_ids,
         use_cache=True,
-        # The LM head on one position per row, not L. An index, not logits_to_keep=1: the
-        # slice [:, -1:] keeps the [B, L, d] strides, torch's matmul then cannot fold it into
+        # The LM head on one position per row, not P. An index, not logits_to_keep=1: the
+        # slice [:, -1:] keeps the [B, P, d] strides, torch's matmul then cannot fold it into
         # one mm and copies the expanded head weight instead (152k x 3584 in bf16: ~50 s per
         # call on one CPU thread, against 0.5 s); indexing gives a fresh [B, 1, d].
         logits_to_keep=torch.tensor([ctx.P - 1], device=ctx.input_ids.device),
@@ -148,7 +148,7 @@ def decode_one_token(model, cache, token: torch.Tensor, position: torch.Tensor,
     N = token.shape[0]
     out = model(
         input_ids=token.view(N, 1),
-        attention_mask=attention_mask,  # [N, L + steps so far + 1]
+        attention_mask=attention_mask,  # [N, P + steps so far + 1] (P: the prompt's length)
         position_ids=position.view(1, N, 1).expand(3, N, 1),  # text token: t = h = w
         use_cache=True,
         **{cache_kw: cache},

@@ -61,6 +61,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from grpo.batches import groups_per_micro_batch, micro_batch_choices as fitting_rows
 from grpo.config import ConfigError, TrainConfig
 
 GiB = 2**30
@@ -298,7 +299,7 @@ def plan_step(sh: Shapes, cfg: TrainConfig, *, device: str = "cuda", micro_batch
     B, G, T = cfg.phase.prompts_per_step, s.G, s.max_new_tokens
     N = B * G
     m = o.micro_batch_rows if micro_batch_rows is None else micro_batch_rows
-    m = N if m == 0 or m >= N else m  # 0, or at least the batch's rows: one pass over all of them
+    m = groups_per_micro_batch(B, G, m) * G  # the partition rule (grpo/batches.py)
     P = prompt_tokens(cfg) if prompt_len is None else prompt_len
     S = P + T  # the sampler's sequence
     d, b, L, V = sh.hidden, sh.compute_bytes, sh.layers, sh.vocab
@@ -379,8 +380,7 @@ def need_bytes(plan: Plan) -> int:
 
 def micro_batch_choices(cfg: TrainConfig) -> list[int]:
     """optim.micro_batch_rows values the config accepts, largest first (whole groups that divide B x G)."""
-    B, G = cfg.phase.prompts_per_step, cfg.sampling.G
-    return [G * k for k in range(B, 0, -1) if B % k == 0]
+    return fitting_rows(cfg.phase.prompts_per_step, cfg.sampling.G)
 
 
 def largest_fitting(sh: Shapes, cfg: TrainConfig, budget: int, device: str = "cuda",
