@@ -5,6 +5,7 @@
     python -m bench.memory --preset qwen7b --gpu-gib 80           # does it fit, and which micro-batch would
     python -m bench.memory --preset qwen7b --measure              # + the 7B-width measurement (minutes, 1 core)
     python -m bench.memory --gpu-check                            # bench/gpu.sh: real 7B-shape steps on a GPU
+    python -m bench.memory --gpu-check --smoke                    # its first setting, one 7B layer (gpu.sh's smoke)
     python -m bench.memory                                        # the tiny default: + a whole real step measured
 
 Options: the trainer's own (``--preset``, ``--phase`` and every ``--section.key value`` of
@@ -537,12 +538,13 @@ CPU_SETTINGS = [  # the same code at the tiny model's sizes (gpu.sh --dry-run)
 ]
 
 
-def gpu_check(budget_s: float) -> int:
+def gpu_check(budget_s: float, smoke: bool = False) -> int:
     """Real steps at GPU_SETTINGS on a CUDA device (the 7B's exact shapes, random weights,
     NF4 + LoRA r=8, checkpointing: bench/step.py's build), each phase's
     torch.cuda.max_memory_allocated against the plan; on a CPU the tiny model at
     CPU_SETTINGS, measured with LiveBytes (bench/gpu.sh --dry-run). A setting that would
-    start after ``budget_s`` seconds is skipped."""
+    start after ``budget_s`` seconds is skipped. ``smoke``: the first setting only, and on
+    CUDA one decoder layer of the 7B (seconds: bench/gpu.sh's first part)."""
     import copy
 
     from bench._timing import print_table
@@ -558,14 +560,16 @@ def gpu_check(budget_s: float) -> int:
         from grpo.cli import phase_config
 
         base = phase_config("A", "qwen7b", {"run.run_prior_phases": "false"}, "A")
-        bundle = build_bundle("7b", "cuda", four_bit=True, checkpointing=True)
+        bundle = build_bundle("7b", "cuda", four_bit=True, checkpointing=True, layers=1 if smoke else 0)
         settings, where = GPU_SETTINGS, torch.cuda.get_device_name(0)
     else:
         base = config_from_argv(["--sampling.rollout", "plain"])
         base.model.gradient_checkpointing = True
         _, bundle = model_shapes(base)
         settings, where = CPU_SETTINGS, "CPU"
-    print(f"# memory plan vs measured on {where}: model built in {time.perf_counter() - t0:.0f} s", flush=True)
+    settings = settings[:1] if smoke else settings
+    print(f"# memory plan vs measured on {where}{' (smoke)' if smoke else ''}: model built in "
+          f"{time.perf_counter() - t0:.0f} s", flush=True)
     rows, worst = [], 0.0
     for name, overrides in settings:
         if time.perf_counter() - t0 > budget_s:
@@ -628,11 +632,13 @@ def main(argv: list[str] | None = None) -> int:
                         "(on a CPU: the tiny model at smoke sizes)")
     p.add_argument("--budget-s", type=float, default=100.0,
                    help="--gpu-check: start no setting after this many seconds")
+    p.add_argument("--smoke", action="store_true",
+                   help="--gpu-check: its first setting only, on CUDA with one decoder layer of the 7B (seconds)")
     p.add_argument("--threads", type=int, default=1)
     args, trainer_argv = p.parse_known_args(argv)
     torch.set_num_threads(max(1, args.threads))
     if args.gpu_check:
-        return gpu_check(args.budget_s)
+        return gpu_check(args.budget_s, smoke=args.smoke)
     from grpo.config import ConfigError
 
     try:
