@@ -133,7 +133,7 @@ def fmt_bytes(n: int | None) -> str:
 
 def print_table(rows: list[dict], columns: list[str]) -> None:
     """Fixed-width table; each row maps column name -> already formatted string."""
-    widths = {c: max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in columns}
+    widths = {c: max([len(c), *(len(str(r.get(c, ""))) for r in rows)]) for c in columns}  # rows may be []
     print("  ".join(c.rjust(widths[c]) for c in columns))
     for r in rows:
         print("  ".join(str(r.get(c, "")).rjust(widths[c]) for c in columns))

@@ -13,7 +13,7 @@
 # runtime dependency, its version against pyproject.toml's range.
 #
 # Results: one log per part, smoke_<part>.log per smoke, stack.log, and summary.md (one row
-# per part, written as each part ends) in $OUT/gpu_results if $OUT is set (the device tool
+# per part, written as each part ends; exit 1 when a part or a smoke failed) in $OUT/gpu_results if $OUT is set (the device tool
 # brings $OUT back, also after a timeout), otherwise in bench/results/gpu_<date>/. Each
 # benchmark prints its tables as it measures them, so a part cut short keeps what it measured.
 #
@@ -57,7 +57,7 @@ while [ $# -gt 0 ]; do
     --parts) [ $# -ge 2 ] || { echo "bench/gpu.sh: --parts needs a comma-separated list of: ${ALL_PARTS// /,}" >&2; exit 2; }
              PARTS=${2//,/ }; shift ;;
     --parts=*) PARTS=${1#--parts=}; PARTS=${PARTS//,/ } ;;
-    -h|--help) sed -n '2,46p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,48p' "$0"; exit 0 ;;
     *) echo "bench/gpu.sh: unknown argument '$1'; use --dry-run, --parts LIST or nothing" >&2; exit 2 ;;
   esac
   shift
@@ -150,6 +150,7 @@ cat "$RES/stack.log"
 } >> "$SUMMARY"
 
 selected() { case " $PARTS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
+FAILED=0  # the exit code: 1 when a part (or a smoke) failed or timed out
 
 # ---- the smoke: every later selected part at its smallest size, all at once
 SMOKE_FAILED=""
@@ -182,6 +183,7 @@ preflight() {
       124) line="$line $part slow (over ${SMOKE_S}s, runs anyway);" ;;
       *) line="$line $part FAILED ($rc, smoke_$part.log: skipped);"
          SMOKE_FAILED="$SMOKE_FAILED $part"
+         FAILED=1
          tail -n 5 "$RES/smoke_$part.log" ;;
     esac
   done
@@ -212,6 +214,7 @@ run() {
   timeout --kill-after=10 "$limit" "$@" > "$RES/$part.log" 2>&1
   local rc=$?
   local secs=$((SECONDS - t0))
+  [ "$rc" = 0 ] || FAILED=1
   tail -n 40 "$RES/$part.log"
   # the part's one-line result: a benchmark's "summary:" line or pytest's final count
   local line
@@ -246,3 +249,4 @@ echo "total: $((SECONDS - START)) s of a ${BUDGET} s budget" >> "$SUMMARY"
 echo
 cat "$SUMMARY"
 echo "results in $RES"
+exit $FAILED

@@ -327,10 +327,10 @@ def grpo_loss_reference(
         unit_ratio = torch.exp(unit_lr)
         stats.update(
             is_kl=((torch.exp(is_lr) - 1 - is_lr) * mf).sum() / M,
-            is_ratio_mean=torch.where(units, unit_ratio, 0.0).sum() / n_units if units.any()
-            else torch.ones((), device=lp.device),
-            is_ratio_max=torch.where(units, unit_ratio, 0.0).max() if units.any()
-            else torch.ones((), device=lp.device),
+            is_ratio_mean=torch.where(units.any(), torch.where(units, unit_ratio, 0.0).sum() / n_units,
+                                      torch.ones((), device=lp.device)),  # branchless: torch.compile traces it whole
+            is_ratio_max=torch.where(units.any(), torch.where(units, unit_ratio, 0.0).max(),
+                                     torch.ones((), device=lp.device)),
             is_over_frac=over.sum() / n_units)
     return loss, stats
 

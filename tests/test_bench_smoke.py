@@ -135,6 +135,13 @@ def test_memory_gpu_check_dry_run():
     assert re.search(r"^summary: memory plan vs LiveBytes on CPU: 2 setting\(s\), step peak within [\d.]+%$", out, re.M)
 
 
+def test_an_empty_table_prints_its_header(capsys):
+    from bench._timing import print_table
+
+    print_table([], ["run", "phase"])  # bench.memory --gpu-check with every setting skipped
+    assert capsys.readouterr().out.split() == ["run", "phase"]
+
+
 def test_memory_gpu_check_smoke_runs_its_first_setting_only():
     # gpu.sh's preflight smoke of the memory part
     pytest.importorskip("bitsandbytes")
@@ -229,7 +236,7 @@ def test_gpu_sh_skips_a_part_whose_smoke_failed(tmp_path):
     env = {**os.environ, "PYTHON": str(env_python), "OMP_NUM_THREADS": "1", "OUT": str(tmp_path)}
     proc = subprocess.run(["bash", str(GPU_SH), "--dry-run", "--parts", "preflight,grpo_loss"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == 1, proc.stderr  # a failed smoke fails the run
     summary = (tmp_path / "gpu_results" / "summary.md").read_text()
     assert "| preflight | 0 |" in summary and "grpo_loss FAILED (3, smoke_grpo_loss.log: skipped);" in summary
     assert "| grpo_loss | skipped | 0 | its smoke failed: smoke_grpo_loss.log |" in summary
