@@ -14,6 +14,7 @@ import importlib.metadata as md
 import platform
 import re
 import sys
+import tomllib
 from pathlib import Path
 
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
@@ -21,14 +22,7 @@ PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
 
 def declared(pyproject: Path = PYPROJECT) -> dict[str, str]:
     """{distribution name: its specifier ('>=2.11,<2.15')} of [project].dependencies."""
-    text = pyproject.read_text()
-    try:
-        import tomllib  # Python >= 3.11
-
-        deps = tomllib.loads(text)["project"]["dependencies"]
-    except ImportError:  # 3.10: the dependencies list is one quoted string per line
-        block = text.split("dependencies = [", 1)[1].split("]", 1)[0]
-        deps = re.findall(r'"([^"]+)"', block)
+    deps = tomllib.loads(pyproject.read_text())["project"]["dependencies"]
     out = {}
     for dep in deps:
         m = re.match(r"\s*([A-Za-z0-9_.-]+)\s*(.*)", dep)
