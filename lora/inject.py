@@ -217,3 +217,18 @@ def enable_gradient_checkpointing(model: nn.Module) -> None:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+@contextmanager
+def training_mode(module: nn.Module, on: bool = True) -> Iterator[None]:
+    """Run ``module`` in training mode (``on``), then give every submodule back its own mode.
+    transformers checkpoints a layer only in training mode, so a pass with grad that wants
+    enable_gradient_checkpointing honoured runs the layers inside this."""
+    modes = [(m, m.training) for m in module.modules()]
+    if on:
+        module.train()
+    try:
+        yield
+    finally:
+        for m, was in modes:
+            m.training = was

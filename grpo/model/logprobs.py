@@ -5,11 +5,11 @@ GRPO's loss needs, for every completion token o_t of every rollout,
     logp_t     = log pi_theta(o_t | q, image, o_<t)     policy, LoRA on, with grad
     ref_logp_t = log pi_ref(o_t | q, image, o_<t)       reference, LoRA off, no grad
 
-(and old_logp_t, which the sampler returned). One forward over prompt + completion gives
-all T of them. What this file does to make that cheap:
+(and old_logp_t: update 1's logp_t, kept for updates 2..mu, grpo/step.py). One forward over
+prompt + completion gives all T of them. What this file does to make that cheap:
 
 - The vision tower is NOT rerun: the merged visual tokens computed once per prompt for
-  sampling (grpo/prompt_context.PromptContext, frozen tower, no grad) are scattered into
+  sampling (grpo/model/prompt_context.py PromptContext, frozen tower, no grad) are scattered into
   the B prompt embeddings, which are then indexed to serve the B*G rows. A rerun would
   cost 2G vision passes per prompt per step (policy + reference).
 - The prompt once per group (``shared_prefix``, the default, optim.shared_prefix): a group's
@@ -59,6 +59,7 @@ from torch.utils.checkpoint import checkpoint
 from grpo.model.prompt_context import PromptContext, completion_position_ids, group_rows, prompt_embeds
 from grpo.model.shared_prefix import shared_prefix_hidden_states, supports
 from kernels.logprob import token_logprobs
+from lora.inject import training_mode
 
 
 def _check_shapes(ctx: PromptContext, completion_ids: torch.Tensor, completion_mask: torch.Tensor, G: int) -> None:
@@ -71,19 +72,6 @@ def _check_shapes(ctx: PromptContext, completion_ids: torch.Tensor, completion_m
     if completion_mask.shape != completion_ids.shape:
         raise ValueError(f"completion_mask {tuple(completion_mask.shape)} != completion_ids "
                          f"{tuple(completion_ids.shape)}")
-
-
-@contextlib.contextmanager
-def training_mode(module: torch.nn.Module, on: bool = True) -> Iterator[None]:
-    """Run ``module`` in training mode (``on``), then give every submodule back its own mode."""
-    modes = [(m, m.training) for m in module.modules()]
-    if on:
-        module.train()
-    try:
-        yield
-    finally:
-        for m, was in modes:
-            m.training = was
 
 
 def token_entropy(logits: torch.Tensor, temperature: float, block_tokens: int = 128) -> torch.Tensor:

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from lora.inject import LoRAConfig, count_parameters, freeze_all_but_lora, inject_lora, lora_modules
+from lora.inject import LoRAConfig, count_parameters, freeze_all_but_lora, inject_lora, lora_modules, training_mode
 
 VISUAL = "model.visual"  # Qwen2.5-VL's vision tower, merger included (transformers 5's module tree)
 BLOCKS = f"{VISUAL}.blocks"
@@ -87,8 +87,6 @@ def image_features(model, pixel_values: torch.Tensor, image_grid_thw: torch.Tens
 def tower_features(model, vision: VisionInputs) -> torch.Tensor:
     """The tower run again on a context's images (module doc): with grad, in training mode, so
     its blocks' checkpointing holds; then every submodule gets its own mode back."""
-    from grpo.model.logprobs import training_mode  # logprobs imports the prompt context, which imports this
-
     with training_mode(model.model.visual, on=torch.is_grad_enabled()):
         return image_features(model, vision.pixel_values, vision.image_grid_thw)
 
