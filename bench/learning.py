@@ -344,6 +344,9 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in [
     Variant("vision_b", "the tower's blocks and merger get LoRA in phase B only (A frozen, as the default's), "
             "from the same phase A", lambda cfgs: ["--B.lora.vision", "true", "--B.lora.merger", "true"],
             shares=("A",)),
+    Variant("noisy", "NoisyRollout (arXiv 2504.13055) in A and B: half of each group sampled from the image with "
+            "Gaussian noise (sampling.noise_std's default, annealed to 0 over the phase), all trained on the clean image",
+            _both("sampling.noisy_fraction", lambda c: 0.5)),
     Variant("phase_c", "phase C (stages 2 and 3, tolerance credit) after the default's A and B, copied from the "
             "default run; reported per stage, and C:latest - B:latest", lambda cfgs: [], shares=("A", "B"), last="C"),
     Variant("frozen", "frozen-policy control: phase B from the same A:best_structure with --B.optim.lr 0 "

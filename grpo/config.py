@@ -226,7 +226,7 @@ class SamplingConfig:
     max_refills: int = 4
     """Dynamic sampling: at most this many refill rounds per step; then train on what was kept (none kept: stop)."""
     noisy_fraction: float = 0.0
-    """NoisyRollout (arXiv 2504.13055): this fraction of each group's G completions is sampled from its image with Gaussian noise added (the rest from the clean image); every completion is scored and trained on the clean image (0 = off; the paper mixes half and half)."""
+    """NoisyRollout (arXiv 2504.13055): this fraction of each group's G completions is sampled from its image with Gaussian noise added (the rest from the clean image), the advantages taken over the whole group; every row is trained conditioned on the clean image (grpo/rollout/noisy.py; 0 = off; the paper mixes half and half)."""
     noise_std: float = 0.5
     """NoisyRollout: the noise's standard deviation at the phase's first step, in the processor's normalised pixel units, annealed to 0 by the phase's last step (sampling.noisy_fraction > 0)."""
 
@@ -543,8 +543,6 @@ class TrainConfig:
              "run.tensorboard=true needs the tensorboard package: pip install 'vlgrpo[tensorboard]' "
              "(or pip install tensorboard), or drop --run.tensorboard"),
         ]
-        # The lever's name is final; what it switches on lands in a later commit.
-        checks.append((not s.noisy_fraction > 0, "sampling.noisy_fraction is not implemented yet: leave it at 0"))
         unknown = [k for k in self.data.columns if k not in ROW_FIELDS]
         checks.append((not unknown, f"data.columns names the field {unknown[0] if unknown else ''!r}, which no row "
                                     f"has: fields are {', '.join(ROW_FIELDS)} (write field=column)"))

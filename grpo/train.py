@@ -96,6 +96,7 @@ from grpo.model.vision import VISUAL, optimizer_groups
 from grpo.rewards import RewardModel
 from grpo.rollout.dynamic_sampling import NoSpread, dynamic_batches, groups_with_spread, no_spread_message
 from grpo.rollout.merged import MergedRollout
+from grpo.rollout.noisy import NoisyRollout
 from grpo.rollout.sampler import sample
 from grpo.run.files import RunFiles
 from grpo.run.guard import StepGuard
@@ -228,8 +229,11 @@ def run_grpo_phase(cfg: TrainConfig, files: RunFiles, device: str, dp: DataParal
             src = advantage_source(r.scores, cfg)
             return groups_with_spread(src.columns, G, valid=src.valid)
         gather = dynamic_batches(spread, cfg.sampling.max_refills, bundle.pad_token_id)
-    learner = Learner(bundle, opt, rewards, cfg, gen, rollout=merged.sample if merged is not None else sample,
-                      gather=gather)
+    rollout = merged.sample if merged is not None else sample
+    noisy = None
+    if cfg.sampling.noisy_fraction > 0:  # NoisyRollout: part of each group from a noisy image (grpo/rollout/noisy.py)
+        rollout = noisy = NoisyRollout(rollout, cfg.sampling.noisy_fraction, cfg.sampling.noise_std, cfg.phase.steps)
+    learner = Learner(bundle, opt, rewards, cfg, gen, rollout=rollout, gather=gather)
     hooks = PhaseHooks(dp, guard, phase, mu)
     bar, clock = Progress(cfg.phase.steps, f"phase {phase}", first), SaveClock(cfg)
 
@@ -288,6 +292,8 @@ def run_grpo_phase(cfg: TrainConfig, files: RunFiles, device: str, dp: DataParal
             return r
 
         # ---- 1-6: one GRPO step (grpo/step.py)
+        if noisy is not None:
+            noisy.step = step  # the noise's annealing follows the phase step
         try:
             result = grpo_step(learner, draw, step, temperature, hooks)
         except NoSpread as e:

@@ -172,7 +172,8 @@ def _pad_left(x: torch.Tensor, P: int, value: int | bool) -> torch.Tensor:
     return torch.cat([torch.full((*x.shape[:-1], pad), value, dtype=x.dtype, device=x.device), x], -1)
 
 
-def _pad_right(x: torch.Tensor, T: int, value: float | int | bool) -> torch.Tensor:
+def pad_right(x: torch.Tensor, T: int, value: float | int | bool) -> torch.Tensor:
+    """``x`` [..., t] padded with ``value`` on the right to [..., T] (completions of several samplings)."""
     pad = T - x.shape[-1]
     if pad == 0:
         return x
@@ -186,10 +187,10 @@ def _concat_rewards(parts: Sequence[Any]) -> Any:
         J = max(scores.prefix.s.shape[1] for scores in parts)  # pad items: scored=False, s=0, rho=0, t_end=0
         ps = [scores.prefix for scores in parts]
         prefix = type(first.prefix)(
-            R_ans=torch.cat([p.R_ans for p in ps]), s=torch.cat([_pad_right(p.s, J, 0.0) for p in ps]),
-            scored=torch.cat([_pad_right(p.scored, J, False) for p in ps]),
-            rho=torch.cat([_pad_right(p.rho, J, 0.0) for p in ps]),
-            t_end=torch.cat([_pad_right(p.t_end, J, 0) for p in ps]), a=first.prefix.a)
+            R_ans=torch.cat([p.R_ans for p in ps]), s=torch.cat([pad_right(p.s, J, 0.0) for p in ps]),
+            scored=torch.cat([pad_right(p.scored, J, False) for p in ps]),
+            rho=torch.cat([pad_right(p.rho, J, 0.0) for p in ps]),
+            t_end=torch.cat([pad_right(p.t_end, J, 0) for p in ps]), a=first.prefix.a)
     vetoed = None if first.vetoed is None else torch.cat([scores.vetoed for scores in parts])
     return type(first)(total=torch.cat([scores.total for scores in parts]),
                        components={k: torch.cat([scores.components[k] for scores in parts]) for k in first.components},
@@ -217,10 +218,10 @@ def concat_rollouts(rs: Sequence[Rollout], pad_id: int) -> Rollout:
     dev = outs[0].completion_ids.device
     n_prompts = sum(r.n_groups for r in rs)
     out = SampleOutput(
-        completion_ids=torch.cat([_pad_right(o.completion_ids, T, pad_id) for o in outs]),
-        completion_mask=torch.cat([_pad_right(o.completion_mask, T, 0) for o in outs]),
-        logprobs=torch.cat([_pad_right(o.logprobs, T, 0.0) for o in outs]),
-        filtered_logprobs=torch.cat([_pad_right(o.filtered_logprobs, T, 0.0) for o in outs]),
+        completion_ids=torch.cat([pad_right(o.completion_ids, T, pad_id) for o in outs]),
+        completion_mask=torch.cat([pad_right(o.completion_mask, T, 0) for o in outs]),
+        logprobs=torch.cat([pad_right(o.logprobs, T, 0.0) for o in outs]),
+        filtered_logprobs=torch.cat([pad_right(o.filtered_logprobs, T, 0.0) for o in outs]),
         finished=torch.cat([o.finished for o in outs]), truncated=torch.cat([o.truncated for o in outs]),
         texts=[t for o in outs for t in o.texts], prompt_index=group_rows(n_prompts, G, dev), G=G, context=ctx,
     )
