@@ -28,6 +28,10 @@ directory), resolved by the same function. A checkpoint whose adapter was traine
 checkpoint (the full-weight warm-up of a from-scratch model, --model.name tiny-random) has
 no model directory or hub id to name as its PEFT base: ``--peft`` is refused for it and
 ``--merged`` (which carries the whole model) is the export.
+
+LoRA in the vision tower and merger (lora.vision / lora.merger) goes out with the rest: the
+PEFT config's target regex names every adapted layer, tower and merger included, and the merge
+folds each LoRALinear wherever it sits.
 """
 
 from __future__ import annotations

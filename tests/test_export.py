@@ -41,12 +41,12 @@ NEW_TOKENS = 16
 B_STD = 0.2
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def _saved_run(run: Path, vision: bool = False) -> Path:
     """A run directory holding A step 1 saved as TrainState.save does: the tiny preset's
-    phase-A config, the LoRA tensors (B seeded random: a trained-ish adapter), no base checkpoint."""
-    run = tmp_path_factory.mktemp("export") / "run"
-    cfg = phase_configs("A", "tiny", {}, "base")["A"]
+    phase-A config (``vision``: LoRA in the vision tower's blocks and merger too), the LoRA
+    tensors (B seeded random: a trained-ish adapter), no base checkpoint."""
+    overrides = {"lora.vision": "true", "lora.merger": "true"} if vision else {}
+    cfg = phase_configs("A", "tiny", overrides, "base")["A"]
     torch.manual_seed(0)  # LoRA A's init draws from it; a module fixture runs before conftest's per-test seeding
     policy = build_policy(cfg, "cpu", verbose=False)
     g = torch.Generator().manual_seed(3)
@@ -59,13 +59,27 @@ def run(tmp_path_factory):
     return run
 
 
-@pytest.fixture(scope="module")
-def exported(run):
+def _export_both(run: Path) -> Path:
     out = run.parent
     assert main(["A:latest", "--run-dir", str(run), "--peft", str(out / "peft"),
                  "--merged", str(out / "merged32"), "--dtype", "fp32"]) == 0
     assert main(["A:1", "--run-dir", str(run), "--merged", str(out / "merged16")]) == 0  # the default dtype: bf16
     return out
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    return _saved_run(tmp_path_factory.mktemp("export") / "run")
+
+
+@pytest.fixture(scope="module")
+def exported(run):
+    return _export_both(run)
+
+
+@pytest.fixture(scope="module")
+def vision_run(tmp_path_factory):
+    return _saved_run(tmp_path_factory.mktemp("export_vision") / "run", vision=True)
 
 
 def greedy(model, inputs, bundle):
@@ -93,6 +107,62 @@ def dequantised_base(policy_model):
 
 
 def test_peft_and_merged_exports_decode_the_policys_greedy_tokens(run, exported):
+    _check_exports(run, exported)
+
+
+def test_exports_with_vision_adapters_carry_the_tower_and_merger(vision_run):
+    """lora.vision + lora.merger: the PEFT adapter names the tower's and merger's layers (PEFT
+    puts LoRA there, nowhere else), the merged model folds them in, both decode the policy's
+    tokens; and the adapter loads back into a plain base and into a policy with vision LoRA."""
+    peft = pytest.importorskip("peft")
+    from lora import load_adapter, lora_modules
+    from grpo.model.vision import VISUAL
+
+    out = _export_both(vision_run)
+    bundle, inputs, ref_logits, ref_ids = _check_exports(vision_run, out)
+    names = set(lora_modules(bundle.model))
+    tower = {n for n in names if n.startswith(VISUAL + ".")}
+    assert len(tower) == 5 * len(bundle.model.model.visual.blocks) + 2  # 5 per block, the merger's 2
+    for n in tower:  # the tower's adapters matter: without them the logits move far beyond the tolerance
+        lora_modules(bundle.model)[n].disabled = True
+    with torch.no_grad():
+        moved = float((bundle.model(**inputs).logits[:, -1].float() - ref_logits).abs().max())
+    for n in tower:
+        lora_modules(bundle.model)[n].disabled = False
+    assert moved > 1e-2, moved
+    # what PEFT injects from the config's target_modules: exactly the policy's LoRA layers
+    peft_model = peft.PeftModel.from_pretrained(dequantised_base(bundle.model), str(out / "peft"))
+    injected = {n.removeprefix("base_model.model.") for n, m in peft_model.named_modules() if hasattr(m, "lora_A")
+                and isinstance(m.lora_A, torch.nn.ModuleDict)}
+    assert injected == names
+    # the merged weights differ from the base exactly where the vision adapters sit
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    merged = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(out / "merged32"))
+    base = dequantised_base(bundle.model)
+    for n in tower:
+        want = base.get_submodule(n).weight + lora_modules(bundle.model)[n].delta_weight().detach()
+        torch.testing.assert_close(merged.get_submodule(n).weight, want, rtol=0, atol=1e-6)
+    # loaded back: into the plain base (injected where the file says) and into a vision policy
+    tol = 512 * 2.0**-24 * float(ref_logits.abs().max())
+    plain = dequantised_base(bundle.model).eval()
+    load_adapter(plain, out / "peft")
+    assert set(lora_modules(plain)) == names
+    again = load_policy(vision_run / "A" / "step_000001", run_dir=vision_run)
+    with torch.no_grad():
+        for m in lora_modules(again.model).values():
+            m.lora_B.zero_()
+    load_adapter(again.model, out / "peft")
+    for model in (plain, again.model):
+        logits, ids = greedy(model, inputs, bundle)
+        assert torch.equal(ids, ref_ids)
+        torch.testing.assert_close(logits, ref_logits, atol=tol, rtol=0)
+
+
+def _check_exports(run, exported):
+    """The PEFT adapter over the dequantised base and the fp32 merged model decode the
+    checkpoint policy's greedy tokens with its logits; the bf16 merge is the fp32 one rounded.
+    Returns (policy bundle, inputs, its logits, its tokens)."""
     peft = pytest.importorskip("peft")
     from transformers import Qwen2_5_VLForConditionalGeneration
 
@@ -131,6 +201,7 @@ def test_peft_and_merged_exports_decode_the_policys_greedy_tokens(run, exported)
     assert w16.keys() == w32.keys() and all(torch.equal(w16[k], w32[k].to(torch.bfloat16)) for k in w32)
     config = json.loads((exported / "merged16" / "config.json").read_text())
     assert [config[k]["dtype"] for k in ("text_config", "vision_config")] == [config["dtype"]] * 2 == ["bfloat16"] * 2
+    return bundle, inputs, ref_logits, ref_ids
 
 
 def test_merged_export_carries_tokenizer_image_processor_and_chat_template(exported, capsys):
