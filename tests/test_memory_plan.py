@@ -52,6 +52,29 @@ def test_one_layer_saves_what_the_plan_counts_op_by_op(tiny, shared_prefix):
     assert abs(per_layer - planned) <= 0.01 * planned, (per_layer, planned, tokens)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("vision,merger", [(True, True), (False, True), (True, False)])
+def test_the_vision_tower_with_lora_saves_what_the_plan_counts(dtype, vision, merger):
+    """lora.vision / lora.merger: the tower rerun with grad (checkpointing off) keeps what
+    vision_saved_per_patch counts op by op per patch, plus the LoRA factors' casts."""
+    from bench.memory import resident_tensors, saved_bytes
+    from grpo.model.prompts import encode_prompts
+    from grpo.model.vision import VisionInputs, tower_features
+    from grpo.run.memory_plan import vision_lora_copies, vision_saved_per_patch
+
+    cfg = phase_config("A", "tiny", {"model.device": "cpu", "lora.vision": str(vision).lower(),
+                                     "lora.merger": str(merger).lower(), "model.load_in_4bit": "false",
+                                     "model.dtype": dtype}, "A")
+    bundle = build_policy(cfg, "cpu", verbose=False)
+    prompts = encode_prompts(bundle, generate("train", 1, 2, seed=0, image_size=cfg.model.image_size))
+    images = VisionInputs(prompts.pixel_values.to(getattr(torch, dtype)), prompts.image_grid_thw, 2)
+    with saved_bytes(resident_tensors(bundle.model, None)) as seen:
+        tower_features(bundle.model, images)
+    sh = shapes_of_model(bundle.model, cfg)
+    planned = prompts.pixel_values.shape[0] * vision_saved_per_patch(sh) + vision_lora_copies(sh)
+    assert seen["bytes"] > 0 and abs(planned - seen["bytes"]) <= 0.01 * seen["bytes"], (seen["bytes"], planned)
+
+
 def test_a_whole_step_allocates_what_the_plan_predicts(tiny):
     cfg, bundle = tiny
     examples = generate("train", 1, 6, seed=1, image_size=cfg.model.image_size)

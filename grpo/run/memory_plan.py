@@ -99,6 +99,19 @@ class Shapes:
     lora_targets: int  # adapted projections per decoder layer
     lora_rank: int
     merged_params: int  # weights of the projections the merged rollout copy holds
+    # the vision tower (Qwen2.5-VL's ViT and merger): its widths, and its LoRA (lora.vision / lora.merger)
+    vision_blocks: int = 0
+    vision_hidden: int = 0
+    vision_intermediate: int = 0
+    vision_heads: int = 0
+    vision_targets: frozenset[str] = frozenset()  # adapted linears per block (attn.qkv, mlp.down_proj, ...), by last name
+    merger_lora: bool = False
+    vision_lora_params: int = 0  # the tower's and merger's LoRA parameters (also in lora_params)
+
+    @property
+    def vision_trains(self) -> bool:
+        """LoRA in the tower or merger: the policy pass runs the tower with grad."""
+        return bool(self.vision_targets) or self.merger_lora
 
     @property
     def kv_dim(self) -> int:
@@ -141,17 +154,29 @@ def shapes_of_model(model: torch.nn.Module, cfg: TrainConfig) -> Shapes:
     dense += sum(buf.numel() * buf.element_size() for buf in model.buffers())
     per_layer = {n.rsplit(".", 1)[-1] for n in lora if ".layers.0." in n}
     merged = sum(m.in_features * m.out_features for n, m in lora.items() if ".language_model." in n)
+    v = model.config.vision_config
+    blocks = {n.rsplit(".", 1)[-1] for n in lora if ".visual.blocks.0." in n}
+    vision_lora = sum(p.numel() for n, m in lora.items() if ".visual." in f".{n}" for p in (m.lora_A, m.lora_B))
     return Shapes(layers=t.num_hidden_layers, hidden=t.hidden_size, intermediate=t.intermediate_size,
                   heads=t.num_attention_heads, kv_heads=t.num_key_value_heads,
                   head_dim=getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads,
                   vocab=t.vocab_size, compute_bytes=b, quantized_bytes=quantized, dense_bytes=dense,
                   lora_params=lora_params, lora_bytes=lora_bytes or 4, lora_targets=len(per_layer),
-                  lora_rank=cfg.lora.rank, merged_params=merged)
+                  lora_rank=cfg.lora.rank, merged_params=merged, vision_blocks=v.depth, vision_hidden=v.hidden_size,
+                  vision_intermediate=v.intermediate_size, vision_heads=v.num_heads, vision_targets=frozenset(blocks),
+                  merger_lora=any(".visual.merger." in f".{n}" for n in lora), vision_lora_params=vision_lora)
 
 
 def _quantizable(name: str, p: torch.Tensor) -> bool:
     """lora/quant.py's choice: the language model's linear weights whose in_features is a multiple of 64."""
     return ".language_model.layers." in name and name.endswith("weight") and p.shape[1] % 64 == 0
+
+
+def visual_tokens(cfg: TrainConfig) -> int:
+    """Visual tokens of one prompt's image: one per 28 x 28 px (max_pixels for real images when
+    set, the synthetic image's side otherwise); the tower sees 4 patches of 14 x 14 px per token."""
+    m = cfg.model
+    return m.max_pixels // (28 * 28) if (cfg.run.data != "synthetic" and m.max_pixels) else (m.image_size // 28) ** 2
 
 
 def prompt_tokens(cfg: TrainConfig) -> int:
@@ -161,8 +186,7 @@ def prompt_tokens(cfg: TrainConfig) -> int:
     m = cfg.model
     if m.max_prompt_tokens > 0:
         return m.max_prompt_tokens
-    visual = m.max_pixels // (28 * 28) if (cfg.run.data != "synthetic" and m.max_pixels) else (m.image_size // 28) ** 2
-    return visual + TEXT_TOKENS
+    return visual_tokens(cfg) + TEXT_TOKENS
 
 
 # ----------------------------------------------------------------------------- per-token terms
@@ -218,6 +242,57 @@ def pass_shape(cfg: TrainConfig, prompts: int, rows: int, P: int, T: int, heads:
         masks = prompts * P * P + rows * T * (P + T)
         return prompts * P + rows * T, rows * (P + T), masks, heads * masks
     return rows * (P + T), 0, rows * (P + T) ** 2, 0
+
+
+def vision_saved_per_patch(sh: Shapes) -> int:
+    """Bytes autograd saves per image patch in the whole vision tower and merger when the
+    policy pass runs it with grad (lora.vision / lora.merger; not checkpointed). Qwen2.5-VL's
+    block, op by op (width dv, MLP width Iv, H heads, b bytes of the compute dtype; the base
+    linears are frozen and plain, so they save none of their inputs: a LoRA A saves its input):
+
+        RMSNorm x 2      the fp32 copy of the input (4 dv) and the rsqrt (4) each; block 0's
+                         first norm nothing (its input, the patch embedding, needs no grad)
+        attention        q and k after the rotation (2 b dv; the rotation in fp32 saves only
+                         cos / sin, 2 x 4 head_dim, one pair for the whole tower), v, a view
+                         that keeps the whole qkv output alive (3 b dv), the output (b dv),
+                         the log-sum-exp (4 H); window or full attention alike (the fused
+                         kernels keep no scores)
+        MLP              gate and up outputs and SiLU's (3 b Iv)
+        per LoRA target  its input (qkv: the norm's output b dv, proj: b dv, gate / up: the
+                         second norm's b dv once, down: b Iv) and its rank-r middle (r b)
+        merger           per 4 patches (one token): the norm (4 dv + 4 per patch, with grad
+                         from the tower), the first linear's output kept by GELU (b dv per
+                         patch); with lora.merger each linear's input (b dv) and middle (r b
+                         / 4); the token order's int64 index (2 per patch)
+
+    bf16 at the 7B's tower (dv 1280, Iv 3420, 16 heads, 32 blocks, all five targets and the
+    merger): 1,953,674 B, 1.86 MiB per patch: 1.86 GiB for one 448 px image (1,024
+    patches). Not yet added to ``plan_step``'s policy phase."""
+    if not sh.vision_trains:
+        return 0
+    dv, Iv, H, b, r = sh.vision_hidden, sh.vision_intermediate, sh.vision_heads, sh.compute_bytes, sh.lora_rank
+    t = sh.vision_targets
+    norm = 4 * dv + 4
+    total = 0
+    if t:
+        lora_inputs = (b * dv * (("qkv" in t) + ("proj" in t) + bool(t & {"gate_proj", "up_proj"}))
+                       + b * Iv * ("down_proj" in t) + r * b * len(t))
+        block = 2 * norm + 2 * b * dv + 3 * b * dv + b * dv + 4 * H + 3 * b * Iv + lora_inputs
+        total += sh.vision_blocks * block - norm + 2 * 4 * (dv // H)
+    total += (norm if t else 0) + b * dv + 2
+    if sh.merger_lora:
+        total += 2 * b * dv + 2 * r * b // 4
+    return total
+
+
+def vision_lora_copies(sh: Shapes) -> int:
+    """Bytes of the tower's LoRA factors cast to the compute dtype and kept for backward (one
+    copy of each, the first adapted layer's A excepted: its input needs no grad); nothing when
+    the LoRA dtype is the compute dtype (then the saved tensors are the parameters)."""
+    if not sh.vision_trains or sh.lora_bytes == sh.compute_bytes:
+        return 0
+    first_a = sh.lora_rank * sh.vision_hidden * (1 if "qkv" in sh.vision_targets else 0 if sh.vision_targets else 4)
+    return (sh.vision_lora_params - first_a) * sh.compute_bytes
 
 
 def layer_transient_no_grad_per_token(sh: Shapes) -> int:
