@@ -117,9 +117,11 @@ class WrappedBundle(ModelBundle):
 # ----------------------------------------------------------------------------- building the model
 
 
-def build_bundle(scale: str, device: str, four_bit: bool, checkpointing: bool, layers: int = 0) -> WrappedBundle:
+def build_bundle(scale: str, device: str, four_bit: bool, checkpointing: bool, layers: int = 0,
+                 custom: tuple | None = None) -> WrappedBundle:
     """Random Qwen2.5-VL of the scale's config, built on ``device`` in its dtype, NF4 + LoRA;
-    scale "tiny": the trainer's policy of the embedded default (its preset and LoRA)."""
+    scale "tiny": the trainer's policy of the embedded default (its preset and LoRA).
+    ``custom``: (text config, vision config, dtype, image px) instead of the scale's."""
     if scale == "tiny":
         from grpo.cli import phase_config
         from grpo.model.policy import build_policy
@@ -133,7 +135,7 @@ def build_bundle(scale: str, device: str, four_bit: bool, checkpointing: bool, l
     from grpo.model.tiny import tiny_image_processor
     from lora import LoRAConfig, enable_gradient_checkpointing, inject_lora, quantize_model_4bit
 
-    text, vision, dtype, *_, image_px = SCALES[scale]
+    text, vision, dtype, *_, image_px = custom or SCALES[scale]
     text = dict(text, num_hidden_layers=layers or text["num_hidden_layers"])
     tiny = load_bundle("tiny")  # tokenizer and special-token ids only
     tok = tiny.tokenizer
