@@ -74,7 +74,8 @@ FUNCTION_PURPOSE = {
     "sample_token": "sampling", "filter_logits": "sampling",
     "_attention": "attention", "_attention_block": "attention", "sdpa_attention_forward": "attention",
     "_mlp_block": "MLP",
-    "write": "cache", "batch_select_indices": "cache", "update": "cache", "batch_repeat_interleave": "cache",
+    "write": "cache", "write_at": "cache", "batch_select_indices": "cache", "update": "cache",
+    "batch_repeat_interleave": "cache", "additive_mask": "attention",
     "decode_n_tokens": "loop", "step": "loop",
     "_decode_step": "head", "decode_step": "head",
 }
@@ -97,9 +98,10 @@ class Counts:
     def combine(self, other: Counts, a: float, b: float) -> Counts:
         """a * self + b * other, every field (the differences and extrapolations below)."""
         def mix(x: Counter, y: Counter) -> Counter:
-            return Counter({k: a * x.get(k, 0) + b * y.get(k, 0) for k in set(x) | set(y)})
-        return Counts(mix(self.ops, other.ops), a * self.views + b * other.views, mix(self.syncs, other.syncs),
-                      a * self.bytes + b * other.bytes, mix(self.by_op, other.by_op))
+            both = {k: round(a * x.get(k, 0) + b * y.get(k, 0), 6) for k in set(x) | set(y)}
+            return Counter({k: v for k, v in both.items() if v})  # rounded: 1/3 of an integer difference
+        return Counts(mix(self.ops, other.ops), round(a * self.views + b * other.views, 6),
+                      mix(self.syncs, other.syncs), round(a * self.bytes + b * other.bytes), mix(self.by_op, other.by_op))
 
 
 class OpCounter(TorchDispatchMode):

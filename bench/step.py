@@ -367,7 +367,7 @@ def main(argv: list[str] | None = None) -> None:
     merged = MergedRollout(model) if args.rollout in ("merged", "both") else None
     merge_s = time.perf_counter() - t0
     if merged is not None:
-        print(f"# merged copy dtype {merged.weights[0]['q_proj'][0].dtype} (the model's compute dtype)")
+        print(f"# merged copy dtype {merged.weights[0]['qkv'][0].dtype} (the model's compute dtype)")
     print(f"# model built in {build_s:.1f} s ({n_params / 1e6:,.1f}M parameters); merged {dtype} copy "
           + (f"{fmt_bytes(merged.nbytes)} built in {merge_s:.2f} s" if merged else "not built"))
     args.opt = torch.optim.AdamW(lora_parameters(model), lr=1e-5)

@@ -289,3 +289,25 @@ def test_static_decode_with_lora_equals_hf(sharp, prompts):
     assert torch.equal(static.completion_ids, hf.completion_ids)
     torch.testing.assert_close(static.logprobs, hf.logprobs, rtol=0, atol=logprob_tol(bundle, prompts, static, 2))
     assert not torch.equal(static.completion_ids, plain.completion_ids)  # the adapters did act
+
+
+def test_static_step_helpers_compute_the_same_numbers():
+    """The static decode step rotates q and k concatenated along the heads in one pass, and gives
+    SDPA a float key mask built once per step: both are the same numbers as rotating each alone
+    and passing the bool mask (which SDPA converts to that float mask inside every call)."""
+    import torch.nn.functional as F
+
+    from grpo.rollout import static_cache
+
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(3, 4, 1, 8, generator=g), torch.randn(3, 2, 1, 8, generator=g)
+    cos, sin = torch.randn(3, 1, 1, 8, generator=g), torch.randn(3, 1, 1, 8, generator=g)
+    qk = static_cache.apply_rope(torch.cat([q, k], 1), cos, sin)
+    assert torch.equal(qk[:, :4], q * cos + static_cache._rotate_half(q) * sin)
+    assert torch.equal(qk[:, 4:], k * cos + static_cache._rotate_half(k) * sin)
+    K, V = torch.randn(3, 2, 6, 8, generator=g), torch.randn(3, 2, 6, 8, generator=g)
+    keys = torch.tensor([[0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1]], dtype=torch.bool)
+    as_bool = F.scaled_dot_product_attention(q, K, V, attn_mask=keys[:, None, None], enable_gqa=True)
+    as_float = F.scaled_dot_product_attention(q, K, V, attn_mask=static_cache.additive_mask(keys, q.dtype)[:, None, None],
+                                              enable_gqa=True)
+    assert torch.equal(as_bool, as_float)
