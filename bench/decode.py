@@ -298,6 +298,71 @@ def qwen7b_widths_bundle(layers: int = 2):
                         custom=(text, vision, torch.bfloat16, 112))
 
 
+# ----------------------------------------------------------------------------- one whole GRPO step
+
+
+def count_step(B: int, G: int, T: int) -> tuple[dict[str, Counts], dict]:
+    """One GRPO step of the embedded default (bench.step.grpo_step: the tiny policy, merged
+    rollouts, shared-prefix log-probs, beta 0, AdamW and the copy's refresh) under the counter,
+    one Counts per stage. A small warm-up step first (first-call work is not the step's)."""
+    from bench.step import Stages, build_bundle, grpo_step
+    from data.synthetic import generate
+    from grpo.rollout.merged import MergedRollout
+    from lora import lora_parameters
+
+    bundle = build_bundle("tiny", "cpu", four_bit=True, checkpointing=False)
+    merged = MergedRollout(bundle.model)
+    args = argparse.Namespace(G=G, max_new_tokens=T, beta=0.0, cap=3.0, prefix_paths=["shared"], prefixes=["shared"],
+                              saved={}, opt=torch.optim.AdamW(lora_parameters(bundle.model), lr=1e-5))
+    examples = generate("train", 1, B, seed=0, image_size=112)
+    small = argparse.Namespace(**{**vars(args), "G": 2, "max_new_tokens": 4})
+    grpo_step(bundle, examples[:1], small, "merged", merged, Stages(torch.device("cpu")))
+
+    counter = OpCounter(bundle.model)
+    per: dict[str, Counts] = {}
+
+    class Counted(Stages):  # grpo_step's own stage names label the counts
+        @contextmanager
+        def __call__(self, name: str):
+            saved, counter.counts = counter.counts, per.setdefault(name.strip(), Counts())
+            try:
+                yield
+            finally:
+                counter.counts = saved
+
+    with counter:
+        facts = grpo_step(bundle, examples, args, "merged", merged, Counted(torch.device("cpu")))
+    per.pop("(prefill alone)", None)  # bench.step times the prefill alone too; not part of the step
+    return per, facts
+
+
+def print_step(per: dict[str, Counts], facts: dict) -> None:
+    from bench._timing import fmt_bytes, print_table
+
+    tokens = facts["N"] * facts["steps"]
+    print(f"\n## one GRPO step of the embedded default: N = {facts['N']} rows, {facts['steps']} decode steps, "
+          f"prompt {facts['P']} tokens")
+    def by_name(c: Counts) -> Counter:  # the operator alone (a stage's purposes are its own)
+        out = Counter()
+        for key, n in c.by_op.items():
+            out[key.split(" ")[-1]] += n
+        return out
+
+    rows = [{"stage": k, "ops": fmt_n(c.total), "views": fmt_n(c.views), "syncs": fmt_n(sum(c.syncs.values())),
+             "alloc": fmt_bytes(int(c.bytes)),
+             "most frequent": ", ".join(f"{o} {fmt_n(n)}" for o, n in by_name(c).most_common(5))}
+            for k, c in per.items()]
+    total = Counts()
+    for c in per.values():
+        total = total.combine(c, 1, 1)
+    rows.append({"stage": "step", "ops": fmt_n(total.total), "views": fmt_n(total.views),
+                 "syncs": fmt_n(sum(total.syncs.values())), "alloc": fmt_bytes(int(total.bytes))})
+    print_table(rows, ["stage", "ops", "views", "syncs", "alloc", "most frequent"])
+    print(f"# sampling: {fmt_n(per['sampling'].total / facts['steps'])} ops per decode step "
+          f"({tokens} completion tokens); step syncs by operator: "
+          + ", ".join(f"{k} {fmt_n(v)}" for k, v in sorted(total.syncs.items())))
+
+
 # ----------------------------------------------------------------------------- report
 
 
@@ -338,6 +403,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--t1", type=int, default=3, help="tokens of the shorter rollout")
     p.add_argument("--t2", type=int, default=6, help="tokens of the longer rollout")
     p.add_argument("--quick", action="store_true", help="tiny only, --t1 2 --t2 3, no direct check")
+    p.add_argument("--step", action="store_true",
+                   help="count one whole GRPO step of the embedded default instead, by stage")
+    p.add_argument("--step-B", type=int, default=8, help="prompts of the --step count")
+    p.add_argument("--step-tokens", type=int, default=48, help="max new tokens of the --step count")
     args = p.parse_args(argv)
     paths = [s for s in args.paths.split(",") if s]
     bad = [s for s in paths if s not in ("plain", "merged", "generate")]
@@ -349,6 +418,12 @@ def main(argv: list[str] | None = None) -> None:
         args.model, args.t1, args.t2 = "tiny", 2, 3
     torch.set_num_threads(1)
     torch.manual_seed(0)
+    if args.step:
+        per, facts = count_step(args.step_B, 8, args.step_tokens)
+        print_step(per, facts)
+        print("summary: operators in one GRPO step of the embedded default: " + ", ".join(
+            f"{k} {fmt_n(c.total)}" for k, c in per.items()))
+        return
     summary = []
     if args.model in ("tiny", "both"):
         b = tiny_bundle()

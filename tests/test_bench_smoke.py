@@ -340,3 +340,13 @@ def test_decode_counts():
     assert lora and lora.group(1) == "0"
     assert re.search(r"^summary: operators per decoded token: tiny plain [\d,]+, merged [\d,]+, generate [\d,]+$",
                      out, re.M)
+
+
+def test_decode_counts_one_grpo_step():
+    out = cli("bench.decode", "--step", "--step-B", "1", "--step-tokens", "3")
+    stages = re.findall(r"^\s*(prompts|sampling|rewards|logp \(grad\)|loss|backward|optimizer|step)\s+([\d,]+)\s", out, re.M)
+    assert [s for s, _ in stages] == ["prompts", "sampling", "rewards", "logp (grad)", "loss", "backward", "optimizer",
+                                      "step"]
+    counts = {s: int(n.replace(",", "")) for s, n in stages}
+    assert counts["backward"] > 0 and counts["step"] == sum(v for k, v in counts.items() if k != "step")
+    assert re.search(r"^summary: operators in one GRPO step of the embedded default: prompts [\d,]+, ", out, re.M)

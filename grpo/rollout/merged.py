@@ -18,7 +18,9 @@ and ``refresh()`` recomputes them *in place* after every optimiser step (cost: o
 dequantisation of the base, ~0.1 s for the 7B on a GPU; the addresses stay fixed, which is
 what a captured CUDA graph needs). Everything else -- embeddings, norms, rotary tables,
 lm_head, the vision tower -- is the policy's own module, shared, not copied. For the 7B
-the copy is the 28 x 7 projections, 6.5B parameters = 13 GB of bf16.
+the copy is the 28 x 7 projections, 6.5B parameters = 13 GB of bf16. Projections that read the
+same input are stored stacked (q/k/v as one [out_q + 2 out_kv, in] weight, gate/up as one), so a
+layer runs 4 matmuls, not 7.
 
 ``MergedRollout.sample`` is ``grpo.rollout.sampler.sample`` -- the same checks, prefill, decode loop
 and output -- with this class as its DecodeHook, which swaps the per-token model call:
@@ -30,9 +32,10 @@ and output -- with this class as its DecodeHook, which swaps the per-token model
     decode      ``_decode_step``: the decoder layer written with F.linear over the merged
                 weights; every tensor has a fixed shape (the new K/V go in with
                 index_copy_ at a column held in a device tensor, attention reads all S
-                columns under a key mask), so on CUDA the whole step -- 28 layers, ~600
-                kernels -- is captured once per ``sample`` call into a CUDA graph and
-                replayed: one launch per token instead of ~600 (``graphs``)
+                columns under a float key mask), so on CUDA the whole step -- 28 layers,
+                ~900 operators (32 a layer: python -m bench.decode counts them) -- is
+                captured once per ``sample`` call into a CUDA graph and replayed: one
+                launch per token instead of ~900 (``graphs``)
     sampling    grpo.rollout.sampler.sample_token, eager, outside the graph (it owns the RNG)
 
 GQA without copies: the H_q / H_kv query heads that share one K/V head are laid out as that
