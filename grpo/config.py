@@ -96,10 +96,11 @@ class ConfigError(ValueError):
 
 
 # Reward components a rewards.weights dict may name: the six verifier terms of the staged
-# paper (grpo/rewards/verifier.py), R1-VL's StepRAR / StepRVR, RewardMap's detail reward and
-# the V-Rubrics rubric score. Defined here, below grpo/rewards, which imports this module.
+# paper (grpo/rewards/verifier.py), R1-VL's StepRAR / StepRVR, RewardMap's detail reward,
+# the V-Rubrics rubric score, this project's arithmetic check and DAPO's soft overlong
+# punishment. Defined here, below grpo/rewards, which imports this module.
 KNOWN_COMPONENTS = ("format", "parseable", "finished", "correctness", "tolerance", "brevity",
-                    "step_rar", "step_rvr", "detail", "rubric", "arithmetic")
+                    "step_rar", "step_rvr", "detail", "rubric", "arithmetic", "overlong")
 
 
 def check_weights(weights: Any, tolerance: bool, plugins: Any = ()) -> dict[str, float]:
@@ -146,6 +147,22 @@ def plugin_target(name: Any, spec: Any) -> tuple[str, str]:
         raise ConfigError(f"rewards.extra {name}={spec!r}: write NAME=module:function, e.g. "
                           f"{name}=my_rewards:{name} (the module importable from the current directory or PYTHONPATH)")
     return module.strip(), attr.strip()
+
+
+def overlong_buffer(rewards: "RewardConfig", max_new_tokens: int) -> int:
+    """L_cache of DAPO's soft overlong punishment (grpo/rewards/overlong.py) for a budget of
+    ``max_new_tokens``, or a ConfigError naming the bad value: rewards.overlong_buffer, or
+    for 0 a fifth of the budget (DAPO's 4096 of 20480 tokens), at least one token."""
+    buffer = rewards.overlong_buffer or max(1, max_new_tokens // 5)
+    if isinstance(buffer, bool) or not isinstance(buffer, int) or not 1 <= buffer <= max_new_tokens:
+        raise ConfigError(f"rewards.overlong_buffer={rewards.overlong_buffer!r}: give the number of tokens before "
+                          f"sampling.max_new_tokens={max_new_tokens} over which the penalty ramps in, an int in "
+                          f"1..{max_new_tokens} (0 = a fifth of the budget)")
+    penalty = rewards.overlong_penalty
+    if isinstance(penalty, bool) or not isinstance(penalty, (int, float)) or not (math.isfinite(penalty) and penalty > 0):
+        raise ConfigError(f"rewards.overlong_penalty={penalty!r}: give a finite number > 0 (1 = DAPO's penalty, "
+                          f"-1 at the budget; switch the component off with rewards.weights overlong=0 instead)")
+    return buffer
 
 
 def weigh_plugins(rewards: "RewardConfig") -> None:
@@ -286,6 +303,10 @@ class RewardConfig:
     """'a' in A_t = a*z(R_ans) + (1-a)*sum_j rho_j z(s_j) 1[t <= t_end_j] (prefix mode)."""
     random_reward: bool = False
     """Control, not training: each completion's rewards are replaced by those of a random completion of its batch."""
+    overlong_buffer: int = 0
+    """L_cache of the overlong component (DAPO's soft overlong punishment, on when rewards.weights names overlong): the penalty ramps from 0 at max_new_tokens - L_cache tokens to -overlong_penalty at max_new_tokens; 0 = a fifth of max_new_tokens."""
+    overlong_penalty: float = 1.0
+    """The overlong component's value at the budget (verl's penalty_factor; 1 = DAPO: -1 when truncated); > 0."""
     extra: dict[str, str] = field(default_factory=dict)
     """Your own reward components, NAME=module:function (comma separated): function(examples, completions) -> one finite float per completion; weight 1 unless rewards.weights names it (README, "Your own reward")."""
 
@@ -511,6 +532,7 @@ class TrainConfig:
                 raise ConfigError(msg)
         for name, spec in ru.extra.items():
             plugin_target(name, spec)
+        overlong_buffer(ru, s.max_new_tokens)
         if grpo:  # the warm-up is SFT: it has no rewards
             weights = check_weights(ru.weights, ru.tolerance, ru.extra)
             unweighted = [name for name in ru.extra if name not in weights]
