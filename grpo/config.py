@@ -235,6 +235,16 @@ class SamplingConfig:
     """DAPO dynamic sampling: drop groups whose G rewards are all equal, refill from the stream (grpo/rollout/dynamic_sampling.py)."""
     max_refills: int = 4
     """Dynamic sampling: at most this many refill rounds per step; then train on what was kept (none kept: stop)."""
+    accuracy_low: float = 0.0
+    """Dynamic sampling's accuracy band, lower end: keep a group only if its mean correctness (fraction of its G completions right) is >= this (EasyR1's online_filtering: 0.01); 0 and accuracy_high 1 = no band."""
+    accuracy_high: float = 1.0
+    """Dynamic sampling's accuracy band, upper end: keep a group only if its mean correctness is <= this (EasyR1: 0.99)."""
+
+    def accuracy_band(self) -> tuple[float, float] | None:
+        """(low, high) of the accuracy band, or None for the default [0, 1] (no band: any spread)."""
+        if self.accuracy_low <= 0.0 and self.accuracy_high >= 1.0:
+            return None
+        return self.accuracy_low, self.accuracy_high
 
 
 @dataclass
@@ -484,6 +494,15 @@ class TrainConfig:
              "optim.adv_mode='components' with rewards.rubric_mode='prefix': the prefix mode builds its own token "
              "advantages from R_ans and the rubric scores; use adv_mode total or rubric_mode sequence"),
             (s.max_refills >= 0, f"sampling.max_refills={s.max_refills}: must be >= 0"),
+            (0 <= s.accuracy_low <= s.accuracy_high <= 1,
+             f"sampling.accuracy_low={s.accuracy_low}, sampling.accuracy_high={s.accuracy_high}: the accuracy band "
+             "needs 0 <= low <= high <= 1 (fractions of a group's completions that are right; 0 and 1 = no band)"),
+            (not grpo or s.accuracy_band() is None or s.dynamic_sampling,
+             f"sampling.accuracy_low={s.accuracy_low}, sampling.accuracy_high={s.accuracy_high} filter the groups of "
+             "dynamic sampling, which is off: set --sampling.dynamic_sampling true, or leave the band at 0 and 1"),
+            (not grpo or s.accuracy_band() is None or "correctness" in ru.weights,
+             "sampling.accuracy_low / accuracy_high filter on the correctness component, which rewards.weights does "
+             "not name: add correctness to rewards.weights (correctness=0 scores it without paying it)"),
             (bool(m.name.strip()), "model.name is empty: use 'tiny', a local model directory or a hub id"),
             (m.dtype in ("float32", "bfloat16", "float16"), f"model.dtype={m.dtype!r}: use float32 or bfloat16"),
             (re.fullmatch(r"auto|cpu|cuda(:\d+)?", m.device) is not None,

@@ -92,7 +92,8 @@ from grpo.evaluation import checkpoint_eval, print_eval
 from grpo.model.policy import build_policy
 from grpo.model.prompts import NoPromptsLeft, PromptCounts
 from grpo.rewards import RewardModel
-from grpo.rollout.dynamic_sampling import NoSpread, dynamic_batches, groups_with_spread, no_spread_message
+from grpo.rollout.dynamic_sampling import NoSpread, dynamic_batches, groups_in_band, groups_with_spread, \
+    no_spread_message
 from grpo.rollout.merged import MergedRollout
 from grpo.rollout.sampler import sample
 from grpo.run.files import RunFiles
@@ -222,7 +223,11 @@ def run_grpo_phase(cfg: TrainConfig, files: RunFiles, device: str, dp: DataParal
         def spread(r):
             src = advantage_source(r.scores, cfg)
             return groups_with_spread(src.columns, G, valid=src.valid)
-        gather = dynamic_batches(spread, cfg.sampling.max_refills, bundle.pad_token_id)
+        band, bounds = None, cfg.sampling.accuracy_band()
+        if bounds is not None:  # and its mean correctness in [low, high] (config.validate: correctness is scored)
+            def band(r):
+                return groups_in_band(r.scores.components["correctness"], G, *bounds)
+        gather = dynamic_batches(spread, cfg.sampling.max_refills, bundle.pad_token_id, band)
     learner = Learner(bundle, opt, rewards, cfg, gen, rollout=merged.sample if merged is not None else sample,
                       gather=gather)
     hooks = PhaseHooks(dp, guard, phase, mu)
@@ -297,7 +302,7 @@ def run_grpo_phase(cfg: TrainConfig, files: RunFiles, device: str, dp: DataParal
                              dict(hooks.timing, step=time.time() - hooks.t0), dp, cfg, prompts)
         # with dynamic sampling the trained batch has no zero-spread group: the gate reads what was sampled
         fill = result.fill
-        state.zero_spread_since_eval.append(fill.dropped_frac if fill is not None else record["zero_spread"])
+        state.zero_spread_since_eval.append(fill.zero_spread_frac if fill is not None else record["zero_spread"])
         record = dp.mean_over_ranks(record)  # rank 0 logs the means over ranks
         files.write_log(record)
         bar.update(step + 1, f"reward {record['reward']:.2f} len {record['completion_len']:.0f}")

@@ -70,12 +70,31 @@ def test_bad_overrides_name_the_problem(argv, match):
         ("max_pixels", 783, r"model.max_pixels=783: must be >= 784 \(one 28x28 visual token\), or 0"),
         ("min_pixels", -1, r"model.min_pixels=-1: must be >= 0 \(0 = the processor's own\)"),
         ("max_prompt_tokens", -1, r"model.max_prompt_tokens=-1: must be >= 0 \(0 = no cap\)"),
+        ("accuracy_low", -0.1, r"sampling.accuracy_low=-0.1, sampling.accuracy_high=1.0: the accuracy band needs "
+                               r"0 <= low <= high <= 1"),
+        ("accuracy_high", 1.5, r"sampling.accuracy_high=1.5: the accuracy band needs 0 <= low <= high <= 1"),
+        ("accuracy_low", 0.01, r"sampling.accuracy_low=0.01, .* filter the groups of dynamic sampling, which is off"),
+        ("overlong_buffer", 49, r"rewards.overlong_buffer=49: .* an int in 1..48"),
+        ("overlong_penalty", -1.0, r"rewards.overlong_penalty=-1.0: give a finite number > 0"),
     ],
 )
 def test_impossible_values_are_refused(key, value, match):
     cfg = apply_overrides(TrainConfig(), {key: value})
     with pytest.raises(ConfigError, match=match):
         cfg.validate()
+
+
+def test_the_accuracy_band_needs_an_ordered_range_and_the_correctness_component():
+    cfg = apply_overrides(TrainConfig(), {"dynamic_sampling": True, "accuracy_low": 0.8, "accuracy_high": 0.2})
+    with pytest.raises(ConfigError, match=r"sampling.accuracy_low=0.8, sampling.accuracy_high=0.2: .* low <= high"):
+        cfg.validate()
+    cfg = apply_overrides(TrainConfig(), {"dynamic_sampling": True, "accuracy_low": 0.01, "accuracy_high": 0.99,
+                                          "weights": {"format": 1.0}})
+    with pytest.raises(ConfigError, match="filter on the correctness component, which rewards.weights does not name"):
+        cfg.validate()
+    cfg.rewards.weights["correctness"] = 0.0  # scored, unpaid: enough for the band
+    assert cfg.validate().sampling.accuracy_band() == (0.01, 0.99)
+    assert TrainConfig().sampling.accuracy_band() is None  # the default: no band, the spread test alone
 
 
 def test_image_bounds_must_form_a_range():
