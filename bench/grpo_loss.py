@@ -1,7 +1,8 @@
 """Benchmark the fused GRPO loss: forward + backward, eager vs torch.compile vs Triton.
 
     python -m bench.grpo_loss            # GPU: sweep to N = 64 completions x T = 4096 tokens
-    python -m bench.grpo_loss --quick    # fewer shapes and repetitions
+    python -m bench.grpo_loss --quick    # fewer shapes and repetitions, no torch.compile
+    python -m bench.grpo_loss --quick --compile --shape 64 4096   # the compiled comparison alone
     python -m bench.grpo_loss --compile  # on a CPU, include torch.compile (~1 min to compile)
     TRITON_INTERPRET=1 python -m bench.grpo_loss --force-triton --shape 16 64
                                          # smoke-test the Triton provider on a CPU (timings meaningless)
@@ -12,9 +13,12 @@ d loss / d logp. Input validation (shape checks and the NaN scan of the rewards,
 sync) is left out of all three and timed on its own row, so the providers compare math.
 
 Bandwidth counts the bytes a perfect single pass must move: read logp, old, ref, the mask
-(and token advantages when given), write d loss / d logp. Peak memory is what one forward
+and the reference when beta > 0, write d loss / d logp. Peak memory is what one forward
 + backward allocates above the inputs. On a CPU the Triton provider is skipped (the
-interpreter is for correctness, not speed) and shapes are scaled down.
+interpreter is for correctness, not speed) and shapes are scaled down. Each case's table
+prints as soon as it is measured. torch.compile compiles once per case (dynamic=False: 2
+compiles for --quick's two shapes); the first call of each is printed as its compile time
+and only then are the calls timed. --quick leaves compile out unless --compile asks for it.
 """
 
 from __future__ import annotations
@@ -23,8 +27,8 @@ import argparse
 
 import torch
 
-from bench._timing import (device_name, fmt, fmt_bytes, gbps, measure, peak_bandwidth, print_table,
-                           time_fn, timing_cells)
+from bench._timing import (device_name, fmt, fmt_bytes, gbps, measure, peak_bandwidth, print_compile_time,
+                           print_table, time_fn, timing_cells)
 from kernels import grpo_loss as gl
 
 GPU_SHAPES = [(8, 512), (16, 1024), (32, 2048), (64, 4096)]
@@ -33,7 +37,7 @@ MODES = {  # name -> loss options; the first is the default swept over shapes
     "grpo/token/kl": dict(loss_type="grpo", importance="token", beta=0.04, source="rewards"),
     "dapo/sequence": dict(loss_type="dapo", importance="sequence", beta=0.0, source="rewards"),
     "bnpo/prefix": dict(loss_type="bnpo", importance="token", beta=0.04, source="prefix"),
-    "dr_grpo/token_adv": dict(loss_type="dr_grpo", importance="token", beta=0.0, source="token_adv"),
+    "dr_grpo/components": dict(loss_type="dr_grpo", importance="token", beta=0.0, source="components"),
 }
 G = 8
 J = 4  # rubric items in the prefix mode
@@ -50,8 +54,9 @@ def make_inputs(N: int, T: int, device: str, source: str, seed: int = 0) -> dict
         mask=torch.arange(T)[None, :] < lengths[:, None],
         rewards=torch.randint(0, 3, (N,), generator=g).float(),
     )
-    if source == "token_adv":
-        inp["token_adv"] = torch.randn(N, T, generator=g)
+    if source == "components":
+        inp["components"] = torch.randint(0, 2, (N, 3), generator=g).float()
+        inp["weights"] = torch.tensor([0.6, 0.3, 0.1])
     inp = {k: v.to(device) for k, v in inp.items()}
     if source == "prefix":
         inp["prefix"] = gl.PrefixRubrics(
@@ -67,8 +72,8 @@ def eager_loss(logp, inp: dict, mode: dict) -> torch.Tensor:
     T = logp.shape[1]
     if mode["source"] == "prefix":
         adv, _ = gl.prefix_advantages_reference(inp["prefix"], T, G)
-    elif mode["source"] == "token_adv":
-        adv = inp["token_adv"]
+    elif mode["source"] == "components":
+        adv, _ = gl.grpo_advantages_reference(inp["components"], G, weights=inp["weights"])
     else:
         adv, _ = gl.grpo_advantages_reference(inp["rewards"], G)
     loss, _ = gl.grpo_loss_reference(logp, inp["mask"], adv, **loss_args(mode, inp))
@@ -77,33 +82,39 @@ def eager_loss(logp, inp: dict, mode: dict) -> torch.Tensor:
 
 def loss_args(mode: dict, inp: dict) -> dict:
     """grpo_loss's keyword arguments after the advantages, as the trainer passes them."""
-    return dict(old_logp=inp["old"], ref_logp=inp["ref"] if mode["beta"] else None, beta=mode["beta"],
-                eps_low=0.2, eps_high=0.2, loss_type=mode["loss_type"], importance=mode["importance"],
-                max_len=None, num_active_tokens=None, kl_bias_correction=False)
+    return dict(old_logp=inp["old"], ref_logp=inp["ref"] if mode["beta"] else None, sampler_logp=None,
+                num_active_tokens=None, options=gl.LossOptions(beta=mode["beta"], loss_type=mode["loss_type"],
+                                                               importance=mode["importance"]))
+
+
+def source(inp: dict, mode: dict) -> "gl.AdvantageSource":
+    """The advantage input of ``mode``."""
+    if mode["source"] == "prefix":
+        return gl.AdvantageSource.of_prefix(inp["prefix"])
+    if mode["source"] == "components":
+        return gl.AdvantageSource(inp["components"], weights=inp["weights"])
+    return gl.AdvantageSource(inp["rewards"][:, None])
 
 
 def triton_loss(logp, inp: dict, mode: dict) -> torch.Tensor:
     """The kernel path of grpo_loss without its input validation: advantages, then the loss."""
-    adv = gl.group_advantages(G=G, mask=inp["mask"], T=logp.shape[1], backend="triton", checked=True,
-                              **{mode["source"]: inp[mode["source"]]})
+    adv = gl.advantages_unchecked(source(inp, mode), G, logp.shape[1], "group", 1e-4, 0.0, "triton")
     loss, _ = gl._FusedGRPOLoss.apply(logp, dict(mask=inp["mask"], adv=adv, **loss_args(mode, inp)))
     return loss
 
 
 def validation_only(logp, inp: dict, mode: dict) -> None:
-    """What grpo_loss checks before any math: the loss's arguments and the advantage inputs
-    (shapes, then the NaN scan, the one host sync)."""
-    N, T = logp.shape
-    gl._validate(logp, inp["mask"], G, adv_eps=1e-4, **loss_args(mode, inp))
-    src = mode["source"]
-    gl.check_advantage_inputs(N, T, logp.device, inp["mask"], inp.get("rewards") if src == "rewards" else None,
-                              None, None, inp.get("prefix"), inp.get("token_adv"), "group", 1e-4, 0.0)
+    """What grpo_loss and group_advantages check before any math: the loss's arguments and
+    the advantage input (shapes, then the NaN scan, the one host sync)."""
+    src = source(inp, mode)
+    gl.check_source(src, logp.shape[1], "group", 1e-4, 0.0)
+    adv = gl.Advantages(G, "row", coef=src.columns)  # a stand-in of the right shape: no math
+    gl._validate(logp, inp["mask"], adv, **loss_args(mode, inp))
 
 
 def min_bytes(N: int, T: int, mode: dict) -> int:
     per_token = 4 + 4 + 1 + 4  # logp, old, mask (bool), grad out
     per_token += 4 if mode["beta"] else 0
-    per_token += 4 if mode["source"] == "token_adv" else 0
     return N * T * per_token
 
 
@@ -118,6 +129,8 @@ def bench_case(N: int, T: int, mode_name: str, providers: dict, device: str, arg
             logp.grad = None
             loss_fn(logp, inp, mode).backward()
         row = dict(shape=f"N={N} T={T}", mode=mode_name, provider=name)
+        if name == "compiled":
+            print_compile_time(f"N={N} T={T} {mode_name}", step, device)
         measured = measure(step, device, warmup=args.warmup, reps=args.reps)
         if measured is None:
             rows.append({**row, "median ms": "OOM"})
@@ -135,9 +148,9 @@ def bench_case(N: int, T: int, mode_name: str, providers: dict, device: str, arg
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--quick", action="store_true", help="two shapes, default mode, fewer reps")
+    parser.add_argument("--quick", action="store_true", help="two shapes, default mode, fewer reps, no torch.compile")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                        help="include torch.compile (default: on for GPU, off for CPU)")
+                        help="include torch.compile (default: on for GPU without --quick, off for CPU)")
     parser.add_argument("--reps", type=int, default=None, help="timed runs per case")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--shape", type=int, nargs=2, action="append", metavar=("N", "T"),
@@ -148,7 +161,7 @@ def main() -> None:
     args = parser.parse_args()
     on_gpu = args.device.startswith("cuda")
     args.reps = args.reps or (10 if args.quick else (50 if on_gpu else 10))
-    use_compile = on_gpu if args.compile is None else args.compile
+    use_compile = on_gpu and not args.quick if args.compile is None else args.compile
 
     providers = {"eager": eager_loss}
     if use_compile:
@@ -164,15 +177,14 @@ def main() -> None:
               + (" (Triton here runs in the interpreter: a smoke test)" if args.force_triton else "")
               + ("" if use_compile else "; add --compile for torch.compile (~1 min)"))
 
-    rows = []
-    for N, T in shapes:
-        rows += bench_case(N, T, "grpo/token/kl", providers, args.device, args)
+    cases = [(N, T, "grpo/token/kl") for N, T in shapes]
     if not args.quick:
-        N, T = shapes[-1]
-        for mode_name in list(MODES)[1:]:
-            rows += bench_case(N, T, mode_name, providers, args.device, args)
-    print_table(rows, ["shape", "mode", "provider", "median ms", "p20", "p80", "GB/s", "% peak",
-                       "peak mem"])
+        cases += [(*shapes[-1], mode_name) for mode_name in list(MODES)[1:]]
+    rows = []
+    for N, T, mode_name in cases:  # each case's table as soon as it is measured
+        case = bench_case(N, T, mode_name, providers, args.device, args)
+        print_table(case, ["shape", "mode", "provider", "median ms", "p20", "p80", "GB/s", "% peak", "peak mem"])
+        rows += case
 
     N, T = shapes[-1]
     last = {r["provider"]: r for r in rows if r["shape"] == f"N={N} T={T}" and r["mode"] == "grpo/token/kl"}

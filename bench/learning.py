@@ -116,13 +116,14 @@ import shutil
 import subprocess
 import sys
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from grpo.run.stop import STOP, EvalAbandoned, StopNow, exit_code
+from data.atomic import new_directory, replace_file
+from data.signals import STOP, StopNow, exit_code
+from grpo.run.stop import EvalAbandoned
 
 DEFAULT_OUT = Path("bench/results/learning")
 QUICK_OUT = Path("bench/results/learning-quick")
@@ -535,17 +536,13 @@ def _copy_shared(run: Run, main: Run) -> None:
     log = run.dir / "train_log.jsonl"
     if not log.exists():
         lines = [json.dumps(row) for row in _log(main) if row.get("phase") in run.variant.shares]
-        tmp = run.dir / f".tmp-log-{uuid.uuid4().hex[:8]}"
-        tmp.write_text("".join(line + "\n" for line in lines))
-        os.replace(tmp, log)
+        replace_file(log, "".join(line + "\n" for line in lines))
     for phase in run.variant.shares:
         if (run.dir / phase / "registry.json").is_file():
             continue
-        tmp = run.dir / f".tmp-{phase}-{uuid.uuid4().hex[:8]}"
-        shutil.copytree(main.dir / phase, tmp)
-        if (run.dir / phase).exists():  # a leftover without a registry: never a checkpoint
-            shutil.rmtree(run.dir / phase)
-        os.replace(tmp, run.dir / phase)
+        # replace: a leftover without a registry is never a checkpoint
+        with new_directory(run.dir / phase, replace=True) as tmp:
+            shutil.copytree(main.dir / phase, tmp, dirs_exist_ok=True)
         cfg = main.dir / f"config_{phase}.json"
         if cfg.is_file():
             shutil.copyfile(cfg, run.dir / f"config_{phase}.json")
@@ -597,7 +594,7 @@ def _train(run: Run, argv: list[str], label: str) -> None:
     meta_path = run.dir / "bench_run.json"  # wall time of this run's trainer calls (a resume adds up)
     meta = json.loads(meta_path.read_text())
     meta["train_seconds"] = meta.get("train_seconds", 0.0) + time.time() - t0
-    meta_path.write_text(json.dumps(meta, indent=2))
+    replace_file(meta_path, json.dumps(meta, indent=2))
     if rc in (130, 143) and STOP.requested:  # it saved the step it stopped at: the next bench run resumes it
         print(f"[bench] {run.name}: stopped, checkpoint saved ({out})", flush=True)
         raise BenchStopped(run.name)
@@ -618,7 +615,7 @@ def ensure_trained(run: Run, runs: Sequence[Run]) -> None:
     seconds = json.loads(meta_path.read_text()).get("train_seconds", 0.0) if meta_path.is_file() else 0.0
     meta = {"variant": run.variant.name, "seed": run.seed, "command": shlex.join(run.command()),
             "configs": _config_json(run.configs), "train_seconds": seconds}
-    meta_path.write_text(json.dumps(meta, indent=2))
+    replace_file(meta_path, json.dumps(meta, indent=2))
     if run.variant.shares:
         main = next(r for r in runs if r.variant.name == "default" and r.seed == run.seed)
         if not finished(main):
@@ -647,7 +644,7 @@ def _metric(value: Any, lo: Any, hi: Any) -> dict[str, float]:
 
 
 def greedy_metrics(model: dict) -> dict[str, dict[str, float]]:
-    """The table's greedy numbers of one report.json model entry (eval/evaluate.EvalResult.to_dict)."""
+    """The table's greedy numbers of one report.json model entry (eval/results.EvalResult.to_dict)."""
     from eval.metrics import wilson_interval
 
     ov, ctrl = model["overall"], (model.get("control") or {}).get("overall")
@@ -685,8 +682,8 @@ def sampled_metrics(run: Run, selector: str, k: int, cache_dir: Path) -> dict[st
     """pass@k (k samples at temperature 1) with true and with shuffled images, and their
     paired gap; cached by the checkpoint's state.json digest and the protocol."""
     from eval.blind import blind_gap, shuffle_images
-    from eval.evaluate import EvalProtocol
-    from grpo.evaluation import evaluate_model
+    from eval.results import EvalProtocol
+    from grpo.model_eval import evaluate_model
     from grpo.state.registry import resolve
 
     cfg = run.configs["B"]
@@ -722,9 +719,7 @@ def sampled_metrics(run: Run, selector: str, k: int, cache_dir: Path) -> dict[st
         "blind_gap_t1": _metric(em_gap.gap, em_gap.lo, em_gap.hi),
     }
     cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = cache_dir / f".tmp-{uuid.uuid4().hex[:8]}"
-    tmp.write_text(json.dumps({"key": key, "checkpoint": str(path or "base"), "metrics": metrics}, indent=2))
-    os.replace(tmp, cache)
+    replace_file(cache, json.dumps({"key": key, "checkpoint": str(path or "base"), "metrics": metrics}, indent=2))
     print(f"[bench] {run.name}: pass@{k} of {selector}: {tm['pass_at_k']:.3f} (shuffled images "
           f"{sm['pass_at_k']:.3f}) in {time.time() - t0:.0f}s", flush=True)
     return metrics
@@ -824,9 +819,7 @@ def evaluate_run(run: Run, k: int, cache_dir: Path, default: Run | None = None) 
             g = versus_default(run, default, run.variant.final)
             result["versus_default"] = g if run.variant.final == "B:latest" else _versus(run, default)
     result["training"] = training_summary(run)
-    tmp = run.dir / f".tmp-eval-{uuid.uuid4().hex[:8]}"
-    tmp.write_text(json.dumps(result, indent=2))
-    os.replace(tmp, path)
+    replace_file(path, json.dumps(result, indent=2))
     return result
 
 

@@ -179,8 +179,8 @@ def run_curriculum(args) -> None:
     from data.mixture import MixtureStream
     from data.synthetic import generate
     from eval.blind import blind_gap, shuffle_images
-    from eval.evaluate import EvalProtocol
-    from grpo.evaluation import evaluate_model
+    from eval.results import EvalProtocol
+    from grpo.model_eval import evaluate_model
     from grpo.model.load import load_bundle
     from grpo.warmup.perception import PerceptionHead
     from grpo.warmup.sft import build_sft_batch, caption_batch

@@ -230,7 +230,7 @@ def grpo_step(bundle, examples, args, rollout_path: str, merged, stages: Stages)
     from grpo.model.prompt_context import build_prompt_context
     from grpo.rewards import RewardModel
     from grpo.rollout.sampler import prefill, sample
-    from kernels.grpo_loss import grpo_loss
+    from kernels.grpo_loss import AdvantageSource, group_advantages, grpo_loss
 
     model, device = bundle.model, bundle.device
     G, L = args.G, args.max_new_tokens
@@ -252,7 +252,8 @@ def grpo_step(bundle, examples, args, rollout_path: str, merged, stages: Stages)
                                                     stages, tag)
     with torch.no_grad():  # sequence ratios (the token ones are st's): the correction's unit
         seq_ratio = torch.exp(((logp - out.logprobs) * mask).sum(1))
-    _, tok = grpo_loss(logp, mask.float(), rb.total.to(device), G=G, sampler_logp=out.logprobs)
+    adv = group_advantages(AdvantageSource(rb.total.to(device)[:, None]), G)
+    _, tok = grpo_loss(logp, mask.float(), adv, sampler_logp=out.logprobs)
     return dict(N=ids.shape[0], steps=ids.shape[1], P=prompts.input_ids.shape[1], kl=float(tok.is_kl),
                 ratio_mean=float(tok.is_ratio_mean), ratio_max=float(tok.is_ratio_max),
                 seq_ratio_max=float(seq_ratio.max()), seq_over=float(st.is_over_frac))
@@ -262,7 +263,7 @@ def train_passes(model, out, rewards, args, shared: bool, merged, stages: Stages
     """Reference and policy log-probs, loss, backward, AdamW on one sampled batch; returns
     (the policy's log-probs, the loss statistics, bytes autograd kept during the policy pass)."""
     from grpo.model.logprobs import completion_logprobs, reference_logprobs
-    from kernels.grpo_loss import grpo_loss
+    from kernels.grpo_loss import AdvantageSource, LossOptions, group_advantages, grpo_loss
     from lora import disable_adapters, lora_parameters
 
     ids, mask, G = out.completion_ids, out.completion_mask, args.G
@@ -280,9 +281,10 @@ def train_passes(model, out, rewards, args, shared: bool, merged, stages: Stages
     with stages(f"logp (grad){tag}"), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         logp = completion_logprobs(model, out.context, ids, mask, G, shared_prefix=shared)
     with stages(f"loss{tag}"):
-        loss, st = grpo_loss(logp, mask.float(), rewards, G=G, ref_logp=ref, beta=args.beta,
-                             max_len=args.max_new_tokens, sampler_logp=out.logprobs, correction="sequence",
-                             correction_cap=args.cap)
+        adv = group_advantages(AdvantageSource(rewards[:, None]), G)  # inside the loss's time, as before
+        loss, st = grpo_loss(logp, mask.float(), adv, ref_logp=ref, sampler_logp=out.logprobs,
+                             options=LossOptions(beta=args.beta, max_len=args.max_new_tokens, correction="sequence",
+                                                 correction_cap=args.cap))
     with stages(f"backward{tag}"):
         loss.backward()
     with stages(f"optimizer{tag}"):

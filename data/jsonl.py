@@ -55,6 +55,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from data.atomic import replace_file
 from data.rows import SkipRow, check_columns, example_from_row, map_columns
 from data.schema import Example, Intermediate, RubricItem
 
@@ -101,9 +102,7 @@ def save_jsonl(examples: Iterable[Example], directory: str | os.PathLike) -> Pat
         except TypeError as err:
             raise ValueError(f"example {ex.pid!r} has a field JSON cannot store: {err}") from err
     path = root / DATA_FILE
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("\n".join(lines) + ("\n" if lines else ""), encoding="utf-8")
-    tmp.replace(path)  # a reader never sees a half-written file
+    replace_file(path, "\n".join(lines) + ("\n" if lines else ""))  # a reader never sees a half-written file
     return path
 
 

@@ -267,13 +267,11 @@ Then: python -m grpo.train --phase B --run.data OUT
 
 def convert(source: str, out: str | Path, split: str = "testmini", columns: dict[str, str] | None = None) -> int:
     """``python -m data.mathvista convert``: the command (see CONVERT_HELP); returns the exit code."""
-    import os
-    import shutil
     import sys
-    import tempfile
 
-    from data.interrupt import Interrupted, signals_raise
+    from data.atomic import new_directory
     from data.jsonl import save_jsonl
+    from data.signals import StopNow, exit_code, signal_name, stops_at_once
     from data.sources import load_source, source_kind
 
     out = Path(out)
@@ -281,9 +279,8 @@ def convert(source: str, out: str | Path, split: str = "testmini", columns: dict
         print(f"error: {out} exists and is not an empty directory: name a new directory "
               "(convert never writes into existing data)", file=sys.stderr)
         return 2
-    tmp = None
     try:
-        with signals_raise():
+        with stops_at_once():
             try:
                 own = not str(source).startswith(HUB_PREFIX) and source_kind(source) in ("jsonl", "datasets")
             except ValueError:
@@ -303,22 +300,16 @@ def convert(source: str, out: str | Path, split: str = "testmini", columns: dict
                       "(MathVista's test split ships without answers: convert testmini)", file=sys.stderr)
                 return 2
             print("stage filters: " + ", ".join(f"stage{s} {len(v)}" for s, v in stage_subsets(numeric).items()))
-            out.parent.mkdir(parents=True, exist_ok=True)
-            tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-            save_jsonl(numeric, tmp)
-            os.replace(tmp, out)  # replaces an empty directory too; never a half-written one
-            tmp = None
+            with new_directory(out) as tmp:  # takes an empty OUT's place too; never a half-written one
+                save_jsonl(numeric, tmp)
         print(f"wrote {out} (data.jsonl + images/); train with: python -m grpo.train --phase B --run.data {out}")
         return 0
-    except Interrupted as stop:
-        print(f"convert stopped on {stop}; nothing was written to {out}", file=sys.stderr)
-        return stop.exit_code
+    except StopNow as stop:
+        print(f"convert stopped on {signal_name(stop.signum)}; nothing was written to {out}", file=sys.stderr)
+        return exit_code(stop.signum)
     except (ValueError, FileNotFoundError, ImportError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,7 +15,7 @@ from data.mathvista import eval_overall_numeric, is_overall_numeric, load_mathvi
 from data.schema import Example
 from data.sources import DATASETS_MARKERS, load_source
 from data.synthetic import generate
-from eval.evaluate import STAGES
+from eval.results import STAGES
 
 
 def load_examples(args: Any) -> tuple[list[Example], str, dict[str, int]]:

@@ -17,15 +17,15 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from data.atomic import replace_files
 from eval.blind import BlindGap
-from eval.evaluate import EvalResult, SubsetResult
 from eval.metrics import FAILURE_MODES
+from eval.results import EvalResult, SubsetResult
 
 # (key, column header, format) of the headline table, in reading order.
 COLUMNS: tuple[tuple[str, str, str], ...] = (
@@ -212,8 +212,8 @@ def write_report(
     """Write report.md, report.json and samples_<model>.jsonl into out_dir; return the two report paths.
 
     Every file is first written whole under a temporary name beside it, and only when all of
-    them are written are they renamed into place: a failed write (a full disk) leaves the
-    previous report as it was and no partial file (the temporary ones are removed). The
+    them are written are they renamed into place (data/atomic.py): a failed write (a full
+    disk) leaves the previous report as it was and no partial file. The
     renames are a few system calls; grpo.evaluate holds the stop signals around this call."""
     if not results:
         raise ValueError("write_report: no results to report; evaluate at least one model")
@@ -226,13 +226,5 @@ def write_report(
     for name, r in results.items():
         files[out / f"samples_{_safe_name(name)}.jsonl"] = "".join(
             json.dumps(rec, ensure_ascii=False) + "\n" for rec in r.records)
-    temps = {path: path.with_name(f".tmp-{path.name}-{os.getpid()}") for path in files}
-    try:
-        for path, text in files.items():
-            temps[path].write_text(text, encoding="utf-8")
-        for path, tmp in temps.items():
-            os.replace(tmp, path)
-    finally:
-        for tmp in temps.values():
-            tmp.unlink(missing_ok=True)
+    replace_files(files)
     return md_path, json_path

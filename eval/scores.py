@@ -14,7 +14,7 @@ answers right but unreadably does not win it.
 
 Because each score is linear in the rates, a score also equals the mean of the same
 formula applied to every completion's 0/1 indicators. The evaluator uses that to put a
-95% interval on a score (eval/evaluate.py), with no extra approximation.
+95% interval on a score (eval/results.py), with no extra approximation.
 
 The staged paper's Table 6 (MathVista testmini, n=456) is reproduced from its rate
 columns in tests/test_eval_scores.py.

@@ -17,17 +17,18 @@ import errno
 import os
 import sys
 import time
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 
 from transformers.utils import logging as hf_logging
 
+from data.atomic import temp_path
+from data.signals import STOP, StopNow, exit_code, signal_name
 from grpo.config import (PERCEPTION_DEFAULTS, PHASES, PRESETS, ConfigError, TrainConfig, apply_overrides,
                          describe_fields, parse_override_args, phase_init, phase_preset, preset_for_model,
                          preset_overrides, trains_from_scratch, weigh_plugins)
 from grpo.distributed import DataParallel, init_distributed, peer_lost
-from grpo.errors import NoRewardSpread, TrainingDiverged, inside, one_line
+from grpo.errors import NoRewardSpread, StepOutOfMemory, TrainingDiverged, inside, one_line
 from grpo.final_report import write_final_report
 from grpo.model.load import ModelLoadError
 from grpo.model.policy import check_policy_config
@@ -35,7 +36,7 @@ from grpo.rewards.plugins import load_plugins
 from grpo.run.files import RunFiles
 from grpo.run.phase_data import fall_back_to_all, load_training_data
 from grpo.run.runtime import keep_freed_memory, pick_device, seed_everything, set_threads
-from grpo.run.stop import STOP, EvalAbandoned, StopNow, Stopped, exit_code, signal_name, stop_message
+from grpo.run.stop import EvalAbandoned, Stopped, stop_message
 from grpo.state.checkpoint import load_checkpoint
 from grpo.state.compat import check_compatible, check_init_compatible, check_resumable
 from grpo.state.layout import CheckpointError
@@ -109,7 +110,7 @@ def prepare_run_dir(root: Path) -> None:
         raise ConfigError(f"--run.run_dir {root}: a part of that path is a file, so the directory cannot be "
                           "created; name another directory") from None
     # os.access says yes to root on a read-only directory and no to some ACL'd ones: try it.
-    probe = root / f".tmp-write-probe-{uuid.uuid4().hex[:8]}"
+    probe = temp_path(root / "write-probe")  # a .tmp- name: a kill here leaves a recognisable leftover
     fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     os.close(fd)
     os.unlink(probe)
@@ -202,10 +203,10 @@ def main(argv: list[str] | None, run_phase: Callable[[TrainConfig, RunFiles, str
 
     Every error the project raises on purpose ends as one line on stderr: exit 2 when the
     request is wrong (config, selector, model name, data), exit 1 when the run failed (a
-    checkpoint, divergence, the run directory's disk). Anything else is a bug and keeps its
+    checkpoint, divergence, a step out of device memory, the run directory's disk). Anything else is a bug and keeps its
     traceback."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    STOP.install()  # from here a signal never ends the run with a traceback (grpo/run/stop.py)
+    STOP.install()  # from here a signal never ends the run with a traceback (data/signals.py, grpo/run/stop.py)
     try:
         return _main(argv, run_phase)
     finally:
@@ -232,7 +233,7 @@ def _main(argv: list[str], run_phase: Callable[[TrainConfig, RunFiles, str, Data
         root = files.root
         device = pick_device(cfg.model.device)
         prepare_run_dir(files.root)
-        dp = init_distributed(device)  # torchrun: this rank's process group and device; else one process
+        dp = init_distributed(device, collective_timeout_s=cfg.run.collective_timeout_s)  # torchrun: this rank's process group and device; else one process
         device, files.writer = dp.device, dp.is_main
         plan = phases_to_run(known.phase, files, cfg.phase.init, cfg.model.name) if cfg.run.run_prior_phases else [known.phase]
         fall_back_to_all({p: configs[p] for p in plan})  # own data without MathVista metadata: the stage "all"
@@ -273,7 +274,7 @@ def _main(argv: list[str], run_phase: Callable[[TrainConfig, RunFiles, str, Data
     except (ConfigError, SelectorError, ModelLoadError) as err:  # the command asks for something wrong: say what
         print(f"error: {one_line(err)}", file=sys.stderr)
         return 2
-    except (CheckpointError, TrainingDiverged, NoRewardSpread) as err:  # the run failed; its earlier checkpoints are intact
+    except (CheckpointError, TrainingDiverged, NoRewardSpread, StepOutOfMemory) as err:  # the run failed; its earlier checkpoints are intact
         print(f"error: {one_line(err)}", file=sys.stderr)
         return 1
     except RuntimeError as err:

@@ -34,6 +34,7 @@ from typing import Any, Literal
 import torch
 
 from data.rows import FIELDS as ROW_FIELDS
+from grpo.batches import micro_batch_rows_fit
 from data.stages import ALL
 
 from kernels.grpo_advantages import SCALES
@@ -368,6 +369,10 @@ class RunConfig:
     more, and OpenMP spin-waits collapse (10x slower, measured) when the cores are shared."""
     tensorboard: bool = False
     """Also write every number of train_log.jsonl as a TensorBoard scalar, in <run_dir>/tensorboard/ (tensorboard extra)."""
+    collective_timeout_s: float = 300.0
+    """Data parallel (torchrun): seconds a collective may wait for a rank before every rank
+    stops with one line naming the rank that did not arrive (the warm-up's wait for rank 0
+    is exempt). A step's ranks arrive within seconds of each other; a hung one never does."""
 
 
 @dataclass
@@ -461,8 +466,7 @@ class TrainConfig:
             # Whole groups: a group's G rows share one prompt (issue: the prompt once per group)
             # and one advantage baseline, so a micro-batch never splits one.
             # (at least the batch's rows: one pass, so a preset's value survives a smaller --G or batch)
-            (o.micro_batch_rows == 0 or o.micro_batch_rows >= p.prompts_per_step * s.G
-             or (o.micro_batch_rows % s.G == 0 and (p.prompts_per_step * s.G) % o.micro_batch_rows == 0),
+            (micro_batch_rows_fit(p.prompts_per_step, s.G, o.micro_batch_rows),
              f"optim.micro_batch_rows={o.micro_batch_rows}: must be a multiple of sampling.G={s.G} (whole groups) that "
              f"divides the rollout batch's {p.prompts_per_step} x {s.G} = {p.prompts_per_step * s.G} rows, e.g. "
              f"{s.G} or {p.prompts_per_step * s.G}; 0 = all rows at once"),
@@ -535,6 +539,8 @@ class TrainConfig:
             (r.save_every_minutes >= 0, f"run.save_every_minutes={r.save_every_minutes}: must be >= 0 (0 = no timed saves)"),
             (r.test_per_stage >= 0, f"run.test_per_stage={r.test_per_stage}: must be >= 0 (0 = no report)"),
             (r.cpu_threads >= 0, f"run.cpu_threads={r.cpu_threads}: must be >= 0 (0 = torch's default)"),
+            (math.isfinite(r.collective_timeout_s) and r.collective_timeout_s > 0,
+             f"run.collective_timeout_s={r.collective_timeout_s}: must be a finite number of seconds > 0"),
             # checked here, before a model loads, so a missing package is not found after the warm-up
             (not r.tensorboard or importlib.util.find_spec("tensorboard") is not None,
              "run.tensorboard=true needs the tensorboard package: pip install 'vlgrpo[tensorboard]' "

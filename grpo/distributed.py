@@ -11,7 +11,7 @@ step of B prompts (``phase.prompts_per_step`` is the GLOBAL batch) is split over
              exactly the batch one process would take
     sample   G completions per kept prompt with the rank's own generator, seeded from
              (seed, rank); a group never straddles ranks, so group advantages stay local
-    loss     each rank scales its micro-batch loss to its *share* of the global loss (table
+    loss     each rank scales each micro-batch's loss to its *share* of the global loss (table
              below); the LoRA gradients are then SUMMED over ranks: one all-reduce of the
              flattened gradients (20M fp32 numbers = 80 MB for the 7B's rank-8 LoRA, about a
              millisecond over NVLink, so there is no bucketing or overlap with backward)
@@ -26,23 +26,25 @@ step of B prompts (``phase.prompts_per_step`` is the GLOBAL batch) is split over
 
 Loss normalisation: why W ranks equal one process on the global batch
 ---------------------------------------------------------------------
-Rank r's micro-batch has n_r rows (completions) and m_r active tokens; N = sum_r n_r and
-M = sum_r m_r are the global micro-batch's counts. ``kernels.grpo_loss`` returns the loss of
-the rows it is given; the global loss is a weighted sum of those per-rank losses:
+Rank r's part of a rollout batch has n_r rows (completions) and m_r active tokens; N = sum_r n_r
+and M = sum_r m_r are the global rollout batch's counts. ``kernels.grpo_loss`` returns the loss
+of the rows it is given; the global loss is a weighted sum of those per-rank losses
+(grpo/batches.py ``loss_share``, which also folds in the micro-batches and the accumulation;
+``counts_over_ranks`` is its one all-reduce):
 
-    loss_type  one process, global micro-batch         share of rank r (times its local loss)
+    loss_type  one process, global rollout batch       share of rank r (times its local loss)
     grpo       (1/N) sum_i (1/n_i) sum_t l_it           n_r / N
     dr_grpo    (1/(N L)) sum_it l_it                     n_r / N
     bnpo       (1/M) sum_it l_it                         m_r / M
     dapo       (1/M_step) sum_it l_it                    1, and the kernel is given M_step = the
-                                                         active tokens of every micro-batch of
-                                                         every rank (one all-reduce)
+                                                         active tokens of every rollout batch
+                                                         of every rank (one all-reduce)
 
 Summing the shared-out gradients over ranks then gives the gradient of the global loss.
-adv_scale="batch" (one std over the whole micro-batch, TRL's option) would otherwise use each
-rank's own std: ``advantage_inputs`` computes the global std with two all-reduces and hands
-the kernel r / (std + eps) with scale "none", which is the same advantage
-((r - mean_g) / (std + eps) = r/(std + eps) - mean_g(r/(std + eps))).
+adv_scale="batch" (one std over the whole rollout batch, TRL's option) would otherwise use each
+rank's own std: ``global_batch_std`` computes the global std with two all-reduces, and the
+advantage kernel, given it (``AdvantageSource.batch_std``), centres r / (std + eps) within
+each group, which is the same advantage ((r - mean_g) / (std + eps) = r/(std + eps) - mean_g(r/(std + eps))).
 
 What is exact and what is not
 -----------------------------
@@ -58,7 +60,9 @@ What is exact and what is not
 - Logged diagnostics (KL, clip fractions, lengths, reward) are means of per-rank means:
   exact when ranks hold equal row/token counts. The logged loss and grad norm are exact.
 - The SFT warm-up is not data-parallel: rank 0 runs it while the others wait at a barrier
-  (the process group is created with a 2-hour timeout for that reason).
+  (the process group is created with a 2-hour timeout for that reason; every other collective
+  is watched: one that waits longer than run.collective_timeout_s for a rank ends every rank
+  with one line naming it, grpo/watchdog.py).
 
 Backends: NCCL on GPUs (rank r uses cuda:LOCAL_RANK), gloo on CPUs. A run without torchrun's
 environment (WORLD_SIZE unset or 1) gets a single-process ``DataParallel`` whose methods are
@@ -67,6 +71,7 @@ identities, so the trainer has one code path.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -80,8 +85,8 @@ import torch
 import torch.distributed as dist
 
 from grpo.config import ConfigError
+from grpo.watchdog import CollectiveWatch
 from kernels.grpo_advantages import batch_std
-from kernels.grpo_loss import LOSS_TYPES
 
 
 class DistributedError(ConfigError):
@@ -106,21 +111,6 @@ def sampling_seed(seed: int, rank: int, world: int) -> int:
     return int(np.random.SeedSequence([seed, rank]).generate_state(1, dtype=np.uint64)[0] >> 1)
 
 
-def loss_share(loss_type: str, rows: float, tokens: float, global_rows: float, global_tokens: float) -> float:
-    """The factor that turns a rank's micro-batch loss into its share of the global loss.
-
-    rows/tokens: this rank's completions and active tokens in the micro-batch; global_*:
-    their sums over ranks. dapo returns 1: its kernel already divides by the global count.
-    """
-    if loss_type not in LOSS_TYPES:
-        raise DistributedError(f"loss_type={loss_type!r}: use one of {', '.join(LOSS_TYPES)}")
-    if loss_type in ("grpo", "dr_grpo"):
-        return rows / max(global_rows, 1.0)
-    if loss_type == "bnpo":
-        return tokens / max(global_tokens, 1.0)
-    return 1.0
-
-
 # ----------------------------------------------------------------------------- the process group
 
 
@@ -133,6 +123,7 @@ class DataParallel:
     local_rank: int = 0
     device: str = "cpu"
     owns_group: bool = False  # we created the process group (so we destroy it)
+    watch: Any = None  # the collective watchdog (grpo/watchdog.py CollectiveWatch) of a data-parallel run
 
     @property
     def is_main(self) -> bool:
@@ -172,44 +163,34 @@ class DataParallel:
 
     # -------------------------------------------------------------- loss normalisation
 
-    def loss_shares(self, loss_type: str, masks: Sequence[torch.Tensor]) -> tuple[float, list[float]]:
-        """(active tokens of the whole step, share of each micro-batch) -- see the module table.
+    def counts_over_ranks(self, counts: torch.Tensor) -> torch.Tensor:
+        """(rows, active tokens) of each rollout batch [batches, 2] summed over ranks: one
+        all-reduce gives what every loss share needs (grpo/batches.py ``loss_share``)."""
+        return self._all_reduce(counts.clone())
 
-        masks: this rank's completion masks, one [n_r, T] per micro-batch. One all-reduce of
-        a [A, 2] tensor of (rows, tokens) gives every micro-batch's global counts.
-        """
-        local = torch.tensor([[float(m.shape[0]), float(m.sum())] for m in masks], dtype=torch.float64)
-        glob = self._all_reduce(local.clone())
-        shares = [loss_share(loss_type, float(n), float(m), float(gn), float(gm))
-                  for (n, m), (gn, gm) in zip(local.tolist(), glob.tolist())]
-        # at least 1: with optim.mask_truncated a step of truncated rows only has no active token
-        # (its loss is 0, not 0 / 0)
-        return max(1.0, float(glob[:, 1].sum())), shares
-
-    def advantage_inputs(self, rewards: torch.Tensor, adv_scale: str, eps: float = 1e-4,
-                         std_floor: float = 0.0) -> tuple[torch.Tensor, str]:
-        """(rewards, scale) to hand the loss kernel so that scale="batch" uses the global std.
-
-        Single process, or another scale: unchanged. Otherwise the unbiased std of the
-        micro-batch's rewards over all ranks (two all-reduces: mean, then squared
-        deviations, which avoids the cancellation of sum-of-squares) and the rewards
-        divided by (max(std, std_floor) + eps) with scale "none" -- the same advantages
-        (module doc). rewards [N], or reward components [N, K]: one std per column.
-        """
-        if not self.enabled or adv_scale != "batch":
-            return rewards, adv_scale
-        c = rewards.double().reshape(rewards.shape[0], -1)  # [N, C]
-        std = batch_std(c, std_floor=std_floor, all_reduce=self._all_reduce)  # two all-reduces
-        return (c / (std + eps)).reshape(rewards.shape).to(rewards.dtype), "none"
+    def global_batch_std(self, columns: torch.Tensor, std_floor: float = 0.0) -> torch.Tensor | None:
+        """scale="batch"'s std of each reward column [N, C] over every rank's rows (float64,
+        floored at std_floor; two all-reduces: the mean, then the squared deviations, which
+        avoids the cancellation of a sum of squares); None in a single process, where the
+        kernel takes the batch's own std. The advantage kernel then centres r / (std + eps)
+        within each group: the same advantages as one process on the global batch (module doc)."""
+        if not self.enabled:
+            return None
+        return batch_std(columns.double(), std_floor=std_floor, all_reduce=self._all_reduce)
 
     # -------------------------------------------------------------- collectives
+
+    def _watched(self, name: str):
+        """Every collective runs inside this: the watchdog times it (none in one process)."""
+        return self.watch.collective(name) if self.watch is not None else contextlib.nullcontext()
 
     def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """In-place SUM all-reduce through this rank's device (NCCL needs CUDA tensors); returns x."""
         if not self.enabled:
             return x
         y = x.to(self.device)
-        dist.all_reduce(y, op=dist.ReduceOp.SUM)
+        with self._watched("all_reduce"):
+            dist.all_reduce(y, op=dist.ReduceOp.SUM)
         if y is not x:
             x.copy_(y.to(x.device))
         return x
@@ -233,7 +214,8 @@ class DataParallel:
             by_dtype.setdefault(p.grad.dtype, []).append(p)
         for group in by_dtype.values():
             flat = torch.cat([p.grad.reshape(-1) for p in group])  # one copy: ~80 MB for the 7B's LoRA
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+            with self._watched("gradient all_reduce"):
+                dist.all_reduce(flat, op=dist.ReduceOp.SUM)
             for p, g in zip(group, flat.split([p.numel() for p in group])):
                 p.grad.copy_(g.view_as(p.grad))
 
@@ -241,7 +223,7 @@ class DataParallel:
         """Start every rank from rank 0's values (seeded inits agree anyway; this makes sure)."""
         if not self.enabled:
             return
-        with torch.no_grad():
+        with torch.no_grad(), self._watched("broadcast of rank 0's parameters"):
             for p in params:
                 dist.broadcast(p.data, src=0)
 
@@ -256,8 +238,9 @@ class DataParallel:
         with torch.no_grad():
             flat = torch.cat([p.detach().float().reshape(-1) for p in params])
             hi = flat.clone()
-            dist.all_reduce(hi, op=dist.ReduceOp.MAX)
-            dist.all_reduce(flat, op=dist.ReduceOp.MIN)
+            with self._watched("replica check"):
+                dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+                dist.all_reduce(flat, op=dist.ReduceOp.MIN)
             bad = int((hi != flat).sum())
         if bad:
             raise RuntimeError(f"rank {self.rank}: {bad} LoRA parameters differ between ranks; the replicas "
@@ -272,7 +255,8 @@ class DataParallel:
         keys = list(counts)
         summed = self._all_reduce(torch.tensor([float(counts[k]) for k in keys], dtype=torch.float64))
         peak = torch.tensor([float(counts[k]) for k in keys], dtype=torch.float64, device=self.device)
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        with self._watched("all_reduce max"):
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         return {k: int(peak[i] if k in maxima else summed[i]) for i, k in enumerate(keys)}
 
     def mean_over_ranks(self, record: dict[str, Any]) -> dict[str, Any]:
@@ -314,7 +298,8 @@ class DataParallel:
         if not self.enabled:
             return [obj]
         out: list[Any] = [None] * self.world
-        dist.all_gather_object(out, obj)
+        with self._watched("all_gather_object"):
+            dist.all_gather_object(out, obj)
         return out
 
     def agree(self, signum: int, due: bool) -> tuple[int, bool]:
@@ -324,7 +309,8 @@ class DataParallel:
         if not self.enabled:
             return signum, due
         flags = torch.tensor([float(signum), float(due)], dtype=torch.float64, device=self.device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        with self._watched("step-boundary agreement"):
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         return int(flags[0]), bool(flags[1])
 
     def lost_rank_message(self, err: BaseException, grace: float = 3.0) -> str:
@@ -351,8 +337,12 @@ class DataParallel:
         return (f"{who} died or stopped responding ({cause}); rank {self.rank} stopped too. Checkpoints up to the "
                 "last one saved are intact: the same command resumes from it")
 
-    def barrier(self) -> None:
-        if self.enabled:
+    def barrier(self, patient: bool = False) -> None:
+        """Wait for every rank. ``patient``: not watched, bounded by the process group's
+        2-hour timeout only (ranks > 0 waiting while rank 0 runs the warm-up)."""
+        if not self.enabled:
+            return
+        with contextlib.nullcontext() if patient else self._watched("barrier"):
             dist.barrier()
 
     # -------------------------------------------------------------- checkpoint pieces
@@ -374,14 +364,14 @@ class DataParallel:
     # -------------------------------------------------------------- evaluation
 
     def evaluate(self, bundle: Any, examples: Sequence[Any], protocol: Any) -> Any:
-        """grpo.evaluation.evaluate_model, with each sampling pass split over ranks and the
+        """grpo.model_eval.evaluate_model, with each sampling pass split over ranks and the
         completions gathered: every rank returns the same EvalResult (control included).
 
         Each rank decodes its share in batches seeded like evaluate_model's (seed + batch
         start within the share): greedy results equal a single process's; sampled ones
         (temperature > 0) are other draws.
         """
-        from grpo.evaluation import evaluate_model, sample_completions
+        from grpo.model_eval import evaluate_model, sample_completions
 
         if not self.enabled:
             return evaluate_model(bundle, examples, protocol)
@@ -399,7 +389,10 @@ class DataParallel:
         return evaluate_model(bundle, examples, protocol, sample_pass=sharded_pass)
 
     def close(self) -> None:
-        """Destroy the process group if this object created it."""
+        """Stop the watchdog; destroy the process group if this object created it."""
+        if self.watch is not None:
+            self.watch.close()
+            self.watch = None
         if self.owns_group and dist.is_initialized():
             dist.destroy_process_group()
             self.owns_group = False
@@ -418,11 +411,12 @@ def _deep_copy_dicts(d: dict) -> dict:
     return {k: _deep_copy_dicts(v) if isinstance(v, dict) else v for k, v in d.items()}
 
 
-def init_distributed(device: str, quiet: bool = True) -> DataParallel:
+def init_distributed(device: str, quiet: bool = True, collective_timeout_s: float = 300.0) -> DataParallel:
     """Join the process group torchrun describes (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_*).
 
     Without those variables (or WORLD_SIZE=1): a single-process DataParallel on ``device``.
-    With them: NCCL and cuda:LOCAL_RANK when ``device`` is a CUDA device, gloo otherwise.
+    With them: NCCL and cuda:LOCAL_RANK when ``device`` is a CUDA device, gloo otherwise,
+    and the collective watchdog (grpo/watchdog.py) with ``collective_timeout_s``.
     ``quiet``: silence stdout on ranks > 0 (every rank runs the same prints).
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -444,10 +438,14 @@ def init_distributed(device: str, quiet: bool = True) -> DataParallel:
         backend = "gloo"
     owns = False
     if not dist.is_initialized():
-        # 2 hours: ranks > 0 wait at a barrier while rank 0 runs the (not data-parallel) warm-up.
+        # 2 hours: ranks > 0 wait at a barrier while rank 0 runs the (not data-parallel) warm-up;
+        # every other collective is bounded by run.collective_timeout_s (the watchdog).
         extra = {"device_id": torch.device(device)} if backend == "nccl" else {}
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(hours=2), **extra)
         owns = True
     if quiet and rank != 0:
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 -- lives as long as the process
-    return DataParallel(rank=rank, world=world, local_rank=local_rank, device=device, owns_group=owns)
+    from torch.distributed.distributed_c10d import _get_default_store  # private: the group keeps its store nowhere public
+
+    watch = CollectiveWatch(_get_default_store(), rank, world, collective_timeout_s)
+    return DataParallel(rank=rank, world=world, local_rank=local_rank, device=device, owns_group=owns, watch=watch)

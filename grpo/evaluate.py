@@ -12,7 +12,7 @@ rows are counted and named in one warning line (``warn_contamination``): an own-
 report holds its test rows out itself (data/holdout.py), so evaluating on a given set is
 where training rows can come back.
 
-Evaluating a model (sampling, then scoring with eval/) is grpo/evaluation.py; this is the
+Evaluating a model (sampling, then scoring with eval/) is grpo/model_eval.py; this is the
 command around it: checkpoint selectors, data sources, reports.
 
 grpo.model.load / grpo.model.policy / grpo.state.registry are called through their modules
@@ -36,15 +36,15 @@ import grpo.model.load
 import grpo.model.policy
 import grpo.state.registry
 from data.holdout import shared_pids
-from eval.evaluate import EvalProtocol, EvalResult, evaluate_completions
+from data.signals import StopNow, exit_code, signal_name, signals_held, stops_at_once
 from eval.inputs import load_examples, read_completions
 from eval.report import control_summary, write_report
+from eval.results import EvalProtocol, EvalResult, evaluate_completions
 from grpo.config import ConfigError, from_json
 from grpo.errors import inside, one_line
-from grpo.evaluation import evaluate_model
+from grpo.model_eval import evaluate_model
 from grpo.model.load import ModelLoadError
 from grpo.run.phase_data import load_own_data
-from grpo.run.stop import STOP, StopNow, exit_code, signal_name, signals_held, stop_at_once
 from grpo.state.layout import CheckpointError
 
 # ----------------------------------------------------------------------------- CLI
@@ -130,24 +130,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     checkpoint is damaged or the report cannot be written. Anything else keeps its traceback:
     the ValueError catch covers checking the request and building models, not the scoring.
 
-    Ctrl-C / SIGTERM stop at once (grpo/run/stop.py ``stop_at_once``): an evaluation not
+    Ctrl-C / SIGTERM stop at once (data/signals.py ``stops_at_once``): an evaluation not
     yet reported is worth nothing, so there is no step to finish. One line on stderr, exit
     130 / 143, no traceback; the report files are written with the signals held, so a stop
     leaves the previous report or the whole new one, never part of it."""
     args = build_parser().parse_args(argv)
     hf_logging.disable_progress_bar()  # stderr is for the outcome: one line on an error or a stop
-    STOP.install()
-    STOP.listeners.append(stop_at_once)
     state = {"written": False}
     try:
-        return _main(args, state)
+        with stops_at_once():
+            return _main(args, state)
     except StopNow as stop:
         outcome = "the report was written before it" if state["written"] else "no report written"
         print(f"stopped evaluating on {signal_name(stop.signum)}; {outcome}", file=sys.stderr, flush=True)
         return exit_code(stop.signum)
-    finally:
-        STOP.listeners.remove(stop_at_once)
-        STOP.uninstall()
 
 
 def _main(args: argparse.Namespace, state: dict) -> int:

@@ -20,7 +20,7 @@ bounds (model.max_pixels / min_pixels), so inference resizes images as training 
 
 Both are written to a temporary directory beside OUT and renamed into place at the end
 (OUT must not exist or be empty): a failure or a stop leaves no OUT, never half of one.
-Ctrl-C / SIGTERM stop at once with one line and exit 130 / 143 (grpo/run/stop.py): there is
+Ctrl-C / SIGTERM stop at once with one line and exit 130 / 143 (data/signals.py): there is
 no step to finish, the temporary directory is removed.
 
 The selector is grpo.evaluate's (``A:best_structure``, ``B:latest``, ``B:40``, a checkpoint
@@ -33,22 +33,20 @@ no model directory or hub id to name as its PEFT base: ``--peft`` is refused for
 from __future__ import annotations
 
 import argparse
-import os
 import re
-import shutil
 import sys
-import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 from transformers.utils import logging as hf_logging
 
+from data.atomic import new_directory
+from data.signals import StopNow, exit_code, signal_name, stops_at_once
 import grpo.evaluate
 import grpo.model.policy
 from grpo.errors import inside, one_line
 from grpo.model.load import ModelLoadError
-from grpo.run.stop import STOP, StopNow, exit_code, signal_name, signals_held, stop_at_once
 from grpo.state.layout import CheckpointError
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -125,17 +123,11 @@ def _check_request(args: argparse.Namespace) -> tuple[Path, dict[str, Path], tor
 
 
 def _write(out: Path, fill) -> Path:
-    """``fill(tmp)`` writes into a fresh directory beside ``out``; renamed to ``out`` at the end."""
-    tmp = out.with_name(f".tmp-export-{out.name}-{uuid.uuid4().hex[:8]}")
-    tmp.mkdir()
-    try:
+    """``fill(tmp)`` writes into a fresh directory beside ``out``; renamed to ``out`` at the end
+    (an empty OUT, checked in _check_out, is replaced by the rename; one that filled since
+    is refused)."""
+    with new_directory(out) as tmp:
         fill(tmp)
-        with signals_held():  # an empty OUT left by the caller is replaced in the same call
-            if out.is_dir():
-                out.rmdir()  # checked empty in _check_out; rmdir refuses one that filled since
-            os.rename(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)  # gone already after the rename
     return out
 
 
@@ -192,12 +184,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     143 on Ctrl-C / SIGTERM. Anything else is a bug and keeps its traceback."""
     args = build_parser().parse_args(argv)
     hf_logging.disable_progress_bar()  # stderr is for the outcome: one line on an error or a stop
-    STOP.install()
-    STOP.listeners.append(stop_at_once)  # nothing half-exported is worth keeping: stop now
     done: list[Path] = []
     try:
-        for line in export(args, done):
-            print(line)
+        with stops_at_once():  # nothing half-exported is worth keeping: stop now
+            for line in export(args, done):
+                print(line)
         return 0
     except StopNow as stop:
         kept = f"{' and '.join(map(str, done))} written whole before it" if done else "nothing was written"
@@ -215,9 +206,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"error: cannot write the export ({err.strerror}: {err.filename})", file=sys.stderr)
         return 1
-    finally:
-        STOP.listeners.remove(stop_at_once)
-        STOP.uninstall()
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 The checkpoint-side evals that drive the controller use the *val* split; this report uses
 the disjoint *test* split, so the numbers in the README were never used to choose a
 checkpoint. On own data (``--run.data``) the test split is the tenth of its usable rows that
-no phase trains on (data/holdout.py, grpo/run/phase_data.py). One protocol for every model (eval.evaluate.EvalProtocol: greedy, one sample
+no phase trains on (data/holdout.py, grpo/run/phase_data.py). One protocol for every model (eval.results.EvalProtocol: greedy, one sample
 per prompt, the training token budget), written as report.md / report.json plus the
 training plots (eval/plots.py).
 """
@@ -35,10 +35,10 @@ def report_selectors(run_dir: Path, last_phase: str) -> list[str]:
 
 def write_final_report(run_dir: str | Path, last_phase: str, cfg: TrainConfig, device: str = "cpu") -> Path | None:
     from data.holdout import TEST_EVERY
-    from eval.evaluate import EvalProtocol
     from eval.plots import plot_run
     from eval.report import control_summary, write_report
-    from grpo.evaluation import evaluate_model
+    from eval.results import EvalProtocol
+    from grpo.model_eval import evaluate_model
     from grpo.model.policy import policy_at
     from grpo.run.phase_data import report_examples
     from grpo.state.registry import resolve

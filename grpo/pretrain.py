@@ -31,13 +31,13 @@ import json
 import os
 import platform
 import resource
-import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from data.atomic import new_directory, replace_file
 from grpo.model import shipped
 
 # The pretraining schedule (passed to the trainer's CLI; the card records them). Measured:
@@ -120,15 +120,15 @@ def _record_wall(run_dir: Path, seconds: float) -> dict:
     peak = max(saved.get("peak_rss_mb", 0.0), round(_peak_rss_mb(), 1))
     saved.update(spans_s=spans, total_s=round(sum(spans), 1), peak_rss_mb=peak)
     saved.setdefault("train_code_commit", _git_commit())  # the code of the first invocation: it trained
-    path.write_text(json.dumps(saved, indent=2))
+    replace_file(path, json.dumps(saved, indent=2))  # summed over resumes: a kill mid-write must not lose it
     return saved
 
 
 def evaluate_base(bundle, seed: int, n_per_stage: int, max_new_tokens: int) -> dict:
     """Greedy test-split metrics of the pretrained model, with the shuffled-image control."""
     from data.synthetic import generate
-    from eval.evaluate import EvalProtocol
-    from grpo.evaluation import evaluate_model
+    from eval.results import EvalProtocol
+    from grpo.model_eval import evaluate_model
 
     examples = [ex for s in (1, 2, 3) for ex in generate("test", s, n_per_stage, seed, 112)]
     protocol = EvalProtocol(max_new_tokens=max_new_tokens, temperature=0.0, seed=seed, batch_size=64)
@@ -172,16 +172,11 @@ def export(run_dir: Path, out: Path, wall_s: float, peak_mb: float, test_seed: i
           f"shuffled-image EM {gap.get('exact_match_shuffled', float('nan')):.3f}, "
           f"blind gap {gap.get('blind_gap', float('nan')):+.3f}", flush=True)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(out.parent / f".{out.name}.new-{time.time_ns()}")
-    staging.mkdir()
-    try:
+    # out is either the old model or the new one, never half of each; a stop leaves no half copy
+    with new_directory(out, replace=True) as staging:
         _write_export(bundle, staging, provenance_of(ckpt, cfg, run_dir, wall_s, peak_mb, metrics, test_seed,
                                                     test_per_stage, train_commit))
         digests = shipped.read_manifest(staging)
-        shipped.install(staging, out)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)  # gone after a successful install; a stop leaves no half copy
     shipped.verify(out)
     print(f"pretrain: model written to {out} (model.safetensors sha256 {digests['model.safetensors'][:16]}...)")
     return out
@@ -325,7 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     record = _record_wall(Path(args.run_dir), time.time() - t0) if Path(args.run_dir).is_dir() else {}
     if code != 0:
         return code
-    from grpo.run.stop import STOP, EvalAbandoned, exit_code, signal_name
+    from data.signals import STOP, exit_code, signal_name
+    from grpo.run.stop import EvalAbandoned
 
     STOP.install()  # the export's evaluation polls it like every long loop; a stop loses no training
     try:

@@ -9,9 +9,11 @@ this first. Names and shapes used throughout:
     T  completion tokens (the longest completion of the rollout batch, <= sampling.max_new_tokens)
     mu optimiser updates per rollout batch (optim.updates_per_batch; PPO's epochs)
 
-A step samples optim.accumulation rollout batches, each decoded N rows at once. The training
-passes (log-probs, loss, backward) take a batch a *micro-batch* of optim.micro_batch_rows rows
-(whole groups) at a time: backward keeps the activations of every row a pass runs.
+Three levels, one word each (grpo/batches.py): a step samples optim.accumulation *rollout
+batches*, each decoded N rows at once; the training passes (log-probs, loss, backward) take
+a rollout batch a *micro-batch* of optim.micro_batch_rows rows (whole groups) at a time
+(memory only: backward keeps the activations of every row a pass runs); under data
+parallelism each *rank* holds its share of every rollout batch.
 
 GRPO in one paragraph: for each prompt, sample a group of G answers, score each with the
 reward, and use the reward's z-score within the group as every token's advantage (no value
@@ -25,7 +27,7 @@ The fast paths plug in behind named seams, not as branches here:
                      copy of the policy (grpo/rollout/merged.py)
     Learner.backend  who computes advantages and the loss: the Triton kernels on CUDA or their
                      PyTorch references (kernels/), equal within the kernels' tested tolerances
-    Learner.gather   how a step's micro-batches are collected: ``plain_batches``, or DAPO's
+    Learner.gather   how a step's rollout batches are collected: ``plain_batches``, or DAPO's
                      dynamic sampling (grpo/rollout/dynamic_sampling.py)
     Hooks            what the harness does around the step; the defaults are one process
 """
@@ -40,22 +42,22 @@ from typing import Any, ContextManager
 
 import torch
 
+from grpo.batches import MicroBatch, micro_batches
 from grpo.config import TrainConfig
 from grpo.model.logprobs import completion_logprobs, reference_logprobs
-from grpo.model.prompt_context import training_micro_batches
 from grpo.model.prompts import encode_prompts
 from grpo.rewards import RewardBatch, RewardModel
 from grpo.rollout.dynamic_sampling import FillStats
 from grpo.rollout.sampler import Rollout, content_tokens, sample
 from grpo.run.schedule import lr_at
-from kernels.grpo_advantages import Advantages, PrefixRubrics, group_advantages
-from kernels.grpo_loss import GRPOStats, grpo_loss, micro_batch_share
+from kernels.grpo_advantages import Advantages, AdvantageSource, group_advantages
+from kernels.grpo_loss import GRPOStats, LossOptions, grpo_loss
 from lora import disable_adapters
 
 
-def plain_batches(draw: Callable[[int], Rollout], B: int, micro_batches: int) -> tuple[list[Rollout], None]:
-    """The default ``Learner.gather``: ``micro_batches`` rollouts of B prompts each."""
-    return [draw(B) for _ in range(micro_batches)], None
+def plain_batches(draw: Callable[[int], Rollout], B: int, batches: int) -> tuple[list[Rollout], None]:
+    """The default ``Learner.gather``: ``batches`` rollout batches of B prompts each."""
+    return [draw(B) for _ in range(batches)], None
 
 
 @dataclass
@@ -69,7 +71,7 @@ class Learner:
     generator: torch.Generator  # the sampler's own RNG (checkpointed: a resume draws what a straight run draws)
     rollout: Callable[..., Any] = sample  # seam: (bundle, prompts, G=, max_new_tokens=, ...) -> SampleOutput
     backend: str = "auto"  # seam: "auto" (CUDA -> Triton kernels), "torch", "triton"
-    gather: Callable[..., tuple[list[Rollout], FillStats | None]] = plain_batches  # seam: (draw, B, micro_batches)
+    gather: Callable[..., tuple[list[Rollout], FillStats | None]] = plain_batches  # seam: (draw, B, batches)
 
     @property
     def params(self) -> list[torch.nn.Parameter]:
@@ -84,13 +86,14 @@ class Hooks:
         """Time ``part`` ("sampling", "rewards", "logprobs", "backward") of the step."""
         return contextlib.nullcontext()
 
-    def loss_shares(self, loss_type: str, masks: Sequence[torch.Tensor]) -> tuple[float, list[float]]:
-        """(active tokens of the whole step, each micro-batch's share of the step's loss)."""
-        return max(1.0, float(sum(int(m.sum()) for m in masks))), [1.0] * len(masks)  # mask_truncated may leave 0
+    def counts_over_ranks(self, counts: torch.Tensor) -> torch.Tensor:
+        """(rows, active tokens) of each rollout batch [batches, 2], summed over processes."""
+        return counts
 
-    def batch_scaled(self, values: torch.Tensor, scale: str, std_floor: float) -> tuple[torch.Tensor, str]:
-        """Rewards [N, C] and the z-score scale to use (data parallel: divided by the global batch std)."""
-        return values, scale
+    def batch_std(self, columns: torch.Tensor, std_floor: float) -> torch.Tensor | None:
+        """scale="batch"'s std of each reward column [N, C] over every process's rows (data
+        parallel); None: this process's rows are the batch (the kernel takes their std)."""
+        return None
 
     def global_loss(self, loss: float) -> float:
         """The step's loss summed over processes."""
@@ -129,20 +132,8 @@ def sample_and_score(learner: Learner, examples: list, temperature: float, hooks
 # ----------------------------------------------------------------------------- 3. advantages
 
 
-@dataclass
-class AdvantageSource:
-    """The reward columns a micro-batch's advantages are group z-scores of. Chosen once
-    (``advantage_source``) and read by both the loss and dynamic sampling, so "a group has
-    spread" means exactly "its advantages are not all zero"."""
-
-    columns: torch.Tensor  # [N, C] rewards
-    valid: torch.Tensor | None = None  # [N, C] bool: entries that take part (rubric items the judge scored)
-    weights: torch.Tensor | None = None  # [C]: components mode, A = sum_c weights_c z(columns_c)
-    prefix: PrefixRubrics | None = None  # V-Rubrics prefix mode: columns = [R_ans, s_1..s_J]
-
-
 def advantage_source(scores: RewardBatch, cfg: TrainConfig, device: torch.device | str = "cpu") -> AdvantageSource:
-    """Which rewards the advantages come from:
+    """Which rewards the advantages come from (kernels/grpo_advantages.py ``AdvantageSource``):
 
     total       A = z(sum_k w_k r_k): GRPO's one z-score of the weighted reward (the default)
     components  A = sum_k (w_k / sum_j w_j) z(r_k): each term z-scored in its group on its own
@@ -153,10 +144,7 @@ def advantage_source(scores: RewardBatch, cfg: TrainConfig, device: torch.device
                 rubric credited to the token prefix that earned it.
     """
     if cfg.rewards.rubric_mode == "prefix" and scores.prefix is not None:
-        p = replace(scores.prefix.to(device), a=cfg.rewards.prefix_answer_weight)
-        columns = torch.cat([p.R_ans.float()[:, None], p.s.float()], 1)
-        valid = torch.cat([torch.ones(len(p.R_ans), 1, dtype=torch.bool, device=columns.device), p.scored.bool()], 1)
-        return AdvantageSource(columns, valid, prefix=p)
+        return AdvantageSource.of_prefix(replace(scores.prefix.to(device), a=cfg.rewards.prefix_answer_weight))
     names = [k for k, w in scores.weights.items() if w > 0]
     if cfg.optim.adv_mode == "components" and names:
         w = torch.tensor([scores.weights[k] for k in names], dtype=torch.float32)
@@ -166,27 +154,22 @@ def advantage_source(scores: RewardBatch, cfg: TrainConfig, device: torch.device
 
 
 def advantages(learner: Learner, r: Rollout, hooks: Hooks = Hooks()) -> Advantages:
-    """z-scores of the micro-batch's rewards within each group of G (kernels/grpo_advantages.py):
+    """z-scores of the rollout batch's rewards within each group of G (kernels/grpo_advantages.py):
     A = (r - mean_group) / (std_group + 1e-4), the same for all mu updates."""
-    o, T = learner.cfg.optim, r.out.completion_ids.shape[1]
+    o = learner.cfg.optim
     src = advantage_source(r.scores, learner.cfg, learner.bundle.device)
-    common = dict(G=learner.cfg.sampling.G, T=T, backend=learner.backend)
-    if src.prefix is not None:
-        return group_advantages(prefix=src.prefix, scale=o.adv_scale, adv_std_floor=o.adv_std_floor, **common)
-    values, scale = hooks.batch_scaled(src.columns, o.adv_scale, o.adv_std_floor)
-    floor = o.adv_std_floor if scale == o.adv_scale else 0.0  # a global batch std was floored already
-    if src.weights is None:
-        return group_advantages(rewards=values[:, 0], scale=scale, adv_std_floor=floor, **common)
-    return group_advantages(reward_components=values, component_weights=src.weights, scale=scale,
-                            adv_std_floor=floor, **common)
+    if o.adv_scale == "batch" and src.prefix is None:  # data parallel: the std of every rank's rows
+        src.batch_std = hooks.batch_std(src.columns, o.adv_std_floor)
+    return group_advantages(src, learner.cfg.sampling.G, T=r.out.completion_ids.shape[1], scale=o.adv_scale,
+                            adv_std_floor=o.adv_std_floor, backend=learner.backend)
 
 
 # ----------------------------------------------------------------------------- 4-6. log-probs, loss, update
 
 
 @dataclass
-class MicroBatchLog:
-    """What the log line reads of one micro-batch (at update 1, the on-policy one)."""
+class BatchLog:
+    """What the log line reads of one rollout batch (at update 1, the on-policy one)."""
 
     scores: RewardBatch
     stats: GRPOStats
@@ -197,10 +180,10 @@ class MicroBatchLog:
 @dataclass
 class UpdateResult:
     update: int  # 0-based
-    loss: float  # the step's loss (summed over micro-batches and processes)
+    loss: float  # the step's loss (summed over micro-batches, rollout batches and ranks)
     grad_norm: float  # before clipping
     lr: float
-    stats: list[GRPOStats]  # one per micro-batch
+    stats: list[GRPOStats]  # one per rollout batch
 
 
 @dataclass
@@ -208,47 +191,43 @@ class StepResult:
     loss: float  # of the last update tried
     grad_norm: float | None  # of the last update; None when an update was skipped or undone
     updates: list[UpdateResult] = field(default_factory=list)  # the updates taken
-    logs: list[MicroBatchLog] = field(default_factory=list)
+    logs: list[BatchLog] = field(default_factory=list)  # one per rollout batch
     fill: FillStats | None = None  # what dynamic sampling did (None without it)
 
 
-def loss_options(cfg: TrainConfig) -> dict:
+def loss_options(cfg: TrainConfig) -> LossOptions:
     """grpo_loss's options from the config (formulas: kernels/grpo_loss.py)."""
     o = cfg.optim
-    return dict(beta=o.beta, eps_low=o.eps_low, eps_high=o.eps_high, loss_type=o.loss_type, importance=o.importance,
-                max_len=cfg.sampling.max_new_tokens, kl_bias_correction=o.kl_bias_correction,
-                correction=o.rollout_correction, correction_mode=o.rollout_correction_mode,
-                correction_cap=o.rollout_correction_cap)
+    return LossOptions(beta=o.beta, eps_low=o.eps_low, eps_high=o.eps_high, loss_type=o.loss_type,
+                       importance=o.importance, max_len=cfg.sampling.max_new_tokens,
+                       kl_bias_correction=o.kl_bias_correction, correction=o.rollout_correction,
+                       correction_mode=o.rollout_correction_mode, correction_cap=o.rollout_correction_cap)
 
 
 def grpo_step(learner: Learner, draw: Callable[[int], Rollout], step: int, temperature: float,
               hooks: Hooks = Hooks()) -> StepResult:
-    """One rollout batch: sample, score, advantages once; then mu updates on those rollouts.
+    """optim.accumulation rollout batches sampled, scored and given advantages once; then mu updates,
+    each a pass over every micro-batch of every rollout batch. draw(n): the next n prompts, sampled and scored."""
+    cfg, model, params, G, mu, opts = (learner.cfg, learner.bundle.model, learner.params, learner.cfg.sampling.G,
+                                       learner.cfg.optim.updates_per_batch, loss_options(learner.cfg))
+    passes = dict(temperature=temperature, chunk_tokens=cfg.optim.logits_chunk_tokens, shared_prefix=cfg.optim.shared_prefix)
 
-    draw(n): the data stream's next n prompts, sampled and scored (``sample_and_score``)."""
-    cfg, model, params = learner.cfg, learner.bundle.model, learner.params
-    G, mu, opts = cfg.sampling.G, cfg.optim.updates_per_batch, loss_options(cfg)
-    passes = dict(temperature=temperature, chunk_tokens=cfg.optim.logits_chunk_tokens,  # the log-prob passes' options
-                  shared_prefix=cfg.optim.shared_prefix)
-
-    # ---- 1-2. sample B prompts x G completions and score them, every micro-batch first
+    # ---- 1-2. sample B prompts x G completions and score them, every rollout batch first
     # (dapo divides by the whole step's token count; dynamic sampling needs the rewards)
-    batch, fill = learner.gather(draw, cfg.phase.prompts_per_step, cfg.optim.accumulation)
+    batches, fill = learner.gather(draw, cfg.phase.prompts_per_step, cfg.optim.accumulation)
+    masks = [r.out.loss_mask(cfg.optim.mask_truncated) for r in batches]  # the loss's tokens (SampleOutput.loss_mask)
+    counts = hooks.counts_over_ranks(torch.tensor([[m.shape[0], float(m.sum())] for m in masks], dtype=torch.float64))
+    active_tokens = max(1.0, float(counts[:, 1].sum()))  # mask_truncated may leave 0
 
-    # Each micro-batch's loss times its share is its part of the step's loss. dapo divides by
-    # the active tokens of the whole step itself; the other aggregations average the micro-batches.
-    masks = [r.out.loss_mask(cfg.optim.mask_truncated) for r in batch]  # the loss's tokens (SampleOutput.loss_mask)
-    active_tokens, shares = hooks.loss_shares(cfg.optim.loss_type, masks)
-    n_micro = 1 if cfg.optim.loss_type == "dapo" else len(batch)
-
-    # ---- 3. advantages: z-scores within each group, computed once for all mu updates
-    adv = [advantages(learner, r, hooks) for r in batch]
+    # ---- 3. advantages: z-scores within each group, computed once for all mu updates;
+    # then each rollout batch cut into training micro-batches (whole groups), sliced once
+    adv = [advantages(learner, r, hooks) for r in batches]
+    parts = [micro_batches(r.out, masks[k], adv[k], counts[k].tolist(), len(batches), cfg.optim.loss_type,
+                           cfg.optim.micro_batch_rows) for k, r in enumerate(batches)]
 
     # ---- 4-6, mu times. Update 1 takes the ratio against the current policy detached (ratio 1,
     # the clip cannot bind) and keeps its log-probs as old_logp: they are the sampling policy's,
     # since nothing was updated yet. Updates 2..mu take the ratio against them, and the clip binds.
-    ref_logp: list[torch.Tensor | None] = [None] * len(batch)
-    old_logp: list[torch.Tensor | None] = [None] * len(batch)
     result = StepResult(loss=0.0, grad_norm=None, fill=fill)
     for u in range(mu):
         lr = lr_at(step * mu + u, cfg)  # the schedule counts optimiser steps
@@ -256,48 +235,41 @@ def grpo_step(learner: Learner, draw: Callable[[int], Rollout], step: int, tempe
             g["lr"] = lr
         learner.opt.zero_grad(set_to_none=True)
         stats_u, loss_sum = [], 0.0
-        for k, r in enumerate(batch):
-            ids, seen, mask, ctx = r.out.completion_ids, r.out.completion_mask, masks[k], r.out.context
-            parts = training_micro_batches(ctx.B, G, cfg.optim.micro_batch_rows)
-            # ---- 4. log-probs [N, T]: the reference's (LoRA off, no grad, once per batch) and the policy's
-            if cfg.optim.beta > 0 and ref_logp[k] is None:
+        for k, r in enumerate(batches):
+            # ---- 4. log-probs [n, T]: the reference's (LoRA off, no grad, once per step) and the policy's
+            if cfg.optim.beta > 0 and parts[k][0].ref_logp is None:
                 with hooks.timed("logprobs"):
-                    ref_logp[k] = torch.cat([reference_logprobs(model, ctx.prompts(b0, b1), ids[rows], seen[rows], G,
-                                                                ref_context=lambda: disable_adapters(model), **passes)
-                                             for b0, b1, rows in parts])
+                    for mb in parts[k]:
+                        mb.ref_logp = reference_logprobs(model, mb.prompts, mb.ids, mb.seen, G,
+                                                         ref_context=lambda: disable_adapters(model), **passes)
             logps = []
-            for b0, b1, rows in parts:  # a training micro-batch: groups b0..b1-1, forward then backward
-                pick = lambda x: None if x is None else x[rows]  # noqa: E731
+            for mb in parts[k]:  # a training micro-batch: forward then backward
                 with hooks.timed("logprobs"):
-                    logp, ent = completion_logprobs(model, ctx.prompts(b0, b1), ids[rows], seen[rows], G,
-                                                    entropy=True, **passes)
+                    logp, ent = completion_logprobs(model, mb.prompts, mb.ids, mb.seen, G, entropy=True, **passes)
 
-                # ---- 5. loss: ratio to old, clipped; + beta * k3 KL to the reference; aggregated; backward.
-                # sampler_logp: the rollout's own log-probs (mismatch stats, rollout correction weights).
-                # The share makes the micro-batches' losses sum to the rollout batch's.
+                # ---- 5. loss: ratio to old, clipped; + beta * k3 KL to the reference; aggregated;
+                # times its share of the step's loss (grpo/batches.py); backward.
                 with hooks.timed("backward"):
-                    loss, stats = grpo_loss(logp, mask[rows].float(), G=G, advantages=adv[k].groups(b0, b1),
-                                            old_logp=pick(old_logp[k]), ref_logp=pick(ref_logp[k]),
-                                            num_active_tokens=active_tokens, sampler_logp=pick(r.out.logprobs),
-                                            backend=learner.backend, **opts)
-                    loss = loss * shares[k] / n_micro * micro_batch_share(cfg.optim.loss_type, mask, rows)
+                    loss, stats = grpo_loss(logp, mb.mask.float(), mb.adv, old_logp=mb.old_logp, ref_logp=mb.ref_logp,
+                                            num_active_tokens=active_tokens, sampler_logp=mb.sampler_logp,
+                                            options=opts, backend=learner.backend)
+                    loss = loss * mb.share
                     if torch.isfinite(loss):  # a host sync per micro-batch: the price of the NaN guard
                         loss.backward()
                     loss_sum += float(loss.detach())
                 logps.append((logp.detach(), ent))
-            logp, ent = map(torch.cat, zip(*logps))
-            if len(parts) > 1:  # the diagnostics of the whole batch, as one pass reports them (no grad: cheap)
-                _, stats = grpo_loss(logp, mask.float(), G=G, advantages=adv[k], old_logp=old_logp[k],
-                                     ref_logp=ref_logp[k], num_active_tokens=active_tokens,
-                                     sampler_logp=r.out.logprobs, backend=learner.backend, **opts)
+            if len(parts[k]) > 1:  # the diagnostics of the whole rollout batch, as one pass reports them
+                stats = batch_stats(learner, parts[k], r, masks[k], adv[k], torch.cat([lp for lp, _ in logps]),
+                                    active_tokens, opts)
             stats_u.append(stats)
             if u == 0:
-                old_logp[k] = logp
-                result.logs.append(MicroBatchLog(r.scores, stats, r.out, ent * mask))
+                for mb, (logp, _) in zip(parts[k], logps):
+                    mb.old_logp = logp
+                result.logs.append(BatchLog(r.scores, stats, r.out, torch.cat([e for _, e in logps]) * masks[k]))
 
         # ---- 6. update: the step's loss (a non-finite one skips the update), the gradient
         # clipped to optim.grad_clip, one AdamW step (undone by the harness if it left a
-        # parameter non-finite). Either failure ends this batch's updates.
+        # parameter non-finite). Either failure ends this step's updates.
         result.loss, result.grad_norm = hooks.global_loss(loss_sum), None
         if not math.isfinite(result.loss):
             learner.opt.zero_grad(set_to_none=True)
@@ -311,3 +283,13 @@ def grpo_step(learner: Learner, draw: Callable[[int], Rollout], step: int, tempe
         result.grad_norm = float(gnorm)
         result.updates.append(UpdateResult(u, result.loss, result.grad_norm, lr, stats_u))
     return result
+
+
+def batch_stats(learner: Learner, parts: list[MicroBatch], r: Rollout, mask: torch.Tensor, adv: Advantages,
+                logp: torch.Tensor, active_tokens: float, opts: LossOptions) -> GRPOStats:
+    """The loss's diagnostics of a whole rollout batch from its micro-batches' log-probs (no grad: cheap)."""
+    cat = lambda xs: None if xs[0] is None else torch.cat(xs)  # noqa: E731
+    _, stats = grpo_loss(logp, mask.float(), adv, old_logp=cat([mb.old_logp for mb in parts]),
+                         ref_logp=cat([mb.ref_logp for mb in parts]), num_active_tokens=active_tokens,
+                         sampler_logp=r.out.logprobs, options=opts, backend=learner.backend)
+    return stats

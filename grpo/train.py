@@ -34,7 +34,7 @@ checkpoint):
     4-6 run mu = optim.updates_per_batch times on the same rollouts (PPO epochs)
     7. log        one JSON line (eval/plots.py documents the format)
     every run.eval_every steps and at the end:
-    8. eval       greedy decoding on a fixed held-out subset (grpo/evaluation.py)
+    8. eval       greedy decoding on a fixed held-out subset (grpo/model_eval.py)
     9. gate       the controller changes reward weights only when those metrics say so
     10. save      atomic checkpoint + aliases latest / best_structure / best_correctness /
                   best_composite (grpo/state/checkpoint.py, grpo/state/registry.py)
@@ -57,8 +57,8 @@ rollout batch; the learning-rate schedule counts optimiser steps (grpo/run/sched
 
 Simplified, on purpose:
   - no value model (GRPO's point: the group mean is the baseline);
-  - the policy runs in eval mode (no dropout), so two passes of one policy agree and the
-    ratio of update 1 is exactly 1;
+  - no dropout (Qwen2.5-VL has none, GRPO phases refuse LoRA dropout): two passes of one
+    policy agree, in training mode or eval mode, and the ratio of update 1 is exactly 1;
   - the reference policy is the base with LoRA off, not a separate frozen copy (the same
     weights, no second model in memory);
   - rollouts and the loss use the same temperature-scaled distribution; with
@@ -83,12 +83,13 @@ import numpy as np
 import torch
 
 from data.mixture import MixtureStream
+from data.signals import STOP
 from grpo import cli
 from grpo.config import ConfigError, TrainConfig
 from grpo.controller import Controller
 from grpo.distributed import DataParallel
-from grpo.errors import NoRewardSpread
-from grpo.evaluation import checkpoint_eval, print_eval
+from grpo.errors import NoRewardSpread, StepOutOfMemory
+from grpo.model_eval import checkpoint_eval, print_eval
 from grpo.model.policy import build_policy
 from grpo.model.prompts import NoPromptsLeft, PromptCounts
 from grpo.rewards import RewardModel
@@ -98,12 +99,12 @@ from grpo.rollout.merged import MergedRollout
 from grpo.rollout.sampler import sample
 from grpo.run.files import RunFiles
 from grpo.run.guard import StepGuard
-from grpo.run.memory_plan import check_fits
+from grpo.run.memory_plan import check_fits, out_of_memory_message
 from grpo.run.phase_data import eval_subset, load_training_data
 from grpo.run.progress import Progress
 from grpo.run.records import progress_line, step_record
 from grpo.run.schedule import SaveClock, lr_at
-from grpo.run.stop import STOP, EvalAbandoned, Stopped, evals_run_to_the_end, stop_message
+from grpo.run.stop import EvalAbandoned, Stopped, evals_run_to_the_end, stop_message
 from grpo.state.resume import phase_finished
 from grpo.state.train_state import TrainState, find_start
 from grpo.step import Hooks, Learner, advantage_source, grpo_step, plain_batches, sample_and_score
@@ -122,20 +123,22 @@ class PhaseHooks(Hooks):
 
     def begin(self, step: int) -> None:
         self.step, self.t0 = step, time.time()
+        self.part: str | None = None  # the part running now: an out-of-memory error names it
         self.timing = dict(sampling=0.0, rewards=0.0, logprobs=0.0, backward=0.0)
         self.prompts = PromptCounts()  # what this step's draws put into the model (the log line's "prompts")
 
     @contextlib.contextmanager
     def timed(self, part: str):
-        t0 = time.time()
-        yield
+        t0, self.part = time.time(), part
+        yield  # an exception leaves self.part naming where it struck
         self.timing[part] += time.time() - t0
+        self.part = None
 
-    def loss_shares(self, loss_type, masks):
-        return self.dp.loss_shares(loss_type, masks)
+    def counts_over_ranks(self, counts):
+        return self.dp.counts_over_ranks(counts)
 
-    def batch_scaled(self, values, scale, std_floor):
-        return self.dp.advantage_inputs(values, scale, std_floor=std_floor)
+    def batch_std(self, columns, std_floor):
+        return self.dp.global_batch_std(columns, std_floor)
 
     def global_loss(self, loss):
         return self.dp.all_reduce_sum(loss)
@@ -293,6 +296,8 @@ def run_grpo_phase(cfg: TrainConfig, files: RunFiles, device: str, dp: DataParal
         except NoSpread as e:
             raise NoRewardSpread(no_spread_message(phase, step + 1, e.fill, G, temperature,
                                                    cfg.sampling.max_refills)) from None
+        except torch.OutOfMemoryError:  # one line: where, the plan's figure, what fits; nothing was saved mid-step
+            raise StepOutOfMemory(out_of_memory_message(model, cfg, device, dp.world, step + 1, hooks.part)) from None
         if merged is not None and result.updates:
             merged.refresh()  # the merged copy follows the new adapter (only the next sampling reads it)
 
@@ -333,8 +338,10 @@ def run_phase(cfg: TrainConfig, files: RunFiles, device: str, dp: DataParallel) 
         run_grpo_phase(cfg, files, device, dp)
     elif phase_finished(files.root, "warmup"):
         print("warm-up already done in this run directory; skipping")
-    elif dp.is_main:  # the SFT warm-up is not data-parallel: rank 0 runs it, the others wait
-        run_warmup(cfg, files, device)
+    else:  # the SFT warm-up is not data-parallel: rank 0 runs it, the others wait (unwatched: it takes long)
+        if dp.is_main:
+            run_warmup(cfg, files, device)
+        dp.barrier(patient=True)
 
 
 def main(argv: list[str] | None = None) -> int:

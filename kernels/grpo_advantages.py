@@ -14,11 +14,11 @@ that has fewer than two of them (G = 1: std undefined), gets z = 0 exactly and i
 *constant*; we test max == min rather than std == 0 because the float mean of identical
 values is not always the value itself, which would leave (x - mean) / eps noise.
 
-The advantage sources of kernels.grpo_loss are weighted sums of such columns:
+The advantages are weighted sums of such columns; an ``AdvantageSource`` names them:
 
-    rewards [N]                     A_i   = z(r)_i
-    reward_components [N, K], w [K] A_i   = sum_k w_k z(r_k)_i        (each component alone)
-    V-Rubrics prefix attribution    A_it  = a z(R_ans)_i + (1 - a) sum_j rho_ij z(s_j)_i 1[t <= t_end_ij]
+    the total reward [N, 1]          A_i   = z(r)_i
+    reward components [N, K], w [K]  A_i   = sum_k w_k z(r_k)_i        (each component alone)
+    V-Rubrics prefix attribution     A_it  = a z(R_ans)_i + (1 - a) sum_j rho_ij z(s_j)_i 1[t <= t_end_ij]
 
 Tie-breakers that stay small: the std floor. Per-group std normalisation makes every
 group's advantages unit-sized, however small its spread. When the G completions of a
@@ -56,17 +56,6 @@ import triton.language as tl
 from kernels._dispatch import last_dim_contiguous, next_pow2, resolve_backend
 
 SCALES = ("group", "batch", "none")
-# The z-score kernel's SCALE codes (constexpr: each is its own compiled variant).
-SCALE_NONE = tl.constexpr(0)  # centred only (Dr. GRPO)
-SCALE_GROUP = tl.constexpr(1)  # divided by the group's std
-SCALE_BATCH = tl.constexpr(2)  # divided by the whole batch's std, per column
-_SCALE_CODE = {"none": SCALE_NONE, "group": SCALE_GROUP, "batch": SCALE_BATCH}
-
-# How the loss kernel reads A (its ADV_MODE), set by the advantage source.
-ADV_ROW = tl.constexpr(0)  # one value per row: A_i = sum_c coef_ic (rewards, reward components)
-ADV_PREFIX = tl.constexpr(1)  # V-Rubrics: A_it = sum_c coef_ic 1[t <= t_end_ic]
-ADV_TOKEN = tl.constexpr(2)  # given per token by the caller: A_it = token_adv[i, t]
-_ADV_CODE = {"row": ADV_ROW, "prefix": ADV_PREFIX, "token": ADV_TOKEN}
 _INT32_MAX = 2**31 - 1  # t_end of the answer column: it credits every token
 
 
@@ -87,35 +76,61 @@ class PrefixRubrics:
 
 
 @dataclass
+class AdvantageSource:
+    """The one advantage input: the reward columns whose group z-scores make A.
+
+        columns   [N, C]  rewards: the total [N, 1], reward components [N, K] or, for
+                          V-Rubrics, [R_ans, s_1..s_J] ([N, 1 + J])
+        valid     [N, C]  bool, entries that take part (rubric items the judge scored); None = all
+        weights   [C]     components: A = sum_c weights_c z(columns_c); None for one column
+        prefix            V-Rubrics: the items' weights and token cut-offs (columns as above)
+        batch_std [C]     scale="batch" divides by this std instead of the columns' own
+                          (grpo/distributed.py: the std over every rank's rows)
+
+    Chosen once per rollout batch (grpo/step.py ``advantage_source``) and read by both the
+    loss and dynamic sampling, so "a group has spread" means exactly "its advantages are
+    not all zero"."""
+
+    columns: torch.Tensor
+    valid: torch.Tensor | None = None
+    weights: torch.Tensor | None = None
+    prefix: PrefixRubrics | None = None
+    batch_std: torch.Tensor | None = None
+
+    @classmethod
+    def of_prefix(cls, p: PrefixRubrics) -> "AdvantageSource":
+        """The V-Rubrics columns [R_ans, s_1..s_J], valid where the judge scored."""
+        columns = torch.cat([p.R_ans.float()[:, None], p.s.float()], 1)
+        valid = torch.cat([torch.ones(len(p.R_ans), 1, dtype=torch.bool, device=columns.device), p.scored.bool()], 1)
+        return cls(columns, valid, prefix=p)
+
+
+@dataclass
 class Advantages:
     """GRPO's A for N = B*G completions, kept factored by reward column; both loss paths read it.
 
         coef      [N, C] fp32  w_c * z_c: each reward column's group z-score times its weight
         t_end     [N, C] int32 prefix mode only: column c credits completion tokens t <= t_end[:, c]
         constant  [B, C] fp32  1.0 where column c of group b has no spread (its z is 0)
-        token     [N, T]       token mode only: A given per token by the caller
 
-    ``values(T)`` is A itself -- [N] in row mode (the sum over columns), [N, T] in prefix and
-    token mode -- which the reference loss reads and a reader can print. The loss kernel
+    ``values(T)`` is A itself -- [N] in row mode (the sum over columns), [N, T] in prefix
+    mode -- which the reference loss reads and a reader can print. The loss kernel
     reads the factors and forms A_it in registers, so the V-Rubrics [N, T, J] product never
     exists in memory.
     """
 
     G: int
-    mode: str  # "row" | "prefix" | "token" (the loss kernel's ADV_MODE)
-    coef: torch.Tensor | None = None
+    mode: str  # "row" | "prefix" (the loss kernel's ADV_MODE)
+    coef: torch.Tensor
     t_end: torch.Tensor | None = None
-    constant: torch.Tensor | None = None
-    token: torch.Tensor | None = None
+    constant: torch.Tensor | None = None  # always set by group_advantages
 
     @property
     def num_rows(self) -> int:
-        return (self.token if self.mode == "token" else self.coef).shape[0]
+        return self.coef.shape[0]
 
     def values(self, T: int | None = None) -> torch.Tensor:
-        """A: [N] (row mode) or [N, T] (prefix mode, which needs T; token mode)."""
-        if self.mode == "token":
-            return self.token
+        """A: [N] (row mode) or [N, T] (prefix mode, which needs T)."""
         if self.mode == "row":
             return self.coef.sum(1)
         if T is None:
@@ -135,14 +150,11 @@ class Advantages:
         rows = slice(start * self.G, stop * self.G)
         pick = lambda x, sl: None if x is None else x[sl]  # noqa: E731
         return Advantages(self.G, self.mode, coef=pick(self.coef, rows), t_end=pick(self.t_end, rows),
-                          constant=pick(self.constant, slice(start, stop)), token=pick(self.token, rows))
+                          constant=pick(self.constant, slice(start, stop)))
 
-    def zero_spread(self, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """[B] bool: groups whose advantages are all zero (token mode: on the active tokens of ``mask``)."""
-        if self.mode != "token":
-            return (self.constant != 0).all(1)
-        active_abs = torch.where(mask != 0, self.token.float().abs(), 0.0)
-        return active_abs.amax(1).view(-1, self.G).amax(1) == 0
+    def zero_spread(self) -> torch.Tensor:
+        """[B] bool: groups whose advantages are all zero (every reward column constant)."""
+        return (self.constant != 0).all(1)
 
 
 # ---------------------------------------------------------------------------------------
@@ -201,40 +213,149 @@ def group_zscore_reference(
     return z.reshape(N, C), constant
 
 
-def grpo_advantages_reference(
-    rewards: torch.Tensor, G: int, *, scale: str = "group", eps: float = 1e-4,
-    weights: torch.Tensor | None = None, std_floor: float = 0.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """rewards [N] or components [N, K] with weights [K] -> (adv [N], zero_spread [B] bool)."""
-    values = rewards[:, None] if rewards.dim() == 1 else rewards
-    z, constant = group_zscore_reference(values, G, scale=scale, eps=eps, std_floor=std_floor)
-    w = torch.ones(values.shape[1], device=z.device) if weights is None else weights.float()
-    return (z * w).sum(1), constant.all(1)
+# ---------------------------------------------------------------------------------------
+# Public API: the advantage step of GRPO, checked once, for either loss path
+# ---------------------------------------------------------------------------------------
 
 
-def prefix_advantages_reference(
-    prefix: PrefixRubrics, T: int, G: int, *, scale: str = "group", eps: float = 1e-4,
-    std_floor: float = 0.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """V-Rubrics prefix advantages -> (adv [N, T], zero_spread [B] bool).
+def check_tensor(name: str, x: object, shape: tuple, device: torch.device, floating: bool) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if floating and not x.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor (fp32/bf16/fp16), got {x.dtype}")
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name} has shape {tuple(x.shape)}, expected {tuple(shape)}")
+    if x.device != device:
+        raise ValueError(f"{name} is on {x.device} but logp is on {device}; move it to {device}")
 
-    Materialises [N, T, J] for clarity; the kernel never does.
+
+def check_finite(name: str, x: torch.Tensor, where: torch.Tensor | None = None) -> None:
+    """Error naming the rows with NaN/inf. A host sync (one bool), worth it: a NaN reward
+    would otherwise turn its whole group's advantages, and the loss, into NaN silently."""
+    bad = ~torch.isfinite(x.float())
+    if where is not None:
+        bad &= where
+    if bad.any():
+        rows = bad.reshape(bad.shape[0], -1).any(1).nonzero().flatten().tolist()
+        more = " ..." if len(rows) > 20 else ""
+        raise ValueError(
+            f"{name} has NaN/inf in rows {rows[:20]}{more}; fix the reward function or drop "
+            "those completions (whole groups) before the loss"
+        )
+
+
+def check_groups(N: int, G: object) -> None:
+    """Rows are B*G with each prompt's G completions contiguous: the one layout every group
+    statistic here (and the loss, and dynamic sampling) assumes."""
+    if isinstance(G, bool) or not isinstance(G, int) or G < 1:
+        raise ValueError(f"G (completions per prompt) must be a positive int, got {G!r}")
+    if N % G != 0:
+        raise ValueError(f"N = {N} rows is not divisible by G = {G}: rows must be B*G, "
+                         "the G completions of each prompt contiguous")
+
+
+def check_source(src: "AdvantageSource", T: int | None, scale: str, adv_eps: float, std_floor: float) -> None:
+    """The one check of an advantage input: shapes, dtypes and device agree, the values are
+    finite where they count, the scale options make sense."""
+    if not isinstance(src.columns, torch.Tensor) or src.columns.dim() != 2:
+        raise ValueError(f"advantage columns must be a [N, C] tensor, got {getattr(src.columns, 'shape', type(src.columns))}")
+    N, C = src.columns.shape
+    dev = src.columns.device
+    if src.valid is not None:
+        check_tensor("valid", src.valid, (N, C), dev, floating=False)
+    if src.weights is not None:
+        check_tensor("weights", src.weights, (C,), dev, floating=False)
+    elif C != 1 and src.prefix is None:
+        raise ValueError(f"{C} reward columns need weights [{C}] (A = sum_c weights_c z(columns_c))")
+    if src.batch_std is not None:
+        check_tensor("batch_std", src.batch_std, (C,), dev, floating=True)
+        if scale != "batch":
+            raise ValueError(f"batch_std is scale='batch''s divisor, but scale={scale!r}")
+    p = src.prefix
+    if p is not None:
+        # Duck-typed: a reloaded module (tests) or a look-alike dataclass is fine.
+        missing = [f for f in ("R_ans", "s", "scored", "rho", "t_end", "a") if not hasattr(p, f)]
+        if missing:
+            raise TypeError(f"prefix must be a PrefixRubrics, got {type(p).__name__} without {missing}")
+        if T is None:
+            raise ValueError("prefix advantages need T, the completion length their t_end indexes")
+        J = C - 1
+        check_tensor("prefix.t_end", p.t_end, (N, J), dev, floating=False)
+        if p.t_end.is_floating_point():
+            raise TypeError(f"prefix.t_end must be an integer tensor, got {p.t_end.dtype}")
+        check_tensor("prefix.rho", p.rho, (J,) if p.rho.dim() == 1 else (N, J), dev, floating=False)
+        if not 0.0 <= p.a <= 1.0:
+            raise ValueError(f"prefix.a must be in [0, 1], got {p.a}")
+        check_finite("prefix.rho", p.rho)
+    check_finite("rewards", src.columns, where=None if src.valid is None else src.valid.bool())
+    if scale not in SCALES:
+        raise ValueError(f"scale must be one of {SCALES}, got {scale!r}")
+    if not adv_eps >= 0:
+        raise ValueError(f"adv_eps must be >= 0, got {adv_eps}")
+    if not std_floor >= 0:  # also refuses NaN
+        raise ValueError(f"adv_std_floor must be >= 0 (0 = off), got {std_floor}")
+    if std_floor > 0 and scale == "none":
+        raise ValueError(f"adv_std_floor = {std_floor} needs a std to floor: scale='none' divides by none")
+
+
+def group_advantages(
+    src: "AdvantageSource", G: int, *, T: int | None = None, scale: str = "group", adv_eps: float = 1e-4,
+    adv_std_floor: float = 0.0, backend: str = "auto",
+) -> Advantages:
+    """GRPO's advantage step: z-scores within each prompt's G completions (module docstring),
+    of the reward columns ``src`` names; the prefix mode needs ``T``. ``backend`` picks who
+    computes the z-scores: "auto" (CUDA -> the Triton kernel, else the reference), "torch"
+    or "triton"; either loss path reads the result. Host syncs: the NaN check of the inputs.
     """
-    N, J = prefix.s.shape
-    z_ans, const_ans = group_zscore_reference(prefix.R_ans[:, None], G, scale=scale, eps=eps, std_floor=std_floor)
-    z_s, const_s = group_zscore_reference(prefix.s, G, scale=scale, eps=eps, valid=prefix.scored,
-                                          std_floor=std_floor)
-    rho = prefix.rho.float().expand(N, J)
-    t = torch.arange(T, device=z_s.device)
-    covers = t[None, :, None] <= prefix.t_end[:, None, :]  # [N, T, J]
-    rubric = (covers * (rho * z_s)[:, None, :]).sum(-1)  # [N, T]
-    adv = prefix.a * z_ans + (1.0 - prefix.a) * rubric
-    return adv, const_ans[:, 0] & const_s.all(1)
+    check_groups(src.columns.shape[0] if isinstance(src.columns, torch.Tensor) else 0, G)
+    check_source(src, T, scale, adv_eps, adv_std_floor)
+    return advantages_unchecked(src, G, T, scale, float(adv_eps), float(adv_std_floor), backend)
+
+
+def advantages_unchecked(src: "AdvantageSource", G: int, T: int | None, scale: str, eps: float, floor: float,
+                         backend: str) -> Advantages:
+    """``group_advantages`` after its checks (bench/grpo_loss.py times the two apart)."""
+    values, N = src.columns, src.columns.shape[0]
+    if src.batch_std is not None:  # another's std (every rank's rows): r / (std + eps), centred below
+        values, scale, floor = (values.double() / (src.batch_std + eps)).to(values.dtype), "none", 0.0
+    zscore = group_zscore_reference if resolve_backend(backend, values.device) == "torch" else group_zscore_triton
+    if src.prefix is None:
+        # weights [C] -> [N, C] with stride 0 over rows: no copy
+        w = None if src.weights is None else src.weights.float()[None, :].expand(values.shape)
+        coef, const = _weighted_zscore(zscore, values, src.valid, w, G, scale, eps, floor)
+        return Advantages(G, "row", coef=coef, constant=const)
+    # V-Rubrics: column 0 is the answer reward (credits every token), columns 1.. the rubrics.
+    p, J, device = src.prefix, values.shape[1] - 1, values.device
+    w = torch.cat([torch.full((N, 1), p.a, device=device), (1.0 - p.a) * p.rho.float().expand(N, J)], 1)
+    t_end = torch.cat([torch.full((N, 1), _INT32_MAX, dtype=torch.int32, device=device),
+                       p.t_end.clamp(-1, T).to(torch.int32)], 1)
+    coef, const = _weighted_zscore(zscore, values, src.valid, w, G, scale, eps, floor)
+    return Advantages(G, "prefix", coef=coef, t_end=t_end, constant=const)
+
+
+def _weighted_zscore(zscore, values, valid, weights, G, scale, eps, floor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(coef = w * z [N, C] fp32, constant [B, C] fp32) by the reference or the kernel."""
+    if zscore is group_zscore_triton:
+        return group_zscore_triton(values, valid, weights, G, scale, eps, floor)
+    z, constant = group_zscore_reference(values, G, scale=scale, eps=eps, valid=valid, std_floor=floor)
+    return (z if weights is None else z * weights), constant.float()
 
 
 # ---------------------------------------------------------------------------------------
 # Triton kernel and launcher
 # ---------------------------------------------------------------------------------------
+
+
+# The z-score kernel's SCALE codes (constexpr: each is its own compiled variant).
+SCALE_NONE = tl.constexpr(0)  # centred only (Dr. GRPO)
+SCALE_GROUP = tl.constexpr(1)  # divided by the group's std
+SCALE_BATCH = tl.constexpr(2)  # divided by the whole batch's std, per column
+_SCALE_CODE = {"none": SCALE_NONE, "group": SCALE_GROUP, "batch": SCALE_BATCH}
+
+# How the loss kernel reads A (its ADV_MODE), set by the advantage source.
+ADV_ROW = tl.constexpr(0)  # one value per row: A_i = sum_c coef_ic (rewards, reward components)
+ADV_PREFIX = tl.constexpr(1)  # V-Rubrics: A_it = sum_c coef_ic 1[t <= t_end_ic]
+_ADV_CODE = {"row": ADV_ROW, "prefix": ADV_PREFIX}
 
 
 @triton.jit
@@ -325,156 +446,36 @@ def group_zscore_triton(
 
 
 # ---------------------------------------------------------------------------------------
-# Public API: the advantage step of GRPO, checked once, for either loss path
+# Whole-advantage references: the tests' oracles (the trainer calls group_advantages)
 # ---------------------------------------------------------------------------------------
 
 
-def check_tensor(name: str, x: object, shape: tuple, device: torch.device, floating: bool) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if floating and not x.is_floating_point():
-        raise TypeError(f"{name} must be a floating-point tensor (fp32/bf16/fp16), got {x.dtype}")
-    if tuple(x.shape) != tuple(shape):
-        raise ValueError(f"{name} has shape {tuple(x.shape)}, expected {tuple(shape)}")
-    if x.device != device:
-        raise ValueError(f"{name} is on {x.device} but logp is on {device}; move it to {device}")
+def grpo_advantages_reference(
+    rewards: torch.Tensor, G: int, *, scale: str = "group", eps: float = 1e-4,
+    weights: torch.Tensor | None = None, std_floor: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """rewards [N] or components [N, K] with weights [K] -> (adv [N], zero_spread [B] bool)."""
+    values = rewards[:, None] if rewards.dim() == 1 else rewards
+    z, constant = group_zscore_reference(values, G, scale=scale, eps=eps, std_floor=std_floor)
+    w = torch.ones(values.shape[1], device=z.device) if weights is None else weights.float()
+    return (z * w).sum(1), constant.all(1)
 
 
-def check_finite(name: str, x: torch.Tensor, where: torch.Tensor | None = None) -> None:
-    """Error naming the rows with NaN/inf. A host sync (one bool), worth it: a NaN reward
-    would otherwise turn its whole group's advantages, and the loss, into NaN silently."""
-    bad = ~torch.isfinite(x.float())
-    if where is not None:
-        bad &= where
-    if bad.any():
-        rows = bad.reshape(bad.shape[0], -1).any(1).nonzero().flatten().tolist()
-        more = " ..." if len(rows) > 20 else ""
-        raise ValueError(
-            f"{name} has NaN/inf in rows {rows[:20]}{more}; fix the reward function or drop "
-            "those completions (whole groups) before the loss"
-        )
+def prefix_advantages_reference(
+    prefix: PrefixRubrics, T: int, G: int, *, scale: str = "group", eps: float = 1e-4,
+    std_floor: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """V-Rubrics prefix advantages -> (adv [N, T], zero_spread [B] bool).
 
-
-def check_groups(N: int, G: object) -> None:
-    """Rows are B*G with each prompt's G completions contiguous: the one layout every group
-    statistic here (and the loss, and dynamic sampling) assumes."""
-    if isinstance(G, bool) or not isinstance(G, int) or G < 1:
-        raise ValueError(f"G (completions per prompt) must be a positive int, got {G!r}")
-    if N % G != 0:
-        raise ValueError(f"N = {N} rows is not divisible by G = {G}: rows must be B*G, "
-                         "the G completions of each prompt contiguous")
-
-
-def check_advantage_inputs(
-    N: int, T: int | None, device: torch.device, mask: torch.Tensor | None, rewards, reward_components,
-    component_weights, prefix, token_adv, scale: str, adv_eps: float, adv_std_floor: float,
-) -> None:
-    """Exactly one advantage source, of the right shapes and device, finite where it counts."""
-    given = [n for n, x in (("rewards", rewards), ("reward_components", reward_components),
-                            ("prefix", prefix), ("token_adv", token_adv)) if x is not None]
-    if len(given) != 1:
-        raise ValueError("give exactly one advantage source: rewards, reward_components, prefix "
-                         f"or token_adv (got {given or 'none'})")
-    if rewards is not None:
-        check_tensor("rewards", rewards, (N,), device, floating=False)
-        check_finite("rewards", rewards)
-    if reward_components is not None:
-        if reward_components.dim() != 2:
-            raise ValueError(f"reward_components must be [N, K], got {tuple(reward_components.shape)}")
-        K = reward_components.shape[1]
-        check_tensor("reward_components", reward_components, (N, K), device, floating=False)
-        if component_weights is None:
-            raise ValueError("reward_components needs component_weights [K]")
-        check_tensor("component_weights", component_weights, (K,), device, floating=False)
-        check_finite("reward_components", reward_components)
-    elif component_weights is not None:
-        raise ValueError("component_weights is only used with reward_components")
-    if prefix is not None:
-        # Duck-typed: a reloaded module (tests) or a look-alike dataclass is fine.
-        missing = [f for f in ("R_ans", "s", "scored", "rho", "t_end", "a") if not hasattr(prefix, f)]
-        if missing:
-            raise TypeError(f"prefix must be a PrefixRubrics, got {type(prefix).__name__} "
-                            f"without {missing}")
-        if T is None:
-            raise ValueError("prefix advantages need T, the completion length their t_end indexes")
-        J = prefix.s.shape[-1]
-        check_tensor("prefix.R_ans", prefix.R_ans, (N,), device, floating=False)
-        check_tensor("prefix.s", prefix.s, (N, J), device, floating=False)
-        check_tensor("prefix.scored", prefix.scored, (N, J), device, floating=False)
-        check_tensor("prefix.t_end", prefix.t_end, (N, J), device, floating=False)
-        if prefix.t_end.is_floating_point():
-            raise TypeError(f"prefix.t_end must be an integer tensor, got {prefix.t_end.dtype}")
-        rho_shape = (J,) if prefix.rho.dim() == 1 else (N, J)
-        check_tensor("prefix.rho", prefix.rho, rho_shape, device, floating=False)
-        if not 0.0 <= prefix.a <= 1.0:
-            raise ValueError(f"prefix.a must be in [0, 1], got {prefix.a}")
-        check_finite("prefix.R_ans", prefix.R_ans)
-        check_finite("prefix.s", prefix.s, where=prefix.scored.bool())
-        check_finite("prefix.rho", prefix.rho)
-    if token_adv is not None:
-        if mask is None or T is None:
-            raise ValueError("token_adv needs the mask [N, T] (its zero-spread test reads active tokens only)")
-        check_tensor("token_adv", token_adv, (N, T), device, floating=True)
-        check_finite("token_adv", token_adv, where=mask != 0)
-    if scale not in SCALES:
-        raise ValueError(f"scale must be one of {SCALES}, got {scale!r}")
-    if not adv_eps >= 0:
-        raise ValueError(f"adv_eps must be >= 0, got {adv_eps}")
-    if not adv_std_floor >= 0:  # also refuses NaN
-        raise ValueError(f"adv_std_floor must be >= 0 (0 = off), got {adv_std_floor}")
-    if adv_std_floor > 0 and scale == "none":
-        raise ValueError(f"adv_std_floor = {adv_std_floor} needs a std to floor: scale='none' divides by none")
-
-
-def group_advantages(
-    rewards: torch.Tensor | None = None, G: int | None = None, *,
-    reward_components: torch.Tensor | None = None, component_weights: torch.Tensor | None = None,
-    prefix: PrefixRubrics | None = None, token_adv: torch.Tensor | None = None,
-    mask: torch.Tensor | None = None, T: int | None = None, scale: str = "group", adv_eps: float = 1e-4,
-    adv_std_floor: float = 0.0, backend: str = "auto", checked: bool = False,
-) -> Advantages:
-    """GRPO's advantage step: z-scores within each prompt's G completions (module docstring).
-
-    Exactly one source: ``rewards`` [N]; ``reward_components`` [N, K] with
-    ``component_weights`` [K]; ``prefix`` (V-Rubrics, needs ``T``); ``token_adv`` [N, T]
-    (used as is, needs ``mask``). ``backend`` picks who computes the z-scores: "auto" (CUDA
-    -> the Triton kernel, else the reference), "torch" or "triton"; either loss path reads
-    the result. Host syncs: the NaN checks of the inputs (``checked=True`` skips
-    them when the caller has already run ``check_advantage_inputs``).
+    Materialises [N, T, J] for clarity; the kernel never does.
     """
-    source = next(x for x in (rewards, reward_components, prefix, token_adv, torch.empty(0)) if x is not None)
-    device = (source.R_ans if source is prefix else source).device
-    N = (source.R_ans if source is prefix else source).shape[0]
-    check_groups(N, G)
-    if not checked:
-        check_advantage_inputs(N, T, device, mask, rewards, reward_components, component_weights, prefix,
-                               token_adv, scale, adv_eps, adv_std_floor)
-    if token_adv is not None:  # used as is (the loss derives its zero spread from the active |A|)
-        return Advantages(G, "token", token=token_adv)
-    floor, eps = float(adv_std_floor), float(adv_eps)
-    zscore = group_zscore_reference if resolve_backend(backend, device) == "torch" else group_zscore_triton
-    if prefix is None:
-        if rewards is not None:
-            coef, const = _weighted_zscore(zscore, rewards[:, None], None, None, G, scale, eps, floor)
-        else:  # weights [K] -> [N, K] with stride 0 over rows: no copy
-            w = component_weights.float()[None, :].expand(reward_components.shape)
-            coef, const = _weighted_zscore(zscore, reward_components, None, w, G, scale, eps, floor)
-        return Advantages(G, "row", coef=coef, constant=const)
-    # V-Rubrics: column 0 is the answer reward (credits every token), columns 1.. the rubrics.
-    J = prefix.s.shape[1]
-    values = torch.cat([prefix.R_ans.float()[:, None], prefix.s.float()], 1)  # [N, 1+J]
-    valid = torch.cat([torch.ones(N, 1, dtype=torch.bool, device=device), prefix.scored.bool()], 1)
-    w = torch.cat([torch.full((N, 1), prefix.a, device=device),
-                   (1.0 - prefix.a) * prefix.rho.float().expand(N, J)], 1)
-    t_end = torch.cat([torch.full((N, 1), _INT32_MAX, dtype=torch.int32, device=device),
-                       prefix.t_end.clamp(-1, T).to(torch.int32)], 1)
-    coef, const = _weighted_zscore(zscore, values, valid, w, G, scale, eps, floor)
-    return Advantages(G, "prefix", coef=coef, t_end=t_end, constant=const)
-
-
-def _weighted_zscore(zscore, values, valid, weights, G, scale, eps, floor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(coef = w * z [N, C] fp32, constant [B, C] fp32) by the reference or the kernel."""
-    if zscore is group_zscore_triton:
-        return group_zscore_triton(values, valid, weights, G, scale, eps, floor)
-    z, constant = group_zscore_reference(values, G, scale=scale, eps=eps, valid=valid, std_floor=floor)
-    return (z if weights is None else z * weights), constant.float()
+    N, J = prefix.s.shape
+    z_ans, const_ans = group_zscore_reference(prefix.R_ans[:, None], G, scale=scale, eps=eps, std_floor=std_floor)
+    z_s, const_s = group_zscore_reference(prefix.s, G, scale=scale, eps=eps, valid=prefix.scored,
+                                          std_floor=std_floor)
+    rho = prefix.rho.float().expand(N, J)
+    t = torch.arange(T, device=z_s.device)
+    covers = t[None, :, None] <= prefix.t_end[:, None, :]  # [N, T, J]
+    rubric = (covers * (rho * z_s)[:, None, :]).sum(-1)  # [N, T]
+    adv = prefix.a * z_ans + (1.0 - prefix.a) * rubric
+    return adv, const_ans[:, 0] & const_s.all(1)

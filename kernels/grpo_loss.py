@@ -53,12 +53,10 @@ Aggregation ("loss_type"), with n_i active tokens in row i and M = sum_i n_i:
     dapo     sum_it loss_it / num_active_tokens tokens of the whole accumulated batch
                                                 (default M, i.e. this micro-batch)
 
-Advantages: pass ``advantages`` from ``group_advantages`` (the trainer does, once per
-rollout batch), or one raw source and let the loss call it: rewards [N], reward_components
-[N, K] + component_weights [K], prefix (V-Rubrics), token_adv [N, T] (given by the caller,
-used as is; first-class: rows are never chunked, so they cannot be mixed up).
-zero_spread_frac counts the groups whose advantages are all 0 (every reward input constant,
-G = 1 included; with token_adv, all active token advantages 0).
+Advantages: the loss takes them made, from ``group_advantages`` (the trainer makes them
+once per rollout batch, from one ``AdvantageSource``, and slices them per micro-batch).
+zero_spread_frac counts the groups whose advantages are all 0 (every reward column
+constant, G = 1 included).
 
 Several updates per batch (mu > 1, PPO epochs): pass old_logp = the log-probs of the
 policy that sampled the batch, detached; from the second update on the ratio differs from
@@ -109,9 +107,9 @@ atomics, deterministic):
        normaliser of bnpo/dapo is known only after every row is done, and g only in
        backward, so the forward stores the gradient without them.
 
-Gradient accumulation: grpo/bnpo/dr_grpo are per-micro-batch means (average the
-micro-batch losses, i.e. divide by the number of steps); dapo with num_active_tokens =
-active tokens of the whole accumulated batch is already normalised (sum the losses).
+Gradient accumulation and micro-batches: this loss is the loss of the rows it is given;
+grpo/batches.py ``loss_share`` weighs it into the step's loss (dapo, given num_active_tokens =
+the active tokens of the whole step, is already normalised: weight 1).
 
 Simplified: the rollout correction caps the ratio from above only (IcePop also masks
 ratios below 1 / C); no "GSPO-token" variant, no entropy masking, no top-entropy token selection.
@@ -130,8 +128,8 @@ import triton.language as tl
 
 from kernels._dispatch import check_launchable, last_dim_contiguous, next_pow2, resolve_backend
 # The advantage half lives in grpo_advantages; its public names are re-exported from here.
-from kernels.grpo_advantages import (ADV_PREFIX, ADV_ROW, ADV_TOKEN, SCALES, Advantages,  # noqa: F401
-                                     PrefixRubrics, _ADV_CODE, check_advantage_inputs, check_groups,
+from kernels.grpo_advantages import (ADV_PREFIX, ADV_ROW, SCALES, AdvantageSource, Advantages,  # noqa: F401
+                                     PrefixRubrics, _ADV_CODE, advantages_unchecked, check_groups, check_source,
                                      check_tensor, group_advantages, group_zscore_reference,
                                      group_zscore_triton, grpo_advantages_reference,
                                      prefix_advantages_reference)
@@ -142,74 +140,38 @@ CORRECTIONS = ("off", "token", "sequence")  # rollout correction level (sampler 
 CORRECTION_MODES = ("truncate", "mask")
 
 
-def micro_batch_share(loss_type: str, mask: torch.Tensor, rows: slice) -> float:
-    """The factor that turns the loss of rows ``rows`` alone into their part of the loss of
-    the whole batch (mask [N, T]): sum over micro-batches of share * loss = the batch's loss,
-    so their gradients sum to the batch's gradient. Every aggregation is a sum over rows
-    divided by a normaliser (module docstring); a micro-batch divides by its own:
+@dataclass(frozen=True)
+class LossOptions:
+    """The loss's knobs (formulas: the module docstring); the defaults are GRPO's.
+    grpo/step.py ``loss_options`` fills one from the config; checked when built."""
 
-        grpo, dr_grpo  n_rows / N        both average over rows (dr_grpo: N * max_len)
-        bnpo           M_rows / M        a token mean: the micro-batch's active tokens over the batch's
-        dapo           1                 already divided by the whole batch's num_active_tokens
+    beta: float = 0.0  # weight of the k3 KL term against ref_logp (0: no reference needed)
+    eps_low: float = 0.2  # the ratio's clip range is [1 - eps_low, 1 + eps_high]
+    eps_high: float = 0.2
+    loss_type: str = "grpo"  # aggregation: grpo | bnpo | dr_grpo | dapo
+    importance: str = "token"  # importance ratio per token, or per sequence (GSPO)
+    max_len: int | None = None  # dr_grpo divides by N * max_len (None: T)
+    kl_bias_correction: bool = False  # kl_t = ratio_t * k3_t (TRL's use_bias_correction_kl)
+    correction: str = "off"  # rollout correction level: off | token | sequence
+    correction_mode: str = "mask"  # above the cap: truncate (TIS) or mask (MIS)
+    correction_cap: float = 3.0  # C > 1, the largest rollout ratio kept
 
-    Exactly 1.0 for the whole batch, so one micro-batch is the one-pass loss bit for bit.
-    bnpo reads the mask: two host syncs."""
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"loss_type={loss_type!r}: use one of {LOSS_TYPES}")
-    start, stop, _ = rows.indices(mask.shape[0])
-    if (start, stop) == (0, mask.shape[0]) or loss_type == "dapo":
-        return 1.0
-    if loss_type == "bnpo":
-        return float((mask[start:stop] != 0).sum()) / max(float((mask != 0).sum()), 1.0)
-    return (stop - start) / mask.shape[0]
-
-
-# The finalisation kernel's LOSS_TYPE codes, one per name of LOSS_TYPES.
-LOSS_GRPO = tl.constexpr(0)
-LOSS_BNPO = tl.constexpr(1)
-LOSS_DR_GRPO = tl.constexpr(2)
-LOSS_DAPO = tl.constexpr(3)
-_LOSS_CODE = {"grpo": LOSS_GRPO, "bnpo": LOSS_BNPO, "dr_grpo": LOSS_DR_GRPO, "dapo": LOSS_DAPO}
-# The forward kernel's CORR codes, one per name of CORRECTIONS.
-CORR_OFF = tl.constexpr(0)
-CORR_TOKEN = tl.constexpr(1)
-CORR_SEQ = tl.constexpr(2)
-_CORR_CODE = {"off": CORR_OFF, "token": CORR_TOKEN, "sequence": CORR_SEQ}
-# dapo's divisor (NORM_MODE): this micro-batch's active tokens, a number, or a 1-element tensor.
-NORM_BATCH_TOKENS = tl.constexpr(0)
-NORM_VALUE = tl.constexpr(1)  # also dr_grpo's N * max_len
-NORM_TENSOR = tl.constexpr(2)
-
-# Row partials: the forward kernel leaves N_SLOTS fp32 sums per row at part[i, SLOT_*].
-SLOT_LOSS = tl.constexpr(0)  # sum_t (pg_t + beta kl_t), times 1 / n_i for grpo
-SLOT_TOKENS = tl.constexpr(1)  # n_i, the active tokens
-SLOT_KL = tl.constexpr(2)  # sum_t kl_t
-SLOT_CLIP_LOW = tl.constexpr(3)  # tokens clipped below (ratio < 1 - eps_low, A < 0)
-SLOT_CLIP_HIGH = tl.constexpr(4)  # tokens clipped above (ratio > 1 + eps_high, A > 0)
-SLOT_ADV_ABS = tl.constexpr(5)  # sum_t |A_t|
-SLOT_ADV_MAX = tl.constexpr(6)  # max_t |A_t| (token_adv: an all-zero group has zero spread)
-SLOT_KL_OLD = tl.constexpr(7)  # sum_t (r_t - 1) - log r_t against old_logp
-SLOT_IS_KL = tl.constexpr(8)  # sum_t (w_t - 1) - log w_t, w_t = pi_train / pi_sampler per token
-SLOT_IS_SUM = tl.constexpr(9)  # sum of the rollout ratios at the correction's level (tokens or this row)
-SLOT_IS_MAX = tl.constexpr(10)  # their max (0 for a fully masked row)
-SLOT_IS_OVER = tl.constexpr(11)  # how many of them exceed the cap (truncated or masked)
-SLOT_IS_UNITS = tl.constexpr(12)  # how many there are: n_i (token level) or 1 if n_i > 0 (sequence)
-N_SLOTS = tl.constexpr(13)
-# The finalisation's outputs: stats[STAT_*] (GRPOStats' order) and extra[EXTRA_*].
-STAT_KL = tl.constexpr(0)
-STAT_CLIP_LOW = tl.constexpr(1)
-STAT_CLIP_HIGH = tl.constexpr(2)
-STAT_ZERO_SPREAD = tl.constexpr(3)
-STAT_ADV_ABS = tl.constexpr(4)
-STAT_KL_OLD = tl.constexpr(5)
-STAT_IS_KL = tl.constexpr(6)
-STAT_IS_RATIO_MEAN = tl.constexpr(7)
-STAT_IS_RATIO_MAX = tl.constexpr(8)
-STAT_IS_OVER = tl.constexpr(9)
-N_STATS = tl.constexpr(10)
-EXTRA_SCALE = tl.constexpr(0)  # the aggregation's normaliser, which backward multiplies in
-EXTRA_TOKENS = tl.constexpr(1)  # M, this micro-batch's active tokens
-N_EXTRA = tl.constexpr(2)
+    def __post_init__(self) -> None:
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
+        if self.importance not in IMPORTANCE:
+            raise ValueError(f"importance must be one of {IMPORTANCE}, got {self.importance!r}")
+        if self.beta < 0 or self.eps_low < 0 or self.eps_high < 0:
+            raise ValueError(f"beta, eps_low, eps_high must be >= 0, got {self.beta}, {self.eps_low}, {self.eps_high}")
+        if self.max_len is not None and (not isinstance(self.max_len, int) or self.max_len < 1):
+            raise ValueError(f"max_len must be a positive int (max completion length), got {self.max_len!r}")
+        if self.correction not in CORRECTIONS:
+            raise ValueError(f"correction must be one of {CORRECTIONS}, got {self.correction!r}")
+        if self.correction_mode not in CORRECTION_MODES:
+            raise ValueError(f"correction_mode must be one of {CORRECTION_MODES}, got {self.correction_mode!r}")
+        cap = self.correction_cap
+        if not (isinstance(cap, (int, float)) and math.isfinite(cap) and cap > 1):
+            raise ValueError(f"correction_cap must be a finite number > 1 (the largest ratio kept), got {cap!r}")
 
 
 @dataclass
@@ -219,7 +181,7 @@ class GRPOStats:
     kl_mean: torch.Tensor  # mean KL term vs ref over active tokens (k3, or ratio * k3; 0 without ref_logp)
     clip_low_frac: torch.Tensor  # active tokens with ratio < 1 - eps_low and A < 0
     clip_high_frac: torch.Tensor  # active tokens with ratio > 1 + eps_high and A > 0
-    zero_spread_frac: torch.Tensor  # groups with constant rewards (token_adv: all-zero A)
+    zero_spread_frac: torch.Tensor  # groups with constant rewards (all their advantages 0)
     adv_abs_mean: torch.Tensor  # mean |A_t| over active tokens
     kl_old_mean: torch.Tensor  # mean k3 of the current policy vs old_logp: (ratio - 1) - log ratio
     # Rollout mismatch (0, 1, 1, 0 without sampler_logp: the trainer is taken as the sampler).
@@ -240,13 +202,13 @@ class GRPOStats:
 def grpo_loss_reference(
     logp: torch.Tensor, mask: torch.Tensor, adv: torch.Tensor, *,
     old_logp: torch.Tensor | None = None, ref_logp: torch.Tensor | None = None,
-    beta: float = 0.0, eps_low: float = 0.2, eps_high: float = 0.2, loss_type: str = "grpo",
-    importance: str = "token", max_len: int | None = None,
-    num_active_tokens: float | torch.Tensor | None = None, kl_bias_correction: bool = False,
-    sampler_logp: torch.Tensor | None = None, correction: str = "off", correction_mode: str = "mask",
-    correction_cap: float = 3.0,
+    sampler_logp: torch.Tensor | None = None, num_active_tokens: float | torch.Tensor | None = None,
+    options: LossOptions = LossOptions(),
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Loss from given advantages adv [N] or [N, T]; stats without zero_spread_frac."""
+    o = options
+    beta, eps_low, eps_high, loss_type, importance = o.beta, o.eps_low, o.eps_high, o.loss_type, o.importance
+    correction, correction_mode = o.correction, o.correction_mode
     N, T = logp.shape
     m = mask != 0
     mf = m.float()
@@ -273,7 +235,7 @@ def grpo_loss_reference(
         is_lr = torch.where(m, old.detach() - sampler_logp.float(), 0.0)
     unit_lr = is_lr.sum(-1) if correction == "sequence" else is_lr  # [N] or [N, T]
     units = (mf.sum(-1) > 0) if correction == "sequence" else m
-    log_cap = math.log(correction_cap)
+    log_cap = math.log(o.correction_cap)
     over = (unit_lr > log_cap) & units
     if correction != "off":
         if correction_mode == "truncate":  # min(ratio, C), in logs: no inf for a long sequence
@@ -286,7 +248,7 @@ def grpo_loss_reference(
     if ref_logp is not None:
         d = torch.where(m, ref_logp.float(), 0.0) - lp
         kl = torch.exp(d) - d - 1
-        if kl_bias_correction:  # TRL's use_bias_correction_kl: the ratio carries gradient too
+        if o.kl_bias_correction:  # TRL's use_bias_correction_kl: the ratio carries gradient too
             kl = ratio * kl
         if beta != 0.0:
             per_token = per_token + beta * kl
@@ -298,7 +260,7 @@ def grpo_loss_reference(
     elif loss_type == "bnpo":
         loss = total / M
     elif loss_type == "dr_grpo":
-        loss = total / (N * (T if max_len is None else max_len))
+        loss = total / (N * (T if o.max_len is None else o.max_len))
     elif num_active_tokens is None:
         loss = total / M
     elif isinstance(num_active_tokens, torch.Tensor):  # [] or [1], maybe an int count
@@ -318,12 +280,87 @@ def grpo_loss_reference(
         unit_ratio = torch.exp(unit_lr)
         stats.update(
             is_kl=((torch.exp(is_lr) - 1 - is_lr) * mf).sum() / M,
-            is_ratio_mean=torch.where(units, unit_ratio, 0.0).sum() / n_units if units.any()
-            else torch.ones((), device=lp.device),
-            is_ratio_max=torch.where(units, unit_ratio, 0.0).max() if units.any()
-            else torch.ones((), device=lp.device),
+            is_ratio_mean=torch.where(units.any(), torch.where(units, unit_ratio, 0.0).sum() / n_units,
+                                      torch.ones((), device=lp.device)),  # branchless: torch.compile traces it whole
+            is_ratio_max=torch.where(units.any(), torch.where(units, unit_ratio, 0.0).max(),
+                                     torch.ones((), device=lp.device)),
             is_over_frac=over.sum() / n_units)
     return loss, stats
+
+
+# ---------------------------------------------------------------------------------------
+# Public API: validate once, then dispatch to the kernel or the reference
+# ---------------------------------------------------------------------------------------
+
+
+def _validate(logp, mask, adv, old_logp, ref_logp, sampler_logp, num_active_tokens, options: LossOptions) -> None:
+    """The tensors against each other and the options (the advantages were checked when made)."""
+    if not isinstance(logp, torch.Tensor) or logp.dim() != 2:
+        raise ValueError(f"logp must be a [N, T] tensor, got {getattr(logp, 'shape', type(logp))}")
+    if not isinstance(options, LossOptions):
+        raise TypeError(f"options must be a LossOptions, got {type(options).__name__}")
+    N, T = logp.shape
+    dev = logp.device
+    check_tensor("logp", logp, (N, T), dev, floating=True)
+    check_tensor("mask", mask, (N, T), dev, floating=False)
+    for name, x in (("old_logp", old_logp), ("ref_logp", ref_logp), ("sampler_logp", sampler_logp)):
+        if x is not None:
+            check_tensor(name, x, (N, T), dev, floating=True)
+    # Duck-typed: a test's reloaded (interpreted) module has its own class.
+    missing = [f for f in ("G", "mode", "coef", "t_end", "constant", "values") if not hasattr(adv, f)]
+    if missing:
+        raise TypeError(f"advantages must come from group_advantages, got {type(adv).__name__}")
+    check_groups(N, adv.G)
+    if adv.num_rows != N:
+        raise ValueError(f"advantages are for {adv.num_rows} rows, the loss has {N}")
+    if options.beta > 0 and ref_logp is None:
+        raise ValueError(f"beta = {options.beta} > 0 needs ref_logp (the reference policy's log-probs)")
+    if options.kl_bias_correction and ref_logp is None:
+        raise ValueError("kl_bias_correction=True weights the KL term, which needs ref_logp")
+    if isinstance(num_active_tokens, torch.Tensor):
+        if num_active_tokens.numel() != 1 or num_active_tokens.device != dev:
+            raise ValueError("num_active_tokens must be a number or a 1-element tensor on "
+                             f"{dev}, got shape {tuple(num_active_tokens.shape)} on "
+                             f"{num_active_tokens.device}")
+    elif num_active_tokens is not None and not num_active_tokens > 0:
+        raise ValueError(f"num_active_tokens must be > 0, got {num_active_tokens}")
+
+
+def grpo_loss(
+    logp: torch.Tensor, mask: torch.Tensor, advantages: Advantages, *,
+    old_logp: torch.Tensor | None = None, ref_logp: torch.Tensor | None = None,
+    sampler_logp: torch.Tensor | None = None, num_active_tokens: float | torch.Tensor | None = None,
+    options: LossOptions = LossOptions(), backend: str = "auto",
+) -> tuple[torch.Tensor, GRPOStats]:
+    """GRPO loss (0-d fp32, differentiable w.r.t. logp) and detached diagnostics.
+
+    logp, old_logp, ref_logp, mask: [N, T], N = B*G rows, G completions per prompt contiguous.
+    advantages: from ``group_advantages`` (computed once per rollout batch; its G is the
+    loss's). old_logp=None means one policy update per batch (old = detached logp, ratio =
+    1). sampler_logp [N, T]: the rollout engine's log-probs of the same tokens (the mismatch
+    stats and the rollout correction; None = the trainer sampled). num_active_tokens: dapo's
+    divisor (default this call's active tokens). mask: nonzero = active. options: the
+    knobs (``LossOptions``), formulas in the module docstring. backend: "auto" (CUDA ->
+    Triton, else the reference), "torch", or "triton" (on a CPU only under
+    TRITON_INTERPRET=1). No host sync.
+    """
+    _validate(logp, mask, advantages, old_logp, ref_logp, sampler_logp, num_active_tokens, options)
+    T = logp.shape[1]
+    backend = resolve_backend(backend, logp.device)
+    loss_args = dict(old_logp=old_logp, ref_logp=ref_logp, num_active_tokens=num_active_tokens,
+                     sampler_logp=sampler_logp, options=options)
+
+    if backend == "torch":
+        loss, st = grpo_loss_reference(logp, mask, advantages.values(T), **loss_args)
+        return loss, GRPOStats(zero_spread_frac=advantages.zero_spread().float().mean(), **st)
+
+    check_launchable(_grpo_loss_fwd_kernel, logp.device, __name__)
+    loss, s = _FusedGRPOLoss.apply(logp, dict(mask=mask, adv=advantages, **loss_args))
+    return loss, GRPOStats(kl_mean=s[STAT_KL.value], clip_low_frac=s[STAT_CLIP_LOW.value],
+                           clip_high_frac=s[STAT_CLIP_HIGH.value], zero_spread_frac=s[STAT_ZERO_SPREAD.value],
+                           adv_abs_mean=s[STAT_ADV_ABS.value], kl_old_mean=s[STAT_KL_OLD.value],
+                           is_kl=s[STAT_IS_KL.value], is_ratio_mean=s[STAT_IS_RATIO_MEAN.value],
+                           is_ratio_max=s[STAT_IS_RATIO_MAX.value], is_over_frac=s[STAT_IS_OVER.value])
 
 
 # ---------------------------------------------------------------------------------------
@@ -331,18 +368,65 @@ def grpo_loss_reference(
 # ---------------------------------------------------------------------------------------
 
 
+# The finalisation kernel's LOSS_TYPE codes, one per name of LOSS_TYPES.
+LOSS_GRPO = tl.constexpr(0)
+LOSS_BNPO = tl.constexpr(1)
+LOSS_DR_GRPO = tl.constexpr(2)
+LOSS_DAPO = tl.constexpr(3)
+_LOSS_CODE = {"grpo": LOSS_GRPO, "bnpo": LOSS_BNPO, "dr_grpo": LOSS_DR_GRPO, "dapo": LOSS_DAPO}
+# The forward kernel's CORR codes, one per name of CORRECTIONS.
+CORR_OFF = tl.constexpr(0)
+CORR_TOKEN = tl.constexpr(1)
+CORR_SEQ = tl.constexpr(2)
+_CORR_CODE = {"off": CORR_OFF, "token": CORR_TOKEN, "sequence": CORR_SEQ}
+# dapo's divisor (NORM_MODE): this micro-batch's active tokens, a number, or a 1-element tensor.
+NORM_BATCH_TOKENS = tl.constexpr(0)
+NORM_VALUE = tl.constexpr(1)  # also dr_grpo's N * max_len
+NORM_TENSOR = tl.constexpr(2)
+
+# Row partials: the forward kernel leaves N_SLOTS fp32 sums per row at part[i, SLOT_*].
+SLOT_LOSS = tl.constexpr(0)  # sum_t (pg_t + beta kl_t), times 1 / n_i for grpo
+SLOT_TOKENS = tl.constexpr(1)  # n_i, the active tokens
+SLOT_KL = tl.constexpr(2)  # sum_t kl_t
+SLOT_CLIP_LOW = tl.constexpr(3)  # tokens clipped below (ratio < 1 - eps_low, A < 0)
+SLOT_CLIP_HIGH = tl.constexpr(4)  # tokens clipped above (ratio > 1 + eps_high, A > 0)
+SLOT_ADV_ABS = tl.constexpr(5)  # sum_t |A_t|
+SLOT_KL_OLD = tl.constexpr(6)  # sum_t (r_t - 1) - log r_t against old_logp
+SLOT_IS_KL = tl.constexpr(7)  # sum_t (w_t - 1) - log w_t, w_t = pi_train / pi_sampler per token
+SLOT_IS_SUM = tl.constexpr(8)  # sum of the rollout ratios at the correction's level (tokens or this row)
+SLOT_IS_MAX = tl.constexpr(9)  # their max (0 for a fully masked row)
+SLOT_IS_OVER = tl.constexpr(10)  # how many of them exceed the cap (truncated or masked)
+SLOT_IS_UNITS = tl.constexpr(11)  # how many there are: n_i (token level) or 1 if n_i > 0 (sequence)
+N_SLOTS = tl.constexpr(12)
+# The finalisation's outputs: stats[STAT_*] (GRPOStats' order) and extra[EXTRA_*].
+STAT_KL = tl.constexpr(0)
+STAT_CLIP_LOW = tl.constexpr(1)
+STAT_CLIP_HIGH = tl.constexpr(2)
+STAT_ZERO_SPREAD = tl.constexpr(3)
+STAT_ADV_ABS = tl.constexpr(4)
+STAT_KL_OLD = tl.constexpr(5)
+STAT_IS_KL = tl.constexpr(6)
+STAT_IS_RATIO_MEAN = tl.constexpr(7)
+STAT_IS_RATIO_MAX = tl.constexpr(8)
+STAT_IS_OVER = tl.constexpr(9)
+N_STATS = tl.constexpr(10)
+EXTRA_SCALE = tl.constexpr(0)  # the aggregation's normaliser, which backward multiplies in
+EXTRA_TOKENS = tl.constexpr(1)  # M, this micro-batch's active tokens
+N_EXTRA = tl.constexpr(2)
+
+
 @triton.jit
 def _grpo_loss_fwd_kernel(
     # pointers: [N, T] inputs, the advantage source, outputs grad [N, T] and part [N, N_SLOTS]
-    logp_ptr, old_ptr, ref_ptr, mask_ptr, adv_ptr, coef_ptr, tend_ptr, grad_ptr, part_ptr, samp_ptr,
+    logp_ptr, old_ptr, ref_ptr, mask_ptr, coef_ptr, tend_ptr, grad_ptr, part_ptr, samp_ptr,
     # dimensions: T tokens per row, C reward columns of coef / tend
     T, C,
     # strides: rows only, every last dimension is contiguous (the launcher makes it so)
-    stride_lp, stride_old, stride_ref, stride_m, stride_adv, stride_coef, stride_tend, stride_samp,
+    stride_lp, stride_old, stride_ref, stride_m, stride_coef, stride_tend, stride_samp,
     # scalars
     beta, eps_low, eps_high, log_cap,
     # meta-parameters: each combination is its own compiled kernel
-    ADV_MODE: tl.constexpr,  # ADV_ROW | ADV_PREFIX | ADV_TOKEN: which advantage pointers are read
+    ADV_MODE: tl.constexpr,  # ADV_ROW | ADV_PREFIX: whether tend_ptr is read
     HAS_OLD: tl.constexpr, HAS_REF: tl.constexpr, KL_IN_LOSS: tl.constexpr,
     SEQ: tl.constexpr,  # sequence-level importance ratio (GSPO)
     ROW_MEAN: tl.constexpr,  # grpo aggregation: each row's tokens weigh 1 / n_i
@@ -412,7 +496,6 @@ def _grpo_loss_fwd_kernel(
     acc_lo = 0.0
     acc_hi = 0.0
     acc_abs = 0.0
-    acc_max = 0.0
     acc_dratio = 0.0  # sum_t d (pg_t + beta kl_t) / d ratio_seq (sequence importance only)
     acc_kl_old = 0.0  # sum_t k3(current vs old) = (r_t - 1) - log r_t, token ratios
     acc_is_kl = 0.0  # sum_t k3 of the token rollout ratios
@@ -430,11 +513,9 @@ def _grpo_loss_fwd_kernel(
             old = lp  # one iteration per batch: old = detached current, ratio = 1
         if ADV_MODE == ADV_ROW:
             A = tl.zeros([BLOCK_T], dtype=tl.float32) + adv_row
-        elif ADV_MODE == ADV_PREFIX:  # [BLOCK_T, C_PAD] in registers; never [N, T, J] in memory
+        else:  # ADV_PREFIX: [BLOCK_T, C_PAD] in registers; never [N, T, J] in memory
             covers = t[:, None] <= t_end[None, :]
             A = tl.sum(tl.where(covers, coef[None, :], 0.0), axis=1)
-        else:
-            A = tl.load(adv_ptr + i * stride_adv + t, mask=inb, other=0.0).to(tl.float32)
         A = tl.where(m, A, 0.0)
 
         if SEQ:
@@ -500,7 +581,6 @@ def _grpo_loss_fwd_kernel(
         acc_lo += tl.sum((m & (ratio < 1.0 - eps_low) & (A < 0.0)).to(tl.float32))
         acc_hi += tl.sum((m & (ratio > 1.0 + eps_high) & (A > 0.0)).to(tl.float32))
         acc_abs += tl.sum(tl.abs(A))
-        acc_max = tl.maximum(acc_max, tl.max(tl.abs(A)))
         if SEQ:
             acc_dratio += tl.sum(tl.where(m, dpg + dkl_dratio, 0.0))
             grad = dkl
@@ -536,7 +616,6 @@ def _grpo_loss_fwd_kernel(
     tl.store(part + SLOT_CLIP_LOW, acc_lo)
     tl.store(part + SLOT_CLIP_HIGH, acc_hi)
     tl.store(part + SLOT_ADV_ABS, acc_abs)
-    tl.store(part + SLOT_ADV_MAX, acc_max)
     tl.store(part + SLOT_KL_OLD, acc_kl_old)
 
 
@@ -545,7 +624,7 @@ def _grpo_finalize_kernel(
     # pointers: row partials, per-group constant flags, the dapo normaliser tensor; outputs
     part_ptr, const_ptr, norm_ptr, loss_ptr, stats_ptr, extra_ptr,
     # dimensions
-    N, B, G, C,
+    N, B, C,
     # strides
     stride_kb,
     # scalars
@@ -553,8 +632,7 @@ def _grpo_finalize_kernel(
     # meta-parameters
     LOSS_TYPE: tl.constexpr,  # LOSS_GRPO | LOSS_BNPO | LOSS_DR_GRPO | LOSS_DAPO
     NORM_MODE: tl.constexpr,  # dapo's divisor: NORM_BATCH_TOKENS | NORM_VALUE | NORM_TENSOR
-    TOKEN_ADV: tl.constexpr,  # no reward columns: zero spread from the rows' max |A|
-    BLOCK_N: tl.constexpr, G_PAD: tl.constexpr, C_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr, C_PAD: tl.constexpr,
     HAS_SAMP: tl.constexpr,  # the rows hold rollout ratios (else the mismatch stats are 1 / 0)
 ):
     """Row partials [N, N_SLOTS] -> loss, stats [N_STATS] (STAT_*), extra [scale, M]."""
@@ -601,15 +679,10 @@ def _grpo_finalize_kernel(
             scale = 1.0 / tl.load(norm_ptr).to(tl.float32)
 
     zero = 0.0
-    g = tl.arange(0, G_PAD)
     cols = tl.arange(0, C_PAD)
     for b in range(0, B):
-        if TOKEN_ADV:  # no rewards: a group is "zero-spread" when all its advantages are 0
-            amax = tl.max(tl.load(part_ptr + (b * G + g) * N_SLOTS + SLOT_ADV_MAX, mask=g < G, other=0.0))
-            zero += (amax == 0.0).to(tl.float32)
-        else:  # every reward column constant within the group
-            flags = tl.load(const_ptr + b * stride_kb + cols, mask=cols < C, other=1.0)
-            zero += tl.min(flags)
+        flags = tl.load(const_ptr + b * stride_kb + cols, mask=cols < C, other=1.0)  # every column constant
+        zero += tl.min(flags)
 
     tl.store(loss_ptr, loss * scale)
     tl.store(stats_ptr + STAT_KL, kl / M_safe)
@@ -652,12 +725,11 @@ def _scale_grad_kernel(
 
 def _grpo_loss_fwd_triton(
     logp: torch.Tensor, mask: torch.Tensor, adv: Advantages, old_logp: torch.Tensor | None,
-    ref_logp: torch.Tensor | None, beta: float, eps_low: float, eps_high: float, loss_type: str,
-    importance: str, max_len: int | None, num_active_tokens: float | torch.Tensor | None,
-    kl_bias_correction: bool, sampler_logp: torch.Tensor | None = None, correction: str = "off",
-    correction_mode: str = "mask", correction_cap: float = 3.0,
+    ref_logp: torch.Tensor | None, num_active_tokens: float | torch.Tensor | None,
+    sampler_logp: torch.Tensor | None, options: LossOptions,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (loss 0-d, stats [N_STATS], extra [N_EXTRA], grad [N, T] fp32 without the normaliser)."""
+    o, loss_type = options, options.loss_type
     N, T = logp.shape
     G = adv.G
     dev = logp.device
@@ -665,14 +737,12 @@ def _grpo_loss_fwd_triton(
     # A pointer the kernel never reads (its HAS_* flag or ADV_MODE says so) still needs a
     # tensor: logp stands in. Which pointers are live is decided by the flags, never by
     # comparing tensors.
-    token_mode, prefix_mode = adv.mode == "token", adv.mode == "prefix"
+    prefix_mode = adv.mode == "prefix"
     old = last_dim_contiguous(old_logp) if old_logp is not None else logp
     ref = last_dim_contiguous(ref_logp) if ref_logp is not None else logp
     samp = last_dim_contiguous(sampler_logp) if sampler_logp is not None else logp
-    token_adv = last_dim_contiguous(adv.token) if token_mode else logp
-    coef = adv.coef if not token_mode else logp
     t_end = adv.t_end if prefix_mode else mask
-    C = adv.coef.shape[1] if not token_mode else 1
+    C = adv.coef.shape[1]
     grad = torch.empty(N, T, dtype=torch.float32, device=dev)
     part = torch.empty(N, N_SLOTS.value, dtype=torch.float32, device=dev)
     # A whole 4096-token row in one tile (16 warps, 8 tokens per thread): with only N
@@ -680,20 +750,20 @@ def _grpo_loss_fwd_triton(
     # holds a [BLOCK_T, C_PAD] tile, so it gets smaller tiles.
     BLOCK_T = min(4096 if not prefix_mode else 1024, next_pow2(T, 16))
     _grpo_loss_fwd_kernel[(N,)](
-        logp, old, ref, mask, token_adv, coef, t_end, grad, part, samp,
+        logp, old, ref, mask, adv.coef, t_end, grad, part, samp,
         T, C,
-        logp.stride(0), old.stride(0), ref.stride(0), mask.stride(0), token_adv.stride(0),
-        coef.stride(0), t_end.stride(0), samp.stride(0),
-        beta, eps_low, eps_high, math.log(correction_cap),
+        logp.stride(0), old.stride(0), ref.stride(0), mask.stride(0),
+        adv.coef.stride(0), t_end.stride(0), samp.stride(0),
+        o.beta, o.eps_low, o.eps_high, math.log(o.correction_cap),
         ADV_MODE=_ADV_CODE[adv.mode].value, HAS_OLD=old_logp is not None, HAS_REF=ref_logp is not None,
-        KL_IN_LOSS=beta != 0.0, SEQ=importance == "sequence", ROW_MEAN=loss_type == "grpo",
-        BLOCK_T=BLOCK_T, C_PAD=next_pow2(C), BIAS_KL=bool(kl_bias_correction) and ref_logp is not None,
-        HAS_SAMP=sampler_logp is not None, CORR=_CORR_CODE[correction].value, CORR_MASK=correction_mode == "mask",
-        num_warps=max(4, min(16, BLOCK_T // 256)),
+        KL_IN_LOSS=o.beta != 0.0, SEQ=o.importance == "sequence", ROW_MEAN=loss_type == "grpo",
+        BLOCK_T=BLOCK_T, C_PAD=next_pow2(C), BIAS_KL=bool(o.kl_bias_correction) and ref_logp is not None,
+        HAS_SAMP=sampler_logp is not None, CORR=_CORR_CODE[o.correction].value,
+        CORR_MASK=o.correction_mode == "mask", num_warps=max(4, min(16, BLOCK_T // 256)),
     )
     norm_is_tensor = isinstance(num_active_tokens, torch.Tensor)
     if loss_type == "dr_grpo":
-        norm_mode, norm_value = NORM_VALUE, float(N * (T if max_len is None else max_len))
+        norm_mode, norm_value = NORM_VALUE, float(N * (T if o.max_len is None else o.max_len))
     elif num_active_tokens is None:
         norm_mode, norm_value = NORM_BATCH_TOKENS, 1.0
     else:
@@ -702,14 +772,14 @@ def _grpo_loss_fwd_triton(
     loss = torch.empty((), dtype=torch.float32, device=dev)
     stats = torch.empty(N_STATS.value, dtype=torch.float32, device=dev)
     extra = torch.empty(N_EXTRA.value, dtype=torch.float32, device=dev)
-    const = adv.constant if not token_mode else part  # token mode reads the rows' max |A| instead
+    const = adv.constant
     _grpo_finalize_kernel[(1,)](
         part, const, num_active_tokens if norm_is_tensor else part, loss, stats, extra,
-        N, N // G, G, const.shape[1],
+        N, N // G, const.shape[1],
         const.stride(0),
         norm_value,
         LOSS_TYPE=_LOSS_CODE[loss_type].value, NORM_MODE=norm_mode.value,
-        TOKEN_ADV=token_mode, BLOCK_N=min(1024, next_pow2(N, 16)), G_PAD=next_pow2(G),
+        BLOCK_N=min(1024, next_pow2(N, 16)),
         C_PAD=next_pow2(const.shape[1]), HAS_SAMP=sampler_logp is not None,
     )
     return loss, stats, extra, grad
@@ -735,135 +805,3 @@ class _FusedGRPOLoss(torch.autograd.Function):
         _scale_grad_kernel[(triton.cdiv(grad.numel(), BLOCK),)](
             grad, out, g_loss.float().contiguous(), extra, grad.numel(), BLOCK=BLOCK)
         return out, None
-
-
-# ---------------------------------------------------------------------------------------
-# Public API: validate once, then dispatch to the kernel or the reference
-# ---------------------------------------------------------------------------------------
-
-
-def _validate(
-    logp, mask, G, old_logp, ref_logp, beta, eps_low, eps_high, loss_type, adv_eps, importance,
-    max_len, num_active_tokens, kl_bias_correction,
-) -> None:
-    """The loss's own arguments (the advantage inputs are group_advantages' to check)."""
-    if not isinstance(logp, torch.Tensor) or logp.dim() != 2:
-        raise ValueError(f"logp must be a [N, T] tensor, got {getattr(logp, 'shape', type(logp))}")
-    N, T = logp.shape
-    dev = logp.device
-    check_tensor("logp", logp, (N, T), dev, floating=True)
-    check_tensor("mask", mask, (N, T), dev, floating=False)
-    for name, x in (("old_logp", old_logp), ("ref_logp", ref_logp)):
-        if x is not None:
-            check_tensor(name, x, (N, T), dev, floating=True)
-    check_groups(N, G)
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
-    if importance not in IMPORTANCE:
-        raise ValueError(f"importance must be one of {IMPORTANCE}, got {importance!r}")
-    if beta < 0 or eps_low < 0 or eps_high < 0 or adv_eps < 0:
-        raise ValueError(f"beta, eps_low, eps_high, adv_eps must be >= 0, got "
-                         f"{beta}, {eps_low}, {eps_high}, {adv_eps}")
-    if beta > 0 and ref_logp is None:
-        raise ValueError(f"beta = {beta} > 0 needs ref_logp (the reference policy's log-probs)")
-    if kl_bias_correction and ref_logp is None:
-        raise ValueError("kl_bias_correction=True weights the KL term, which needs ref_logp")
-    if max_len is not None and (not isinstance(max_len, int) or max_len < 1):
-        raise ValueError(f"max_len must be a positive int (max completion length), got {max_len!r}")
-    if isinstance(num_active_tokens, torch.Tensor):
-        if num_active_tokens.numel() != 1 or num_active_tokens.device != dev:
-            raise ValueError("num_active_tokens must be a number or a 1-element tensor on "
-                             f"{dev}, got shape {tuple(num_active_tokens.shape)} on "
-                             f"{num_active_tokens.device}")
-    elif num_active_tokens is not None and not num_active_tokens > 0:
-        raise ValueError(f"num_active_tokens must be > 0, got {num_active_tokens}")
-
-
-def _validate_correction(logp, sampler_logp, correction, correction_mode, correction_cap) -> None:
-    """The rollout correction's arguments."""
-    if sampler_logp is not None:
-        check_tensor("sampler_logp", sampler_logp, tuple(logp.shape), logp.device, floating=True)
-    if correction not in CORRECTIONS:
-        raise ValueError(f"correction must be one of {CORRECTIONS}, got {correction!r}")
-    if correction_mode not in CORRECTION_MODES:
-        raise ValueError(f"correction_mode must be one of {CORRECTION_MODES}, got {correction_mode!r}")
-    if not (isinstance(correction_cap, (int, float)) and math.isfinite(correction_cap) and correction_cap > 1):
-        raise ValueError(f"correction_cap must be a finite number > 1 (the largest ratio kept), got {correction_cap!r}")
-
-
-def _check_prepared(adv: object, N: int, G: int) -> None:
-    # Duck-typed like prefix: a test's reloaded (interpreted) module has its own class.
-    missing = [f for f in ("G", "mode", "coef", "t_end", "constant", "token", "values") if not hasattr(adv, f)]
-    if missing:
-        raise TypeError(f"advantages must come from group_advantages, got {type(adv).__name__}")
-    if adv.G != G or adv.num_rows != N:
-        raise ValueError(f"advantages are for {adv.num_rows} rows in groups of {adv.G}, the loss has "
-                         f"{N} rows in groups of {G}")
-
-
-def grpo_loss(
-    logp: torch.Tensor, mask: torch.Tensor, rewards: torch.Tensor | None = None, *, G: int,
-    advantages: Advantages | None = None,
-    old_logp: torch.Tensor | None = None, ref_logp: torch.Tensor | None = None,
-    beta: float = 0.0, eps_low: float = 0.2, eps_high: float = 0.2, loss_type: str = "grpo",
-    scale: str = "group", adv_eps: float = 1e-4, token_adv: torch.Tensor | None = None,
-    reward_components: torch.Tensor | None = None,
-    component_weights: torch.Tensor | None = None, prefix: PrefixRubrics | None = None,
-    importance: str = "token", max_len: int | None = None,
-    num_active_tokens: float | torch.Tensor | None = None, adv_std_floor: float = 0.0,
-    kl_bias_correction: bool = False, sampler_logp: torch.Tensor | None = None, correction: str = "off",
-    correction_mode: str = "mask", correction_cap: float = 3.0, backend: str = "auto",
-) -> tuple[torch.Tensor, GRPOStats]:
-    """GRPO loss (0-d fp32, differentiable w.r.t. logp) and detached diagnostics.
-
-    logp, old_logp, ref_logp, mask: [N, T], N = B*G rows, G completions per prompt contiguous.
-    Advantages: ``advantages`` from group_advantages (computed once per rollout batch), or
-    exactly one of rewards [N], reward_components [N, K] (+ component_weights [K]), prefix
-    (PrefixRubrics), token_adv [N, T], with scale / adv_eps / adv_std_floor, which this call
-    hands to group_advantages. old_logp=None means one policy update per batch (old =
-    detached logp, ratio = 1). beta=0 needs no ref_logp. importance: "token" | "sequence";
-    loss_type: "grpo" | "bnpo" | "dr_grpo" (divides by N * max_len, default T) | "dapo"
-    (divides by num_active_tokens, default this micro-batch's count) - formulas in the module
-    docstring. mask: nonzero = active. kl_bias_correction: kl_t = ratio_t * k3_t (TRL's
-    use_bias_correction_kl). sampler_logp [N, T]: the rollout engine's log-probs of the same
-    tokens (the mismatch stats; None = the trainer sampled); correction "off" | "token" |
-    "sequence", correction_mode "truncate" | "mask", correction_cap C > 1: the rollout
-    correction of the module docstring. backend: "auto" (CUDA -> Triton, else the reference), "torch",
-    or "triton" (on a CPU only under TRITON_INTERPRET=1). Host syncs: the NaN checks of the
-    reward inputs (none when ``advantages`` is given).
-    """
-    _validate(logp, mask, G, old_logp, ref_logp, beta, eps_low, eps_high, loss_type, adv_eps,
-              importance, max_len, num_active_tokens, kl_bias_correction)
-    _validate_correction(logp, sampler_logp, correction, correction_mode, correction_cap)
-    N, T = logp.shape
-    backend = resolve_backend(backend, logp.device)
-    if advantages is None:
-        check_advantage_inputs(N, T, logp.device, mask, rewards, reward_components, component_weights, prefix,
-                               token_adv, scale, adv_eps, adv_std_floor)
-        advantages = group_advantages(rewards, G, reward_components=reward_components,
-                                      component_weights=component_weights, prefix=prefix, token_adv=token_adv,
-                                      mask=mask, T=T, scale=scale, adv_eps=adv_eps, adv_std_floor=adv_std_floor,
-                                      backend=backend, checked=True)
-    else:
-        given = [n for n, x in (("rewards", rewards), ("reward_components", reward_components),
-                                ("prefix", prefix), ("token_adv", token_adv)) if x is not None]
-        if given:
-            raise ValueError(f"give exactly one advantage source: advantages, or {given[0]} (got both)")
-        _check_prepared(advantages, N, G)
-    loss_args = dict(old_logp=old_logp, ref_logp=ref_logp, beta=float(beta),
-                     eps_low=float(eps_low), eps_high=float(eps_high), loss_type=loss_type,
-                     importance=importance, max_len=max_len, num_active_tokens=num_active_tokens,
-                     kl_bias_correction=bool(kl_bias_correction), sampler_logp=sampler_logp,
-                     correction=correction, correction_mode=correction_mode, correction_cap=float(correction_cap))
-
-    if backend == "torch":
-        loss, st = grpo_loss_reference(logp, mask, advantages.values(T), **loss_args)
-        return loss, GRPOStats(zero_spread_frac=advantages.zero_spread(mask).float().mean(), **st)
-
-    check_launchable(_grpo_loss_fwd_kernel, logp.device, __name__)
-    loss, s = _FusedGRPOLoss.apply(logp, dict(mask=mask, adv=advantages, **loss_args))
-    return loss, GRPOStats(kl_mean=s[STAT_KL.value], clip_low_frac=s[STAT_CLIP_LOW.value],
-                           clip_high_frac=s[STAT_CLIP_HIGH.value], zero_spread_frac=s[STAT_ZERO_SPREAD.value],
-                           adv_abs_mean=s[STAT_ADV_ABS.value], kl_old_mean=s[STAT_KL_OLD.value],
-                           is_kl=s[STAT_IS_KL.value], is_ratio_mean=s[STAT_IS_RATIO_MEAN.value],
-                           is_ratio_max=s[STAT_IS_RATIO_MAX.value], is_over_frac=s[STAT_IS_OVER.value])

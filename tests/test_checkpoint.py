@@ -259,7 +259,7 @@ def test_kill_at_every_write_keeps_previous_latest(tmp_path, monkeypatch):
         monkeypatch.setattr(durable, "write_bytes", real)
         assert_latest_is(run, 20)
     # Killed between the directory rename and the registry replace: an orphan step dir.
-    monkeypatch.setattr(durable.os, "replace", lambda *a: (_ for _ in ()).throw(Killed()))
+    monkeypatch.setattr(os, "replace", lambda *a: (_ for _ in ()).throw(Killed()))
     with pytest.raises(Killed):
         save(run, "A", 40)
     monkeypatch.undo()

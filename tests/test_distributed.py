@@ -45,7 +45,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo.distributed import DataParallel, DistributedError, loss_share, sampling_seed, shard_positions
+from grpo.batches import loss_share
+from grpo.distributed import DataParallel, DistributedError, sampling_seed, shard_positions
 
 G, L = 2, 8
 EPS32 = torch.finfo(torch.float32).eps
@@ -75,13 +76,13 @@ TRAIN_ARGS = ["--phase", "A", "--model.name", "tiny-random",  # rank 0 runs the 
 def test_shares_sum_to_one_and_match_the_table():
     rows, tokens = [3, 5], [10.0, 30.0]
     for loss_type in ("grpo", "dr_grpo", "bnpo"):
-        s = [loss_share(loss_type, n, m, sum(rows), sum(tokens)) for n, m in zip(rows, tokens)]
+        s = [loss_share(loss_type, n, m, sum(rows), sum(tokens), 1) for n, m in zip(rows, tokens)]
         assert sum(s) == pytest.approx(1.0)
-    assert loss_share("bnpo", 3, 10.0, 8, 40.0) == pytest.approx(0.25)
-    assert loss_share("grpo", 3, 10.0, 8, 40.0) == pytest.approx(3 / 8)
-    assert loss_share("dapo", 3, 10.0, 8, 40.0) == 1.0  # the kernel gets the global count instead
-    with pytest.raises(DistributedError, match="loss_type='mean'"):
-        loss_share("mean", 1, 1, 1, 1)
+    assert loss_share("bnpo", 3, 10.0, 8, 40.0, 1) == pytest.approx(0.25)
+    assert loss_share("grpo", 3, 10.0, 8, 40.0, 1) == pytest.approx(3 / 8)
+    assert loss_share("dapo", 3, 10.0, 8, 40.0, 2) == 1.0  # the kernel gets the global count instead
+    with pytest.raises(ValueError, match="loss_type='mean'"):
+        loss_share("mean", 1, 1, 1, 1, 1)
 
 
 def test_shards_partition_the_batch_and_seeds_differ():
@@ -95,10 +96,12 @@ def test_shards_partition_the_batch_and_seeds_differ():
 def test_single_process_is_the_identity():
     dp = DataParallel()
     masks = [torch.tensor([[1, 1, 0], [1, 0, 0]]), torch.ones(2, 3)]
-    total, shares = dp.loss_shares("bnpo", masks)
-    assert total == 9.0 and shares == [1.0, 1.0]
+    total, shares = _shares(dp, "bnpo", masks)
+    assert total == 9.0 and shares == [0.5, 0.5]
+    counts = torch.tensor([[2.0, 3.0], [2.0, 6.0]], dtype=torch.float64)
+    assert torch.equal(dp.counts_over_ranks(counts), counts)
     r = torch.tensor([1.0, 0.0, 2.0, 2.0])
-    assert dp.advantage_inputs(r, "batch") == (r, "batch")
+    assert dp.global_batch_std(r[:, None]) is None
     rec = {"loss": 0.5, "step": 3, "time": {"step": 1.5}}
     assert dp.mean_over_ranks(rec) == rec
     assert dp.totals_over_ranks({"n": 3, "top": 7}, ("top",)) == {"n": 3, "top": 7}
@@ -265,17 +268,35 @@ def _rollouts(bundle, examples):
     return ids, mask, rewards
 
 
-def _micro_loss(logp, mask, r, ref, share, n_micro, loss_type, adv_scale, beta, dp, naive, floor, weights, active):
-    """One micro-batch's part of the global loss, as the trainer's step forms it."""
-    from kernels.grpo_loss import grpo_loss
+def _shares(dp, loss_type, masks):
+    """(active tokens of the step over ranks, each rollout batch's loss share), as grpo/step.py forms them."""
+    from grpo.batches import loss_share
 
-    rr, scale = (r, adv_scale) if naive else dp.advantage_inputs(r, adv_scale, std_floor=floor)
-    source = dict(rewards=rr) if r.dim() == 1 else dict(reward_components=rr, component_weights=weights)
-    loss, _ = grpo_loss(logp, mask.float(), G=G, ref_logp=ref, beta=beta, loss_type=loss_type,
-                        scale=scale, max_len=L, num_active_tokens=active,
-                        adv_std_floor=floor if scale == adv_scale else 0.0, **source)
-    loss = loss * share
-    return loss if loss_type == "dapo" else loss / n_micro
+    counts = dp.counts_over_ranks(torch.tensor([[m.shape[0], float(m.sum())] for m in masks], dtype=torch.float64))
+    shares = [loss_share(loss_type, m.shape[0], float(m.sum()), n, t, len(masks))
+              for m, (n, t) in zip(masks, counts.tolist())]
+    return max(1.0, float(counts[:, 1].sum())), shares
+
+
+def _advantages(r, weights, adv_scale, floor, dp):
+    """The step's advantages of rewards r [N] or components [N, K] (+ weights): with ``dp``, its
+    global batch std for scale="batch", as grpo/step.py ``advantages`` asks the hook for it."""
+    from kernels.grpo_advantages import AdvantageSource, group_advantages
+
+    src = AdvantageSource(r[:, None]) if r.dim() == 1 else AdvantageSource(r, weights=weights)
+    if dp is not None and adv_scale == "batch":
+        src.batch_std = dp.global_batch_std(src.columns, floor)
+    return group_advantages(src, G, scale=adv_scale, adv_std_floor=floor)
+
+
+def _micro_loss(logp, mask, r, ref, share, loss_type, adv_scale, beta, dp, naive, floor, weights, active):
+    """One micro-batch's part of the global loss, as the trainer's step forms it."""
+    from kernels.grpo_loss import LossOptions, grpo_loss
+
+    adv = _advantages(r, weights, adv_scale, floor, None if naive else dp)
+    loss, _ = grpo_loss(logp, mask.float(), adv, ref_logp=ref, num_active_tokens=active,
+                        options=LossOptions(beta=beta, loss_type=loss_type, max_len=L))
+    return loss * share
 
 
 def _logprobs(model, prompts, ids, mask, beta):
@@ -299,15 +320,14 @@ def _step_grads(model, micro_batches, loss_type, adv_scale, beta, dp, naive=Fals
     params = lora_parameters(model)
     for p in params:
         p.grad = None
-    active, shares = dp.loss_shares(loss_type, [m for _, _, m, _ in micro_batches])
+    active, shares = _shares(dp, loss_type, [m for _, _, m, _ in micro_batches])
     if naive:  # what averaging per-rank losses would do: local counts, local std, mean over ranks
         active = float(sum(float(m.sum()) for _, _, m, _ in micro_batches))
-        shares = [1.0 / dp.world] * len(micro_batches)
+        shares = [1.0 / dp.world / (1 if loss_type == "dapo" else len(micro_batches))] * len(micro_batches)
     total = 0.0
     for (prompts, ids, mask, r), share in zip(micro_batches, shares):
         logp, ref = _logprobs(model, prompts, ids, mask, beta)
-        loss = _micro_loss(logp, mask, r, ref, share, len(micro_batches), loss_type, adv_scale, beta, dp, naive,
-                           floor, weights, active)
+        loss = _micro_loss(logp, mask, r, ref, share, loss_type, adv_scale, beta, dp, naive, floor, weights, active)
         loss.backward()
         total += float(loss)
     total = dp.all_reduce_sum(total)
@@ -346,25 +366,24 @@ def _magnitudes(model, micro_batches, jacobian, mine, dp, loss_type, adv_scale, 
     sum_it |c_it| |d logp_it / d theta|, each rank summing the tokens of ``jacobian`` (those
     ``mine`` marks) and one all-reduce adding the ranks' parts.
     """
-    from kernels.grpo_advantages import Advantages, group_advantages
-    from kernels.grpo_loss import grpo_loss
+    from kernels.grpo_advantages import Advantages
+    from kernels.grpo_loss import LossOptions, grpo_loss
 
     single = DataParallel()
-    active, shares = single.loss_shares(loss_type, [m for _, _, m, _ in micro_batches])
+    active, shares = _shares(single, loss_type, [m for _, _, m, _ in micro_batches])
     loss_abs, coefs = 0.0, []
     for (prompts, ids, mask, r), share in zip(micro_batches, shares):
         with torch.no_grad():
             logp, ref = _logprobs(model, prompts, ids, mask, beta)
         leaf = logp.detach().requires_grad_()
-        loss = _micro_loss(leaf, mask, r, ref, share, len(micro_batches), loss_type, adv_scale, beta, single, False,
-                           floor, weights, active)
+        loss = _micro_loss(leaf, mask, r, ref, share, loss_type, adv_scale, beta, single, False, floor, weights,
+                           active)
         coefs.append(torch.autograd.grad(loss, leaf)[0])
-        source = dict(rewards=r) if r.dim() == 1 else dict(reward_components=r, component_weights=weights)
-        adv = group_advantages(G=G, scale=adv_scale, adv_std_floor=floor, **source)
+        adv = _advantages(r, weights, adv_scale, floor, None)
         flipped = Advantages(G, "row", coef=-adv.coef.abs(), constant=adv.constant)
-        term_abs, _ = grpo_loss(logp, mask.float(), G=G, advantages=flipped, ref_logp=ref, beta=beta,
-                                loss_type=loss_type, max_len=L, num_active_tokens=active)
-        loss_abs += float(term_abs) * share / (1 if loss_type == "dapo" else len(micro_batches))
+        term_abs, _ = grpo_loss(logp, mask.float(), flipped, ref_logp=ref, num_active_tokens=active,
+                                options=LossOptions(beta=beta, loss_type=loss_type, max_len=L))
+        loss_abs += float(term_abs) * share
     grad_abs = torch.cat(coefs)[mine].abs() @ jacobian  # micro-batches hold the rows in order
     if dp.enabled:
         torch.distributed.all_reduce(grad_abs)
@@ -409,11 +428,11 @@ def _micro_batch_cases(dp, bundle, examples) -> dict:
         def __init__(self, params):
             self.params, self.grads = params, []
 
-        def loss_shares(self, loss_type, masks):
-            return dp.loss_shares(loss_type, masks)
+        def counts_over_ranks(self, counts):
+            return dp.counts_over_ranks(counts)
 
-        def batch_scaled(self, values, scale, std_floor):
-            return dp.advantage_inputs(values, scale, std_floor=std_floor)
+        def batch_std(self, columns, std_floor):
+            return dp.global_batch_std(columns, std_floor)
 
         def global_loss(self, loss):
             return dp.all_reduce_sum(loss)

@@ -12,9 +12,9 @@ import torch
 from PIL import Image
 
 from data.schema import Example
-from eval.evaluate import EvalProtocol, evaluate_completions
+from eval.results import EvalProtocol, evaluate_completions
 from grpo.evaluate import main
-from grpo.evaluation import evaluate_model
+from grpo.model_eval import evaluate_model
 from eval.plots import GATE_COLOR, PALETTE, parse_log, plot_run
 from eval.report import render_markdown, write_report
 

@@ -138,7 +138,7 @@ def test_merged_export_carries_tokenizer_image_processor_and_chat_template(expor
     assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
             "tokenizer_config.json", "preprocessor_config.json", "chat_template.jinja"} <= names
     assert sorted(p.name for p in (exported / "peft").iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
-    assert not [p for p in exported.iterdir() if p.name.startswith(".tmp-export")]  # no temporary left
+    assert not [p for p in exported.iterdir() if p.name.startswith(".tmp-")]  # no temporary left
     from transformers import AutoTokenizer
 
     from grpo.model.load import load_bundle

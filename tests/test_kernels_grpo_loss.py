@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from kernels._dispatch import import_interpreted, resolve_backend
+from loss_helpers import loss_of, source_of
 
 ON_GPU = torch.cuda.is_available()
 # On a CPU the kernels must be defined under the Triton interpreter (see import_interpreted).
@@ -68,7 +69,7 @@ def run_both(inp: dict, dtype=torch.float32, **kw) -> tuple:
     results = []
     for backend, dt in (("triton", dtype), ("torch", torch.float32)):
         logp = inp["logp"].to(dt).clone().requires_grad_()
-        loss, stats = gl.grpo_loss(logp, inp["mask"], **kw, backend=backend)
+        loss, stats = loss_of(gl, logp, inp["mask"], **kw, backend=backend)
         loss.backward()
         results.append((loss.detach(), logp.grad, stats.to_dict()))
     return results
@@ -94,9 +95,9 @@ CASES = [
     (10, 19, 2, "grpo", "sequence", "group", 0.1, 0.2, 0.28, True, "components"),
     (12, 37, 3, "dapo", "sequence", "batch", 0.0, 0.2, 0.2, False, "prefix"),
     (8, 29, 2, "bnpo", "token", "group", 0.04, 0.2, 0.28, True, "prefix_rows"),
-    (6, 23, 3, "grpo", "token", "none", 0.04, 0.3, 0.1, True, "token_adv"),
+    (6, 23, 3, "grpo", "token", "none", 0.04, 0.3, 0.1, True, "rewards"),
     (15, 11, 3, "dr_grpo", "token", "group", 0.0, 0.2, 0.28, True, "components"),
-    (16, 9, 8, "grpo", "sequence", "group", 0.0, 0.2, 0.28, False, "token_adv"),
+    (16, 9, 8, "grpo", "sequence", "group", 0.0, 0.2, 0.28, False, "components"),
     (4, 6, 2, "grpo", "token", "group", 0.0, 0.2, 0.28, True, "prefix_J0"),  # no rubrics
 ]
 
@@ -110,13 +111,8 @@ def source_kwargs(source: str, inp: dict, N: int, T: int) -> dict:
         comps[:, 2] = 5.0  # a constant component contributes 0 everywhere
         return dict(reward_components=comps.to(DEVICE),
                     component_weights=torch.tensor([1.0, 0.5, 2.0], device=DEVICE))
-    if source.startswith("prefix"):
-        J = 0 if source == "prefix_J0" else 3
-        return dict(prefix=make_prefix(N, T, J=J, per_row_rho=source == "prefix_rows"))
-    adv = torch.randn(N, T, generator=g)
-    adv[1] = 0.0  # with G=3 group 0 is rows 0-2: row 0 masked, row 1 zero, row 2 not
-    adv[~inp["mask"].cpu()] = torch.nan  # ignored under the mask
-    return dict(token_adv=adv.to(DEVICE))
+    J = 0 if source == "prefix_J0" else 3
+    return dict(prefix=make_prefix(N, T, J=J, per_row_rho=source == "prefix_rows"))
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"N{c[0]}T{c[1]}G{c[2]}-{c[3]}-{c[4]}-{c[10]}")
@@ -143,7 +139,7 @@ LEVER_CASES = [
     (12, 37, 3, "grpo", "token", "group", 0.0, True, "rewards", False, 0.7),
     (15, 11, 3, "bnpo", "token", "batch", 0.0, True, "components", False, 0.9),
     (12, 29, 3, "grpo", "sequence", "group", 0.04, True, "prefix", True, 0.4),
-    (6, 23, 3, "dapo", "token", "group", 0.1, True, "token_adv", True, 0.0),
+    (6, 23, 3, "dapo", "token", "group", 0.1, True, "prefix_rows", True, 0.0),
 ]
 
 
@@ -227,7 +223,7 @@ def test_rollout_correction_against_a_plain_formula(correction, mode):
     old = torch.where(m, inp["old"].cpu(), 0.0)
     ref = torch.where(m, inp["ref"].cpu(), 0.0)
     s = torch.where(m, samp.cpu(), 0.0)
-    A = gl.group_advantages(inp["rewards"].cpu(), G, backend="torch").values()[:, None]
+    A = gl.group_advantages(source_of(gl, inp["rewards"].cpu()), G, backend="torch").values()[:, None]
     r = torch.exp(lp - old)
     pg = -torch.minimum(r * A, r.clamp(0.8, 1.2) * A)
     lr_is = (old - s) * mf
@@ -243,7 +239,7 @@ def test_rollout_correction_against_a_plain_formula(correction, mode):
     ratio_u = ratio.expand_as(units)[units]
     for backend in ("torch", "triton"):
         logp = inp["logp"].clone().requires_grad_()
-        loss, st = gl.grpo_loss(logp, m.to(DEVICE), inp["rewards"], G=G, old_logp=inp["old"], ref_logp=inp["ref"],
+        loss, st = loss_of(gl, logp, m.to(DEVICE), inp["rewards"], G=G, old_logp=inp["old"], ref_logp=inp["ref"],
                                 beta=beta, sampler_logp=samp, correction=correction, correction_mode=mode,
                                 correction_cap=cap, backend=backend)
         loss.backward()
@@ -267,7 +263,7 @@ def test_rollout_correction_without_a_mismatch_changes_nothing():
         for corr in ("off", "sequence"):
             logp = inp["logp"].clone().requires_grad_()
             samp = torch.where(inp["mask"], inp["logp"], 0.0) if corr != "off" else None
-            loss, st = gl.grpo_loss(logp, inp["mask"], inp["rewards"], G=G, sampler_logp=samp, correction=corr,
+            loss, st = loss_of(gl, logp, inp["mask"], inp["rewards"], G=G, sampler_logp=samp, correction=corr,
                                     backend=backend)
             loss.backward()
             out.append((loss.detach(), logp.grad, st))
@@ -287,7 +283,7 @@ def test_rollout_correction_inputs_are_refused_with_clear_errors():
                     (dict(correction_cap=float("inf")), "correction_cap must be a finite number > 1"),
                     (dict(sampler_logp=torch.zeros(4, 6, device=DEVICE)), "sampler_logp")):
         with pytest.raises(ValueError, match=msg):
-            gl.grpo_loss(inp["logp"], inp["mask"], **base, **kw)
+            loss_of(gl, inp["logp"], inp["mask"], **base, **kw)
 
 
 @pytest.mark.parametrize("importance", ["token", "sequence"])
@@ -302,7 +298,7 @@ def test_bias_corrected_kl_against_autograd_of_a_plain_formula(importance):
     n = mf.sum(1, keepdim=True).clamp(min=1)
     for backend in ("torch", "triton"):
         logp = inp["logp"].clone().requires_grad_()
-        loss, st = gl.grpo_loss(logp, m.to(DEVICE), torch.ones(N, device=DEVICE), G=G, old_logp=inp["old"],
+        loss, st = loss_of(gl, logp, m.to(DEVICE), torch.ones(N, device=DEVICE), G=G, old_logp=inp["old"],
                                 ref_logp=inp["ref"], beta=beta, importance=importance,
                                 kl_bias_correction=True, backend=backend)
         loss.backward()
@@ -331,7 +327,7 @@ def test_bias_corrected_kl_at_ratio_one_keeps_the_value_and_changes_the_gradient
     out = {}
     for bias in (False, True):
         logp = inp["logp"].clone().requires_grad_()
-        loss, _ = gl.grpo_loss(logp, inp["mask"], inp["rewards"], G=3, ref_logp=inp["ref"], beta=0.2,
+        loss, _ = loss_of(gl, logp, inp["mask"], inp["rewards"], G=3, ref_logp=inp["ref"], beta=0.2,
                                kl_bias_correction=bias, backend="triton")
         loss.backward()
         out[bias] = (loss.detach(), logp.grad)
@@ -351,10 +347,10 @@ def test_kl_old_mean_is_k3_of_the_token_ratios():
     expect = ((torch.exp(lr) - 1 - lr) * m).sum() / m.sum()
     for backend in ("torch", "triton"):
         for importance in ("token", "sequence"):  # token ratios either way
-            _, st = gl.grpo_loss(inp["logp"], m, inp["rewards"], G=3, old_logp=inp["old"],
+            _, st = loss_of(gl, inp["logp"], m, inp["rewards"], G=3, old_logp=inp["old"],
                                  importance=importance, backend=backend)
             torch.testing.assert_close(st.kl_old_mean, expect)
-        _, st = gl.grpo_loss(inp["logp"], m, inp["rewards"], G=3, backend=backend)
+        _, st = loss_of(gl, inp["logp"], m, inp["rewards"], G=3, backend=backend)
         assert st.kl_old_mean == 0
 
 
@@ -385,11 +381,11 @@ def test_lever_inputs_are_refused_with_clear_errors():
     inp = make_inputs(6, 8, 3)
     logp, mask, r = inp["logp"], inp["mask"], inp["rewards"]
     with pytest.raises(ValueError, match="adv_std_floor must be >= 0"):
-        gl.grpo_loss(logp, mask, r, G=3, adv_std_floor=-1.0)
+        loss_of(gl, logp, mask, r, G=3, adv_std_floor=-1.0)
     with pytest.raises(ValueError, match="scale='none' divides by none"):
-        gl.grpo_loss(logp, mask, r, G=3, adv_std_floor=0.5, scale="none")
+        loss_of(gl, logp, mask, r, G=3, adv_std_floor=0.5, scale="none")
     with pytest.raises(ValueError, match="kl_bias_correction=True weights the KL term, which needs ref_logp"):
-        gl.grpo_loss(logp, mask, r, G=3, kl_bias_correction=True)
+        loss_of(gl, logp, mask, r, G=3, kl_bias_correction=True)
 
 
 @pytest.mark.parametrize("loss_type,importance", [("grpo", "token"), ("dapo", "sequence")])
@@ -407,11 +403,11 @@ def test_dapo_normaliser_number_and_tensor_agree():
     for norm in (123.0, torch.tensor([123], device=DEVICE)):  # a number or a 1-element count
         for backend in ("triton", "torch"):
             logp = inp["logp"].clone().requires_grad_()
-            loss, _ = gl.grpo_loss(logp, inp["mask"], inp["rewards"], G=2, old_logp=inp["old"],
+            loss, _ = loss_of(gl, logp, inp["mask"], inp["rewards"], G=2, old_logp=inp["old"],
                                    loss_type="dapo", num_active_tokens=norm, backend=backend)
             loss.backward()
             out.append((loss.detach(), logp.grad))
-    bnpo, _ = gl.grpo_loss(inp["logp"], inp["mask"], inp["rewards"], G=2, old_logp=inp["old"],
+    bnpo, _ = loss_of(gl, inp["logp"], inp["mask"], inp["rewards"], G=2, old_logp=inp["old"],
                            loss_type="bnpo", backend="torch")
     M = inp["mask"].sum().item()
     for loss, grad in out[1:]:
@@ -425,7 +421,7 @@ def test_backward_scales_with_upstream_gradient():
     grads = []
     for scale in (1.0, 0.25):
         logp = inp["logp"].clone().requires_grad_()
-        loss, _ = gl.grpo_loss(logp, inp["mask"], inp["rewards"], G=2, old_logp=inp["old"],
+        loss, _ = loss_of(gl, logp, inp["mask"], inp["rewards"], G=2, old_logp=inp["old"],
                                loss_type="bnpo", backend="triton")
         (loss * scale).backward()
         grads.append(logp.grad)
@@ -490,7 +486,7 @@ def test_ratio_one_gradient_is_minus_advantage_over_tokens():
     expect = -adv[:, None] * inp["mask"].cpu() / (4 * n[:, None])
     for backend in ("torch", "triton"):
         logp = inp["logp"].clone().requires_grad_()
-        loss, stats = gl.grpo_loss(logp, inp["mask"], inp["rewards"], G=2, backend=backend)
+        loss, stats = loss_of(gl, logp, inp["mask"], inp["rewards"], G=2, backend=backend)
         loss.backward()
         torch.testing.assert_close(logp.grad.cpu(), expect.float())
         assert abs(loss.item()) < 1e-6  # sum_i A_i = 0 within each group
@@ -503,8 +499,8 @@ def test_sequence_ratio_and_k3_kl_by_hand():
     ref = torch.tensor([[-0.9, -2.2, -0.7]])
     mask = torch.tensor([[1, 1, 0]])
     A = torch.tensor([0.7])
-    loss, st = gl.grpo_loss_reference(logp, mask, A, old_logp=old, ref_logp=ref, beta=0.1,
-                                      importance="sequence", eps_high=0.28)
+    loss, st = gl.grpo_loss_reference(logp, mask, A, old_logp=old, ref_logp=ref,
+                                      options=gl.LossOptions(beta=0.1, importance="sequence", eps_high=0.28))
     s = math.exp(((-1.0 + 1.1) + (-2.0 + 1.8)) / 2)
     d = [0.1, -0.2]
     kl = [math.exp(x) - x - 1 for x in d]
@@ -520,33 +516,33 @@ def test_bad_inputs_raise_clear_errors():
     inp = make_inputs(6, 8, 3)
     logp, mask, r = inp["logp"], inp["mask"], inp["rewards"]
     with pytest.raises(ValueError, match="not divisible by G = 4"):
-        gl.grpo_loss(logp, mask, r, G=4)
+        loss_of(gl, logp, mask, r, G=4)
     with pytest.raises(ValueError, match=r"mask has shape \(6, 7\)"):
-        gl.grpo_loss(logp, mask[:, :7], r, G=3)
-    with pytest.raises(ValueError, match=r"rewards has shape \(5,\)"):
-        gl.grpo_loss(logp, mask, r[:5], G=3)
+        loss_of(gl, logp, mask[:, :7], r, G=3)
+    with pytest.raises(ValueError, match="advantages are for 3 rows, the loss has 6"):
+        loss_of(gl, logp, mask, r[:3], G=3)
     with pytest.raises(TypeError, match="logp must be a floating-point"):
-        gl.grpo_loss(logp.long(), mask, r, G=3)
+        loss_of(gl, logp.long(), mask, r, G=3)
     bad = r.clone()
     bad[[1, 4]] = torch.nan
     with pytest.raises(ValueError, match=r"rewards has NaN/inf in rows \[1, 4\]"):
-        gl.grpo_loss(logp, mask, bad, G=3, backend="triton")
+        loss_of(gl, logp, mask, bad, G=3, backend="triton")
     with pytest.raises(ValueError, match="needs ref_logp"):
-        gl.grpo_loss(logp, mask, r, G=3, beta=0.1)
-    with pytest.raises(ValueError, match="exactly one advantage source"):
-        gl.grpo_loss(logp, mask, r, G=3, token_adv=torch.zeros_like(logp))
+        loss_of(gl, logp, mask, r, G=3, beta=0.1)
+    with pytest.raises(TypeError, match="advantages must come from group_advantages"):
+        gl.grpo_loss(logp, mask, r)
+    with pytest.raises(ValueError, match="advantages are for 6 rows, the loss has 3"):
+        gl.grpo_loss(logp[:3], mask[:3], gl.group_advantages(source_of(gl, r), 3))
+    with pytest.raises(ValueError, match=r"2 reward columns need weights \[2\]"):
+        gl.group_advantages(gl.AdvantageSource(torch.stack([r, r], 1)), 3)
     with pytest.raises(ValueError, match="loss_type must be one of"):
-        gl.grpo_loss(logp, mask, r, G=3, loss_type="ppo")
+        loss_of(gl, logp, mask, r, G=3, loss_type="ppo")
     with pytest.raises(ValueError, match="backend must be one of"):
-        gl.grpo_loss(logp, mask, r, G=3, backend="cuda")
-    adv = torch.zeros_like(logp)
-    adv[2, 0] = torch.inf
-    with pytest.raises(ValueError, match=r"token_adv has NaN/inf in rows \[2\]"):
-        gl.grpo_loss(logp, torch.ones_like(mask), G=3, token_adv=adv)
+        loss_of(gl, logp, mask, r, G=3, backend="cuda")
     p = make_prefix(6, 8, 2)
     p.t_end = p.t_end.float()
     with pytest.raises(TypeError, match="t_end must be an integer"):
-        gl.grpo_loss(logp, mask, G=3, prefix=p)
+        loss_of(gl, logp, mask, G=3, prefix=p)
 
 
 def test_backend_switch(monkeypatch):
@@ -584,7 +580,7 @@ types["log_cap"] = "fp32"
 for mode, seq, old, ref, kl, row_mean, block, bias, samp, corr, cmask in [
         (0, False, True, True, True, True, 4096, False, False, 0, False),
         (1, True, True, True, False, False, 1024, False, True, 1, True),
-        (2, True, False, False, False, True, 4096, False, True, 2, False),
+        (0, True, False, False, False, True, 4096, False, True, 2, False),
         (0, True, True, True, True, True, 4096, True, True, 0, False),
         (0, False, False, True, True, False, 4096, True, True, 2, True)]:
     compile_for_gpu(gl._grpo_loss_fwd_kernel, dict(ADV_MODE=mode, SEQ=seq, HAS_OLD=old, HAS_REF=ref,
@@ -594,9 +590,9 @@ for scale, valid, w in ((0, False, False), (1, True, True), (2, True, False)):
     compile_for_gpu(ga._group_zscore_kernel, dict(SCALE=scale, HAS_VALID=valid, HAS_W=w, G_PAD=8,
                     BLOCK_N=64), types)
 compile_for_gpu(gl._scale_grad_kernel, dict(BLOCK=2048), {"out_ptr": "*bf16"})
-for loss_type, norm_mode, token_adv, samp in ((1, 0, False, False), (3, 2, True, True)):
+for loss_type, norm_mode, samp in ((1, 0, False), (3, 2, True)):
     compile_for_gpu(gl._grpo_finalize_kernel, dict(LOSS_TYPE=loss_type, NORM_MODE=norm_mode,
-                    TOKEN_ADV=token_adv, BLOCK_N=64, G_PAD=8, C_PAD=4, HAS_SAMP=samp), types)
+                    BLOCK_N=64, C_PAD=4, HAS_SAMP=samp), types)
 print("compiled")
 """
 
@@ -626,14 +622,14 @@ def test_one_advantages_shape_equals_the_spec_on_both_paths(backend):
     for kw, spec in ((dict(rewards=r), gl.grpo_advantages_reference(r, G)),
                      (dict(reward_components=comps, component_weights=w),
                       gl.grpo_advantages_reference(comps, G, weights=w))):
-        adv = gl.group_advantages(G=G, backend=backend, **kw)
-        assert adv.mode == "row" and adv.coef.shape[0] == N and adv.token is None
+        adv = gl.group_advantages(source_of(gl, **kw), G, backend=backend)
+        assert adv.mode == "row" and adv.coef.shape[0] == N
         if exact:
             assert torch.equal(adv.values(), spec[0])
         torch.testing.assert_close(adv.values(), spec[0], rtol=1e-6, atol=1e-6)
         assert torch.equal(adv.zero_spread(), spec[1])
     prefix = make_prefix(N, T, 3)
-    adv = gl.group_advantages(G=G, prefix=prefix, T=T, backend=backend)
+    adv = gl.group_advantages(gl.AdvantageSource.of_prefix(prefix), G, T=T, backend=backend)
     spec_adv, spec_zero = gl.prefix_advantages_reference(prefix, T, G)
     assert adv.mode == "prefix" and adv.values(T).shape == (N, T)
     torch.testing.assert_close(adv.values(T), spec_adv, rtol=1e-6, atol=1e-6)

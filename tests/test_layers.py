@@ -113,21 +113,22 @@ def test_eval_imports_nothing_from_grpo():
 
 def test_the_walker_sees_lazy_imports_and_cycles():
     graph = import_graph()
-    assert "grpo.rollout.sampler" in graph["grpo.evaluation"]  # a module-top import
+    assert "grpo.rollout.sampler" in graph["grpo.model_eval"]  # a module-top import
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
     lazy = ast.parse("def f():\n    from grpo.model.load import load_bundle\n")
     assert [t for n in ast.walk(lazy) for t in _imported(n)] == ["grpo.model.load", "grpo.model.load.load_bundle"]
 
 
-# Inside grpo: sub-packages by concept. Each may import grpo.config and grpo.errors (which
-# import nothing else of grpo) and the units listed here, nothing else of grpo; the rest of
+# Inside grpo: sub-packages by concept. Each may import grpo.config, grpo.errors and
+# grpo.batches (which import nothing else of grpo, but config reads batches' rule) and the units listed here, nothing else of grpo; the rest of
 # grpo's top level (train, cli, evaluate, final_report, pretrain, distributed) is the harness and
 # the commands, which may import anything below them. grpo.step is the algorithm: it knows
 # nothing of checkpoints, processes, evaluation or the command line.
-GRPO_BASE = {"grpo.config", "grpo.errors"}
+GRPO_BASE = {"grpo.config", "grpo.errors", "grpo.batches"}
 GRPO_ALLOWED = {
-    "grpo.config": set(),
+    "grpo.config": {"grpo.batches"},
+    "grpo.batches": set(),  # the levels of a step's batch: the partition rule, the loss share
     "grpo.errors": set(),
     "grpo.run": set(),  # files, log records, progress, schedule, guard, stops, prefetch, phase data
     "grpo.rewards": set(),  # the reward terms
@@ -136,7 +137,7 @@ GRPO_ALLOWED = {
     "grpo.model": {"grpo.state"},  # loading, prompts, the policy, log-probs
     "grpo.rollout": {"grpo.model"},  # sampling
     "grpo.step": {"grpo.model", "grpo.rewards", "grpo.rollout", "grpo.run"},  # one GRPO step
-    "grpo.warmup": {"grpo.model", "grpo.run", "grpo.state", "grpo.evaluation"},  # the SFT warm-up
+    "grpo.warmup": {"grpo.model", "grpo.run", "grpo.state", "grpo.model_eval"},  # the SFT warm-up
 }
 
 
@@ -165,7 +166,7 @@ def test_the_step_core_stays_small_and_plain():
     micro-batches), with no harness in it."""
     step = ROOT / "grpo" / "step.py"
     assert len(step.read_text().splitlines()) <= 320
-    harness = {"grpo.distributed", "grpo.state", "grpo.evaluate", "grpo.evaluation", "grpo.train", "grpo.cli", "grpo.run.stop",
+    harness = {"grpo.distributed", "grpo.state", "grpo.evaluate", "grpo.model_eval", "grpo.train", "grpo.cli", "grpo.run.stop",
                "grpo.run.guard", "grpo.run.files"}
     assert not {t for t in import_graph()["grpo.step"] if t in harness or _grpo_unit(t) in harness}
 
@@ -175,10 +176,10 @@ def test_the_step_core_stays_small_and_plain():
 READING_ANCHORS = {
     "grpo/step.py": (["def grpo_step(", "def advantage_source(", "def sample_and_score("], []),
     "grpo/rollout/sampler.py": (["def sample_token(", "def decode_n_tokens(", "def sample("], []),
-    "kernels/grpo_advantages.py": (["class Advantages:", "def group_zscore_reference(", "def group_advantages("],
+    "kernels/grpo_advantages.py": (["class AdvantageSource:", "class Advantages:", "def group_zscore_reference(", "def group_advantages("],
                                    ["@triton.jit"]),
     "grpo/model/logprobs.py": (["def completion_logprobs(", "def reference_logprobs("], []),
-    "kernels/grpo_loss.py": (["def grpo_loss_reference(", "pg_t       = -min("], ["@triton.jit"]),
+    "kernels/grpo_loss.py": (["class LossOptions:", "def grpo_loss_reference(", "pg_t       = -min("], ["@triton.jit"]),
 }
 
 

@@ -46,6 +46,7 @@ from grpo.rewards.compose import RewardBatch
 from grpo.rewards.rubrics import PrefixInputs
 from grpo.rollout.sampler import SampleOutput
 from kernels._dispatch import import_interpreted
+from loss_helpers import loss_of
 from train_helpers import log_lines, reward_spread, run_main
 
 ON_GPU = torch.cuda.is_available()
@@ -120,8 +121,8 @@ def test_several_updates_clip_and_match_a_plain_reference(backend):
     for u in range(mu):
         logp = torch.log_softmax(theta, -1).gather(-1, tokens[..., None])[..., 0]
         opt.zero_grad()
-        loss, st = gl.grpo_loss(logp.to(DEVICE), mask.to(DEVICE), rewards.to(DEVICE), G=G,
-                                old_logp=None if old is None else old.to(DEVICE), backend=backend)
+        loss, st = loss_of(gl, logp.to(DEVICE), mask.to(DEVICE), rewards.to(DEVICE), G=G,
+                              old_logp=None if old is None else old.to(DEVICE), backend=backend)
         loss.backward()
         grad = theta.grad.clone()
         # the plain loop, on a copy of the same parameters
@@ -155,7 +156,7 @@ def test_groups_with_spread_is_the_kernel_test():
     assert groups_with_spread(cols, 2) == [0]  # column 1 differs in group 0
     valid = torch.tensor([[True, False], [True, True], [True, True], [True, True]])
     assert groups_with_spread(cols, 2, valid=valid) == []  # an unscored entry does not count
-    _, st = gl.grpo_loss(torch.zeros(9, 2), torch.ones(9, 2), r, G=3, backend="torch")
+    _, st = loss_of(gl, torch.zeros(9, 2), torch.ones(9, 2), r, G=3, backend="torch")
     assert float(st.zero_spread_frac) == pytest.approx(1 - len(groups_with_spread(r, 3)) / 3)
 
 
@@ -374,7 +375,7 @@ def test_components_mode_keeps_a_tie_breaker_small():
         else:
             assert torch.equal(src.columns, rb.total[:, None]) and src.weights is None
             kw = dict(rewards=src.columns[:, 0])
-        _, st = gl.grpo_loss(torch.zeros(8, 3), torch.ones(8, 3), G=4, backend="torch", adv_std_floor=floor, **kw)
+        _, st = loss_of(gl, torch.zeros(8, 3), torch.ones(8, 3), G=4, backend="torch", adv_std_floor=floor, **kw)
         a, _ = gl.grpo_advantages_reference(kw.get("rewards", kw.get("reward_components")), 4,
                                             weights=kw.get("component_weights"), std_floor=floor)
         adv[(mode, floor)] = a
@@ -424,14 +425,14 @@ def capture_loss_calls(monkeypatch) -> list[dict]:
     mod = importlib.import_module("grpo.step")
     real, real_adv, calls, sources = mod.grpo_loss, mod.group_advantages, [], {}
 
-    def adv_spy(*args, **kw):
-        adv = real_adv(*args, **kw)
-        sources[id(adv)] = kw
+    def adv_spy(src, *args, **kw):
+        adv = real_adv(src, *args, **kw)
+        sources[id(adv)] = dict(rewards=src.columns[:, 0])
         return adv
 
-    def spy(logp, mask, *args, **kw):
-        loss, stats = real(logp, mask, *args, **kw)
-        kw = dict(sources.get(id(kw.get("advantages")), {}), **kw)
+    def spy(logp, mask, adv, **kw):
+        loss, stats = real(logp, mask, adv, **kw)
+        kw = dict(sources.get(id(adv), {}), **kw)
         calls.append(dict(logp=logp.detach().clone(), mask=mask.clone(), kw=dict(kw), loss=float(loss.detach()),
                           clip=float(stats.clip_low_frac + stats.clip_high_frac), kl_old=float(stats.kl_old_mean)))
         return loss, stats

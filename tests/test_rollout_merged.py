@@ -116,7 +116,7 @@ def test_a_bf16_merged_copy_is_off_policy_and_the_correction_reweights_the_loss(
     the rollout correction changes the loss and its gradient -- the more, the tighter the cap.
     """
     from grpo.model.logprobs import completion_logprobs
-    from kernels.grpo_loss import grpo_loss
+    from kernels.grpo_loss import AdvantageSource, LossOptions, grpo_loss, group_advantages
     from lora import lora_parameters
 
     nf4 = _sharp_lora(four_bit=True)
@@ -136,7 +136,8 @@ def test_a_bf16_merged_copy_is_off_policy_and_the_correction_reweights_the_loss(
         for p in lora_parameters(nf4.model):
             p.grad = None
         logp = completion_logprobs(nf4.model, o.context, o.completion_ids, o.completion_mask, G)
-        loss, st = grpo_loss(logp, o.completion_mask.float(), rewards, G=G, sampler_logp=o.logprobs, **kw)
+        adv = group_advantages(AdvantageSource(rewards[:, None]), G)
+        loss, st = grpo_loss(logp, o.completion_mask.float(), adv, sampler_logp=o.logprobs, options=LossOptions(**kw))
         loss.backward()
         return float(loss.detach()), torch.cat([p.grad.flatten() for p in lora_parameters(nf4.model)]), st
 

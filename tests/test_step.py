@@ -71,9 +71,8 @@ def test_the_default_hooks_are_a_one_process_data_parallel(loss_type):
     """The core without a harness computes what the trainer computes in one process."""
     g = torch.Generator().manual_seed(1)
     masks = [(torch.rand(6, 9, generator=g) > 0.3).long(), (torch.rand(4, 5, generator=g) > 0.5).long()]
-    assert Hooks().loss_shares(loss_type, masks) == DataParallel().loss_shares(loss_type, masks)
+    counts = torch.tensor([[m.shape[0], float(m.sum())] for m in masks], dtype=torch.float64)
+    assert torch.equal(Hooks().counts_over_ranks(counts), DataParallel().counts_over_ranks(counts))
     values = torch.randn(8, 3, generator=g)
-    for scale in ("group", "batch", "none"):
-        mine, theirs = Hooks().batch_scaled(values, scale, 0.0), DataParallel().advantage_inputs(values, scale)
-        assert torch.equal(mine[0], theirs[0]) and mine[1] == theirs[1]
+    assert Hooks().batch_std(values, 0.0) is None and DataParallel().global_batch_std(values) is None
     assert Hooks().global_loss(1.25) == DataParallel().all_reduce_sum(1.25)

@@ -5,11 +5,11 @@ GRPO's loss needs, for every completion token o_t of every rollout,
     logp_t     = log pi_theta(o_t | q, image, o_<t)     policy, LoRA on, with grad
     ref_logp_t = log pi_ref(o_t | q, image, o_<t)       reference, LoRA off, no grad
 
-(and old_logp_t, which the sampler returned). One forward over prompt + completion gives
-all T of them. What this file does to make that cheap:
+(and old_logp_t: update 1's logp_t, kept for updates 2..mu, grpo/step.py). One forward over
+prompt + completion gives all T of them. What this file does to make that cheap:
 
 - The vision tower is NOT rerun: the merged visual tokens computed once per prompt for
-  sampling (grpo/prompt_context.PromptContext, frozen tower, no grad) are scattered into
+  sampling (grpo/model/prompt_context.py PromptContext, frozen tower, no grad) are scattered into
   the B prompt embeddings, which are then indexed to serve the B*G rows. A rerun would
   cost 2G vision passes per prompt per step (policy + reference).
 - The prompt once per group (``shared_prefix``, the default, optim.shared_prefix): a group's

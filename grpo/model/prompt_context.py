@@ -135,18 +135,6 @@ def group_rows(B: int, G: int, device: torch.device | str = "cpu") -> torch.Tens
     return torch.arange(B, device=device).repeat_interleave(G)
 
 
-def training_micro_batches(B: int, G: int, rows: int) -> list[tuple[int, int, slice]]:
-    """(first group, end group, row slice) of each training pass over a rollout batch of B
-    groups, ``rows`` rows (whole groups) at a time; 0 = all at once. The sampler decodes all
-    B*G rows together (its batch is its speed), but backward keeps every activation of the
-    rows a pass runs, so the training passes take them a micro-batch at a time
-    (optim.micro_batch_rows). Whole groups: a group's rows share one prompt and one baseline."""
-    if G < 1 or rows < 0:
-        raise ValueError(f"training_micro_batches: G={G} must be >= 1 and rows={rows} >= 0")
-    per = B if rows == 0 else max(1, rows // G)
-    return [(b, min(b + per, B), slice(b * G, min(b + per, B) * G)) for b in range(0, B, per)]
-
-
 def completion_position_ids(ctx: PromptContext, rows: torch.Tensor, T: int) -> torch.Tensor:
     """[3, N, T] positions of T completion tokens after each row's prompt (same on t, h, w)."""
     steps = torch.arange(T, device=ctx.next_position.device)

@@ -16,9 +16,6 @@ milliseconds.
 from __future__ import annotations
 
 import hashlib
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 SHIPPED_DIR = Path(__file__).resolve().parent.parent / "tiny_model"
@@ -101,23 +98,3 @@ def verify(model_dir: Path | None = None) -> Path:
                                     f"(sha256 {actual[:12]}..., {MANIFEST} says {digest[:12]}...); "
                                     f"{_fix(model_dir)}")
     return model_dir
-
-
-def install(staging: Path, out: Path) -> Path:
-    """Move a finished export into place atomically: ``out`` is either the old directory or
-    the new one, never half of each (the old one is removed only after the rename)."""
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    old = None
-    if out.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-        os.rename(out, old / "dir")
-    try:
-        os.rename(staging, out)
-    except OSError:
-        if old is not None:
-            os.rename(old / "dir", out)
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-    return out

@@ -8,13 +8,13 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from data.atomic import new_directory
 from data.synthetic import tokenizer_corpus
 
 TINY_NAME = "tiny"
@@ -161,15 +161,10 @@ def default_model_dir(seed: int = 0) -> Path:
         return target
     if target.exists():  # a damaged entry (a file deleted by hand or by a full disk): build it again
         shutil.rmtree(target, ignore_errors=True)
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=name + ".tmp-", dir=root))
     try:
-        build_tiny_model(tmp, seed=seed)
-        try:
-            os.rename(tmp, target)
-        except OSError:  # another process won the race: use its copy
-            if not all((target / f).is_file() for f in BUILD_FILES):
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        with new_directory(target) as tmp:
+            build_tiny_model(tmp, seed=seed)
+    except OSError:  # another process won the race (its copy took the name first): use its copy
+        if not all((target / f).is_file() for f in BUILD_FILES):
+            raise
     return target

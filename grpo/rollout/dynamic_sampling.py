@@ -20,7 +20,7 @@ What is implemented
               ``sampling.max_refills`` refills were made: sample the missing number of
               prompts (the deficit, in sampler calls of at most B prompts) from the phase's
               stream, score them, keep those with spread
-    batch     the kept groups, in stream order, cut into micro-batches of B groups
+    batch     the kept groups, in stream order, cut into rollout batches of B groups
 
 Design choices and what they cost:
 - The deficit, not a whole new batch, is sampled per refill (verl samples whole generation
@@ -30,8 +30,8 @@ Design choices and what they cost:
 - At the bound. No group with spread after ``max_refills`` refills: the trainer stops with
   one line naming the phase, the step, the refill count and what to change
   (``no_spread_message``). Some but fewer than wanted: the step trains on what it has, in
-  ceil(kept / B) micro-batches, the last one smaller (the step's loss averages the
-  micro-batches it has, so each kept group counts a little more), and the log says how
+  ceil(kept / B) rollout batches, the last one smaller (the step's loss averages the
+  rollout batches it has, so each kept group counts a little more), and the log says how
   full it was (``fill``).
 - Prompts whose image fails to preprocess are dropped by the sampler as before; with
   dynamic sampling their places are refilled too.
@@ -49,10 +49,10 @@ Design choices and what they cost:
   positions are checkpointed at step boundaries, so a resumed run refills exactly as a
   straight run does.
 - Data parallel: refused (grpo/distributed.py ``check_batch``). Each rank would refill a
-  different number of times, so the ranks' stream positions and micro-batch counts would
+  different number of times, so the ranks' stream positions and rollout batch counts would
   part ways; agreeing on them needs collectives inside the refill loop.
 
-Merging rollouts. Kept groups from several sampler calls are joined into one micro-batch
+Merging rollouts. Kept groups from several sampler calls are joined into one rollout batch
 (``select_groups``, ``concat_rollouts``): prompts are re-left-padded to a common length,
 completions right-padded to a common length, visual features concatenated in prompt order,
 and the reward batch (and V-Rubrics prefix inputs, padded to a common item count) follows
@@ -263,12 +263,12 @@ def fill_batch(
     first: Sequence[Rollout], draw: Callable[[int], Rollout], spread: Callable[[Rollout], list[int]],
     B: int, max_refills: int, pad_id: int, band: Callable[[Rollout], list[int]] | None = None,
 ) -> tuple[list[Rollout], FillStats]:
-    """Keep the groups with spread of ``first`` (the step's round-0 micro-batches), refill.
+    """Keep the groups with spread of ``first`` (the step's round-0 rollout batches), refill.
 
     draw(n): sample and score the stream's next n prompts. spread(rollout): its group indices
     with spread; band(rollout), if given: its group indices inside the accuracy band (a group
-    is kept if in both). Returns (micro-batches of at most B groups, stats); no micro-batch at
-    all when none was kept by the bound (the caller stops the run with ``no_spread_message``).
+    is kept if in both). Returns (rollout batches of at most B groups, stats); no rollout batch
+    at all when none was kept by the bound (the caller stops the run with ``no_spread_message``).
     """
     stats = FillStats(target=B * len(first), rounds=1, out_of_band=None if band is None else 0)
     pool: list[tuple[Rollout, list[int]]] = []
@@ -291,17 +291,17 @@ def fill_batch(
         stats.rounds += 1
         deficit = stats.target - stats.kept_groups
         take([draw(min(B, deficit - done)) for done in range(0, deficit, B)])
-    # The kept groups in stream order, cut into micro-batches of B (a surplus cannot occur:
+    # The kept groups in stream order, cut into rollout batches of B (a surplus cannot occur:
     # each refill samples at most the deficit).
     flat = [(i, g) for i, (_, keep) in enumerate(pool) for g in keep]
-    micro = []
+    kept_batches = []
     for start in range(0, len(flat), B):
         chunk = flat[start : start + B]
         parts = []
         for i in dict.fromkeys(i for i, _ in chunk):  # rollouts in order, each once
             parts.append(select_groups(pool[i][0], [g for j, g in chunk if j == i]))
-        micro.append(concat_rollouts(parts, pad_id))
-    return micro, stats
+        kept_batches.append(concat_rollouts(parts, pad_id))
+    return kept_batches, stats
 
 
 def no_spread_message(phase: str, step: int, stats: FillStats, G: int, temperature: float, max_refills: int) -> str:
@@ -329,12 +329,12 @@ class NoSpread(Exception):
 
 def dynamic_batches(spread: Callable[[Rollout], list[int]], max_refills: int, pad_id: int,
                     band: Callable[[Rollout], list[int]] | None = None) -> Callable:
-    """A ``grpo.step.Learner.gather`` for DAPO's dynamic sampling: the step's micro-batches,
+    """A ``grpo.step.Learner.gather`` for DAPO's dynamic sampling: the step's rollout batches,
     kept to the groups with spread (and in the accuracy band, if ``band``) and refilled from
     the stream (``fill_batch``); raises NoSpread when none is left to train on."""
 
-    def gather(draw: Callable[[int], Rollout], B: int, micro_batches: int) -> tuple[list[Rollout], FillStats]:
-        batch, fill = fill_batch([draw(B) for _ in range(micro_batches)], draw, spread, B, max_refills, pad_id,
+    def gather(draw: Callable[[int], Rollout], B: int, batches: int) -> tuple[list[Rollout], FillStats]:
+        batch, fill = fill_batch([draw(B) for _ in range(batches)], draw, spread, B, max_refills, pad_id,
                                  band)
         if not batch:
             raise NoSpread(fill)

@@ -23,8 +23,8 @@ state transformers keeps inside the model.
 
 Which log-prob is returned: ``logprobs`` is log softmax(logits / temperature)[token], the
 temperature-scaled distribution *before* top-k / top-p filtering. That is the quantity
-grpo/model/logprobs.py recomputes (GRPO's old log-prob and the policy's log-prob must be the same
-function, or the importance ratio is biased at step 0); top-k / top-p are treated as part
+grpo/model/logprobs.py recomputes (the loss's sampler_logp: the mismatch stats and the rollout
+correction compare the two, so they must be the same function); top-k / top-p are treated as part
 of the sampler, not of the policy, as in TRL. ``filtered_logprobs`` is the log-prob under
 the distribution actually sampled from (after filtering), for diagnostics. With
 temperature 0 (greedy) both are taken at temperature 1.
@@ -41,8 +41,8 @@ hand-written decoder step (grpo/rollout/static_cache.py), the default where supp
 transformers' forward with its DynamicCache, kept as the reference. Tests hold both to
 transformers' greedy ``generate`` token for token.
 
-Simplified: one host sync per step for the stop check, no speculative decoding, no CUDA
-graphs or torch.compile.
+Simplified: one host sync per step for the stop check, no speculative decoding, no
+torch.compile (a CUDA graph only behind a DecodeHook: grpo/rollout/merged.py).
 """
 
 from __future__ import annotations
@@ -126,8 +126,8 @@ def prefill(model, ctx: PromptContext):
         attention_mask=ctx.attention_mask,
         position_ids=ctx.position_ids,
         use_cache=True,
-        # The LM head on one position per row, not L. An index, not logits_to_keep=1: the
-        # slice [:, -1:] keeps the [B, L, d] strides, torch's matmul then cannot fold it into
+        # The LM head on one position per row, not P. An index, not logits_to_keep=1: the
+        # slice [:, -1:] keeps the [B, P, d] strides, torch's matmul then cannot fold it into
         # one mm and copies the expanded head weight instead (152k x 3584 in bf16: ~50 s per
         # call on one CPU thread, against 0.5 s); indexing gives a fresh [B, 1, d].
         logits_to_keep=torch.tensor([ctx.P - 1], device=ctx.input_ids.device),
@@ -148,7 +148,7 @@ def decode_one_token(model, cache, token: torch.Tensor, position: torch.Tensor,
     N = token.shape[0]
     out = model(
         input_ids=token.view(N, 1),
-        attention_mask=attention_mask,  # [N, L + steps so far + 1]
+        attention_mask=attention_mask,  # [N, P + steps so far + 1] (P: the prompt's length)
         position_ids=position.view(1, N, 1).expand(3, N, 1),  # text token: t = h = w
         use_cache=True,
         **{cache_kw: cache},
@@ -271,6 +271,28 @@ def decode_n_tokens(
     return tokens[:, :n_steps], logps[:, :n_steps], logqs[:, :n_steps], done_all
 
 
+def check_generator_device(generator: torch.Generator | None, device: torch.device) -> None:
+    """Refuse a generator that does not live on the device the logits are drawn on: the
+    exponential draw on CUDA logits needs a CUDA generator, and the mismatch would only
+    surface on the first sampled token on a GPU. Checked here so a CPU test catches it."""
+    if generator is None:
+        return
+    got, want = torch.device(generator.device), torch.device(device)
+    same_index = got.index is None or want.index is None or got.index == want.index
+    if got.type != want.type or not same_index:
+        raise ValueError(f"the sampler's generator lives on {got} but the model's logits on {want}: "
+                         f"build it as torch.Generator(device=model.device)")
+
+
+def sampler_generator(generator: torch.Generator | None, seed: int | None, device: torch.device):
+    """The generator ``sample`` draws with: the one given (checked to live on ``device``), a
+    new one on ``device`` seeded with ``seed``, or None (torch's global RNG)."""
+    if generator is None and seed is not None:
+        return torch.Generator(device=device).manual_seed(seed)
+    check_generator_device(generator, device)
+    return generator
+
+
 def _check_args(G: int, max_new_tokens: int, temperature: float, top_k: int, top_p: float) -> None:
     if not isinstance(G, int) or G < 1:
         raise ValueError(f"G={G!r}: the group size must be an integer >= 1")
@@ -339,8 +361,7 @@ def sample(
         raise ValueError(f"prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens} exceeds the model's "
                          f"context of {bundle.context_length}; lower max_new_tokens or the image size")
     device = model.device
-    if generator is None and seed is not None:
-        generator = torch.Generator(device=device).manual_seed(seed)
+    generator = sampler_generator(generator, seed, device)  # refused unless on the model's device
 
     ctx = build_prompt_context(model, prompts)  # vision tower: once per prompt
     first_logits, cache = prefill(model, ctx)  # text prefill: once per prompt

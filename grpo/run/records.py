@@ -12,7 +12,7 @@ from grpo.config import TrainConfig
 def update_record(u: Any, dp) -> dict:
     """One update's entry of the log line's "updates" (mu > 1), from a grpo.step.UpdateResult:
     its loss, grad norm, lr, the clip fractions and the KL to the sampling policy (0 at
-    update 1 by construction), averaged over micro-batches and ranks."""
+    update 1 by construction), averaged over rollout batches and ranks."""
     su = dp.mean_over_ranks({key: float(sum(float(getattr(x, f)) for x in u.stats) / len(u.stats))
                              for key, f in (("clip_low", "clip_low_frac"), ("clip_high", "clip_high_frac"),
                                             ("kl_old", "kl_old_mean"))})
@@ -30,9 +30,9 @@ def step_record(phase: str, step: int, result: Any, weights: dict, temperature: 
     "rollout": the sampler against the trainer (kernels/grpo_loss.py's is_* stats): kl =
     mean k3 estimate of KL(sampler || trainer) per token, ratio_mean / ratio_max of
     pi_train / pi_sampler and over_frac = ratios above the cap, at the correction's level
-    (token when off); the max is over micro-batches, then averaged over ranks like every float.
+    (token when off); the max is over rollout batches, then averaged over ranks like every float.
     "entropy": the policy's mean token entropy over the tokens the loss trained on (token mean
-    over the step's micro-batches; grpo/model/logprobs.py); "masked_truncated" (with
+    over the step's rollout batches; grpo/model/logprobs.py); "masked_truncated" (with
     optim.mask_truncated): the fraction of the step's completions whose tokens the loss dropped."""
     logs, mu = result.logs, cfg.optim.updates_per_batch
     updates = [update_record(u, dp) for u in result.updates]

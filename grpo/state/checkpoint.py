@@ -21,6 +21,8 @@ grpo/state/resume.py's, and whether a config fits saved checkpoints grpo/state/c
 Crash safety. A checkpoint is written into a temporary directory next to its final place,
 every file is fsync'ed, the directory is renamed into place (rename is atomic within one
 file system), and only then is registry.json replaced (write temp file, fsync, os.replace).
+The temporary names and the syncs are data/atomic.py's; the order is this file's, because
+the registry must follow the directory.
 The registry is the only thing that says a checkpoint exists, so a kill at any moment
 leaves either the old registry (pointing at complete, older checkpoints) or the new one
 (pointing at a complete new one), never a `latest` that names a half-written directory.
@@ -56,7 +58,6 @@ import os
 import re
 import shutil
 import time
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -66,10 +67,11 @@ from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from data.atomic import fsync_dir, temp_path
 from eval.scores import SCORE_KEYS
 from grpo.config import PHASES
 from grpo.state import durable  # durable.write_bytes: looked up at each call, one seam for every byte
-from grpo.state.durable import fsync_dir, join_tensors, json_bytes, replace_json, sha256, split_tensors
+from grpo.state.durable import join_tensors, json_bytes, replace_json, sha256, split_tensors
 from grpo.state.layout import (ADAPTER_FILE, FORMAT_VERSION, OPTIM_JSON, OPTIM_TENSORS, READABLE_VERSIONS, REGISTRY,
                                STATE_FILE, CheckpointError)
 from grpo.state.registry import clean_leftovers, move_aliases, prune, prune_periodic, read_registry, step_dirname
@@ -183,7 +185,7 @@ def save_checkpoint(
 
     name = step_dirname(step)
     final = phase_dir / name
-    tmp = phase_dir / f".tmp-{name}-{uuid.uuid4().hex[:8]}"
+    tmp = temp_path(final)
     # Serialise everything before touching the disk, so a TypeError costs no cleanup.
     adapter = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in tensors.items()}
     payloads = {ADAPTER_FILE: adapter}
@@ -225,7 +227,7 @@ def save_checkpoint(
             durable.write_bytes(tmp / fname, data)
         fsync_dir(tmp)
         if replaces:  # the periodic checkpoint of this step steps aside (a .tmp- name: a leftover if killed here)
-            os.rename(final, phase_dir / f".tmp-replaced-{name}-{uuid.uuid4().hex[:8]}")
+            os.rename(final, temp_path(final, "replaced"))
         os.rename(tmp, final)
         fsync_dir(phase_dir)
     except OSError as e:

@@ -1,46 +1,30 @@
-"""Durable file I/O and the JSON encoding of checkpoints.
+"""The checkpoint's byte seam and its JSON encoding.
 
-Every byte a checkpoint writes is fsync'ed (``write_bytes``), renames are made durable
-(``fsync_dir``), JSON files are replaced atomically (``replace_json``), and nested state that
-holds tensors splits into plain JSON plus named tensors (``split_tensors`` /
-``join_tensors``), so nothing is pickled.
+Every byte a checkpoint writes goes through ``write_bytes`` (fsync'ed, data/atomic.py),
+JSON files are replaced atomically with it (``replace_json``), and nested state that holds
+tensors splits into plain JSON plus named tensors (``split_tensors`` / ``join_tensors``),
+so nothing is pickled.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
-import uuid
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from data.atomic import replace_file, write_synced
 
 
 def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 def write_bytes(path: Path, data: bytes) -> None:
-    """Write and fsync one file. Every byte a checkpoint writes goes through here."""
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a rename inside `path` durable (the directory entry itself must reach the disk)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return  # platforms without directory handles (Windows): rename durability is the OS's
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    """Write and fsync one file. Every byte a checkpoint writes goes through this name: the
+    one place a test makes the disk full or the process die mid-file."""
+    write_synced(path, data)
 
 
 def json_bytes(obj: Any, what: str) -> bytes:
@@ -51,15 +35,9 @@ def json_bytes(obj: Any, what: str) -> bytes:
 
 
 def replace_json(path: Path, obj: Any) -> None:
-    """Atomically replace a JSON file: temp file in the same directory, fsync, os.replace."""
-    tmp = path.with_name(f".tmp-{path.name}-{uuid.uuid4().hex[:8]}")
-    try:
-        write_bytes(tmp, json_bytes(obj, path.name))
-        os.replace(tmp, path)
-    except Exception:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
+    """Atomically replace a JSON file (data/atomic.py), its bytes written by ``write_bytes``."""
+    # write_bytes looked up at each call, so a test's replacement of it is the one used
+    replace_file(path, json_bytes(obj, path.name), write=lambda tmp, data: write_bytes(tmp, data))
 
 
 # ----------------------------------------------------------------------------- tensors inside JSON structures

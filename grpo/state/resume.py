@@ -14,9 +14,10 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from data.atomic import fsync_dir
 from grpo.config import trains_from_scratch
 from grpo.state.checkpoint import LoadedCheckpoint, load_checkpoint, read_state, registry_entry
-from grpo.state.durable import fsync_dir, replace_json
+from grpo.state.durable import replace_json
 from grpo.state.layout import REGISTRY, CheckpointError
 from grpo.state.registry import move_aliases, read_registry, step_dirname
 

@@ -54,8 +54,9 @@ import torch.nn.functional as F
 from data.contract import format_response
 from data.mixture import MixtureStream
 from data.schema import Example
+from data.signals import STOP
 from grpo.config import ConfigError, TrainConfig, trains_from_scratch
-from grpo.evaluation import checkpoint_eval, print_eval
+from grpo.model_eval import checkpoint_eval, print_eval
 from grpo.model.load import load_bundle
 from grpo.model.policy import build_policy, input_bounds, load_base_weights
 from grpo.model.prompts import encode_prompts
@@ -65,7 +66,7 @@ from grpo.run.phase_data import eval_subset, load_training_data
 from grpo.run.prefetch import prefetch
 from grpo.run.progress import Progress
 from grpo.run.schedule import SaveClock, lr_at
-from grpo.run.stop import STOP, EvalAbandoned, Stopped, stop_message
+from grpo.run.stop import EvalAbandoned, Stopped, stop_message
 from grpo.state.checkpoint import save_checkpoint
 from grpo.state.contents import adapter_tensors, base_tensors
 from grpo.state.layout import CheckpointError

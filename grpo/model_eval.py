@@ -20,8 +20,8 @@ from typing import Any
 import grpo.model.prompts
 import grpo.rollout.sampler
 from data.schema import Example
-from eval.evaluate import Completions, EvalProtocol, EvalResult, evaluate_samples
 from eval.report import control_summary
+from eval.results import Completions, EvalProtocol, EvalResult, evaluate_samples
 from grpo.config import TrainConfig
 from grpo.run.stop import check_eval
 
@@ -86,7 +86,7 @@ def checkpoint_eval(bundle: Any, examples: Sequence[Example], cfg: TrainConfig, 
     return evaluate_model(bundle, examples, protocol)
 
 
-# How the eval line names eval.evaluate's skip reasons.
+# How the eval line names EvalResult's skip reasons (eval/results.py).
 SKIP_NAMES = {"sampler_skipped": "(bad image or over model.max_prompt_tokens)", "no_numeric_gold": "(no numeric gold)"}
 
 

@@ -1,4 +1,4 @@
-"""Evaluation engine: one protocol, many models, one report.
+"""Evaluation results: completions scored under one protocol, for many models, into one report.
 
 Three entry points share every line that turns text into numbers:
 
@@ -8,7 +8,7 @@ Three entry points share every line that turns text into numbers:
         mode breakdown, and the same again on each curriculum stage subset.
     evaluate_samples(examples, sample_pass, protocol) -> EvalResult
         the same over completions a callable draws, plus the shuffled-image control.
-    grpo.evaluation.evaluate_model(bundle, examples, protocol) -> EvalResult
+    grpo.model_eval.evaluate_model(bundle, examples, protocol) -> EvalResult
         a model's completions under an EvalProtocol; lives above eval/ (it needs the
         sampler), together with the CLI ``python -m grpo.evaluate``.
 
@@ -244,7 +244,7 @@ def evaluate_samples(examples: Sequence[Example], sample_pass: Callable[[Sequenc
     over the same prompts with shuffled images (eval/blind.py), whose blind gap overall and
     per stage lands in ``result.control``.
 
-    ``sample_pass`` is whatever draws completions from a model (grpo/evaluation.py has the
+    ``sample_pass`` is whatever draws completions from a model (grpo/model_eval.py has the
     one-process and the trainer the data-parallel one): eval/ itself never sees a model.
     """
     protocol.validate()
