@@ -38,7 +38,7 @@ from grpo.batches import micro_batch_rows_fit
 from data.stages import ALL
 
 from kernels.grpo_advantages import SCALES
-from kernels.grpo_loss import CORRECTION_MODES, CORRECTIONS, IMPORTANCE, LOSS_TYPES
+from kernels.grpo_loss import CORRECTION_MODES, CORRECTIONS, IMPORTANCE, KL_ESTIMATORS, LOSS_TYPES
 from lora.inject import LoRAConfig
 
 # Every default that depends on the phase, in one table: phase_preset(phase) is TrainConfig()
@@ -273,7 +273,7 @@ class OptimConfig:
     shared_prefix: bool = True
     """The log-prob passes run each group's prompt through the language model once (B rows) and attend the G completions to its keys and values (grpo/model/shared_prefix.py): the same log-probs and gradients as running the prompt in all B*G rows (False: the full-row pass, the reference), with 1/G of the prompt's compute and saved activations."""
     beta: float = 0.0
-    """KL penalty coefficient (k3 estimator) against the reference (LoRA disabled)."""
+    """KL penalty coefficient against the reference (LoRA disabled); the estimator is optim.kl_estimator."""
     eps_low: float = 0.2
     """Lower clip range of the importance ratio: 1 - eps_low."""
     eps_high: float = 0.2
@@ -287,7 +287,9 @@ class OptimConfig:
     updates_per_batch: int = 1
     """mu: optimiser steps per rollout batch (PPO epochs); the ratio is taken against the sampling policy, so the clip binds from the 2nd."""
     kl_bias_correction: bool = False
-    """KL term ratio * k3 with the gradient through the ratio (TRL's use_bias_correction_kl); needs beta > 0."""
+    """KL term ratio * k (k: optim.kl_estimator) with the gradient through the ratio (TRL's use_bias_correction_kl); needs beta > 0."""
+    kl_estimator: str = "k3"
+    """Per-token KL estimate in the beta term, d = ref - logp: k1 = -d, k2 = d^2/2 (its gradient is the KL's), k3 = exp(d) - d - 1 (DeepSeekMath's); kernels/grpo_loss.py compares them. Needs beta > 0 unless k3."""
     adv_mode: str = "total"
     """Advantage source: total (z-score of the weighted reward) or components (sum_k w_k/sum(w) z(r_k), each term alone)."""
     adv_std_floor: float = 0.0
@@ -491,6 +493,10 @@ class TrainConfig:
             (not (o.adv_std_floor > 0 and o.adv_scale == "none"),
              f"optim.adv_std_floor={o.adv_std_floor} floors the std, but optim.adv_scale='none' divides by no std: "
              f"use adv_scale group or batch, or drop the floor"),
+            (o.kl_estimator in KL_ESTIMATORS, f"optim.kl_estimator={o.kl_estimator!r}: use {_one_of(KL_ESTIMATORS)}"),
+            (o.kl_estimator == "k3" or o.beta > 0,
+             f"optim.kl_estimator={o.kl_estimator!r} picks the KL term, which optim.beta=0 switches off: set "
+             "--optim.beta > 0 or leave the estimator at k3"),
             (not (o.kl_bias_correction and o.beta == 0),
              "optim.kl_bias_correction=true weights the KL term, which optim.beta=0 switches off: set --optim.beta > 0 "
              "or leave the correction off"),

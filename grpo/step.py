@@ -200,7 +200,7 @@ def loss_options(cfg: TrainConfig) -> LossOptions:
     o = cfg.optim
     return LossOptions(beta=o.beta, eps_low=o.eps_low, eps_high=o.eps_high, loss_type=o.loss_type,
                        importance=o.importance, max_len=cfg.sampling.max_new_tokens,
-                       kl_bias_correction=o.kl_bias_correction, correction=o.rollout_correction,
+                       kl_bias_correction=o.kl_bias_correction, kl_estimator=o.kl_estimator, correction=o.rollout_correction,
                        correction_mode=o.rollout_correction_mode, correction_cap=o.rollout_correction_cap)
 
 

@@ -76,6 +76,8 @@ def test_bad_overrides_name_the_problem(argv, match):
         ("accuracy_low", 0.01, r"sampling.accuracy_low=0.01, .* filter the groups of dynamic sampling, which is off"),
         ("overlong_buffer", 49, r"rewards.overlong_buffer=49: .* an int in 1..48"),
         ("overlong_penalty", -1.0, r"rewards.overlong_penalty=-1.0: give a finite number > 0"),
+        ("kl_estimator", "low_var_kl", r"optim.kl_estimator='low_var_kl': use k1, k2 or k3"),
+        ("kl_estimator", "k2", r"optim.kl_estimator='k2' picks the KL term, which optim.beta=0 switches off"),
     ],
 )
 def test_impossible_values_are_refused(key, value, match):
