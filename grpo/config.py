@@ -288,6 +288,8 @@ class OptimConfig:
     """mu: optimiser steps per rollout batch (PPO epochs); the ratio is taken against the sampling policy, so the clip binds from the 2nd."""
     kl_bias_correction: bool = False
     """KL term ratio * k (k: optim.kl_estimator) with the gradient through the ratio (TRL's use_bias_correction_kl); needs beta > 0."""
+    entropy_coef: float = 0.0
+    """Entropy bonus: loss -= entropy_coef * the policy's token entropy, aggregated over the loss's tokens as optim.loss_type aggregates (TRL's entropy_coef, verl's entropy_coeff); its gradient runs through the chunked LM-head pass (grpo/model/logprobs.py). In [0, 1]; 0 = off, no extra work."""
     kl_estimator: str = "k3"
     """Per-token KL estimate in the beta term, d = ref - logp: k1 = -d, k2 = d^2/2 (its gradient is the KL's), k3 = exp(d) - d - 1 (DeepSeekMath's); kernels/grpo_loss.py compares them. Needs beta > 0 unless k3."""
     adv_mode: str = "total"
@@ -493,6 +495,9 @@ class TrainConfig:
             (not (o.adv_std_floor > 0 and o.adv_scale == "none"),
              f"optim.adv_std_floor={o.adv_std_floor} floors the std, but optim.adv_scale='none' divides by no std: "
              f"use adv_scale group or batch, or drop the floor"),
+            (isinstance(o.entropy_coef, (int, float)) and 0 <= o.entropy_coef <= 1,
+             f"optim.entropy_coef={o.entropy_coef}: must be a number in [0, 1] (the entropy bonus's weight against "
+             "the policy term; verl's examples use 0 to 0.01; 0 = off)"),
             (o.kl_estimator in KL_ESTIMATORS, f"optim.kl_estimator={o.kl_estimator!r}: use {_one_of(KL_ESTIMATORS)}"),
             (o.kl_estimator == "k3" or o.beta > 0,
              f"optim.kl_estimator={o.kl_estimator!r} picks the KL term, which optim.beta=0 switches off: set "

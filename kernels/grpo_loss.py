@@ -46,14 +46,10 @@ is unchanged but the gradient is not: the plain term pushes with 1 - exp(ref - l
 also documents it as off by default, but defaults move between TRL releases: check yours
 before comparing runs). kl_mean reports the KL term as it enters the loss (corrected or not).
 
-KL estimators (``kl_estimator``: Schulman's k1 / k2 / k3, OpenRLHF's names; verl's kl / mse /
-low_var_kl). Per token, on tokens drawn from pi, in expectation:
-    k1  -d           d/d logp: 1          value unbiased, gradient 0 (a penalty only via a ratio)
-    k2  d^2 / 2      d/d logp: -d         value biased, gradient = grad KL(pi || pi_ref)
-    k3  e^d - d - 1  d/d logp: 1 - e^d    value unbiased and >= 0, gradient = grad KL(pi_ref || pi)
-With kl_bias_correction each becomes ratio_t * k_t, gradient ratio_t (k_t + d k_t / d logp_t)
-with token importance: ratio_t (logp_t - ref_t + 1) for k1, ratio_t (logp_t - ref_t) for k3,
-both the importance-weighted gradient of KL(pi || pi_ref); k2 is then only importance-weighted.
+KL estimators (``kl_estimator``; verl's kl / mse / low_var_kl), on tokens from pi: k1 = -d, value
+unbiased, gradient 0 in expectation; k2 = d^2/2, value biased, gradient = grad KL(pi || pi_ref);
+k3, value unbiased and >= 0, gradient = grad KL(pi_ref || pi). kl_bias_correction: ratio_t * k_t
+for each, gradient ratio_t (k_t + dk_t/dlogp_t): importance-weighted grad KL(pi || pi_ref) for k1, k3.
 
 Aggregation ("loss_type"), with n_i active tokens in row i and M = sum_i n_i:
     grpo     mean_i( sum_t loss_it / n_i )      per-sequence mean, then mean over the N rows
@@ -221,6 +217,23 @@ def kl_estimate(d: torch.Tensor, estimator: str) -> torch.Tensor:
     return torch.exp(d) - d - 1
 
 
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, options: LossOptions,
+              num_active_tokens: float | torch.Tensor | None = None) -> torch.Tensor:
+    """per_token [N, T] summed over active tokens, normalised as options.loss_type says (above)."""
+    N, T = per_token.shape
+    mf = (mask != 0).float()
+    total = (per_token * mf).sum()
+    if options.loss_type == "grpo":
+        return ((per_token * mf).sum(-1) / mf.sum(-1).clamp(min=1)).mean()
+    if options.loss_type == "bnpo" or (options.loss_type == "dapo" and num_active_tokens is None):
+        return total / mf.sum().clamp(min=1)
+    if options.loss_type == "dr_grpo":
+        return total / (N * (T if options.max_len is None else options.max_len))
+    if isinstance(num_active_tokens, torch.Tensor):  # [] or [1], maybe an int count
+        return total / num_active_tokens.reshape(()).float()
+    return total / num_active_tokens
+
+
 def grpo_loss_reference(
     logp: torch.Tensor, mask: torch.Tensor, adv: torch.Tensor, *,
     old_logp: torch.Tensor | None = None, ref_logp: torch.Tensor | None = None,
@@ -229,7 +242,7 @@ def grpo_loss_reference(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Loss from given advantages adv [N] or [N, T]; stats without zero_spread_frac."""
     o = options
-    beta, eps_low, eps_high, loss_type, importance = o.beta, o.eps_low, o.eps_high, o.loss_type, o.importance
+    beta, eps_low, eps_high, importance = o.beta, o.eps_low, o.eps_high, o.importance
     correction, correction_mode = o.correction, o.correction_mode
     N, T = logp.shape
     m = mask != 0
@@ -276,19 +289,7 @@ def grpo_loss_reference(
             per_token = per_token + beta * kl
 
     M = mf.sum().clamp(min=1)
-    total = (per_token * mf).sum()
-    if loss_type == "grpo":
-        loss = ((per_token * mf).sum(-1) / n).mean()
-    elif loss_type == "bnpo":
-        loss = total / M
-    elif loss_type == "dr_grpo":
-        loss = total / (N * (T if o.max_len is None else o.max_len))
-    elif num_active_tokens is None:
-        loss = total / M
-    elif isinstance(num_active_tokens, torch.Tensor):  # [] or [1], maybe an int count
-        loss = total / num_active_tokens.reshape(()).float()
-    else:
-        loss = total / num_active_tokens
+    loss = aggregate(per_token, mask, o, num_active_tokens)
 
     with torch.no_grad():
         stats = {

@@ -52,8 +52,11 @@ def test_one_layer_saves_what_the_plan_counts_op_by_op(tiny, shared_prefix):
     assert abs(per_layer - planned) <= 0.01 * planned, (per_layer, planned, tokens)
 
 
-def test_a_whole_step_allocates_what_the_plan_predicts(tiny):
+@pytest.mark.parametrize("entropy_coef", [0.0, 0.01])
+def test_a_whole_step_allocates_what_the_plan_predicts(tiny, entropy_coef):
     cfg, bundle = tiny
+    cfg = copy.deepcopy(cfg)
+    cfg.optim.entropy_coef = entropy_coef  # the bonus's gradient through the logits chunk, counted
     examples = generate("train", 1, 6, seed=1, image_size=cfg.model.image_size)
     got = measured_step(bundle, cfg, examples)
     want = planned_phases(plan_step(shapes_of_model(bundle.model, cfg), cfg, device="cpu",
@@ -62,6 +65,26 @@ def test_a_whole_step_allocates_what_the_plan_predicts(tiny):
     for phase in ("resident", "sampling", "policy"):
         assert abs(want[phase] - got[phase]) <= 0.1 * got[phase], (phase, got, want)
     assert got["policy"] > 1.2 * got["resident"]  # the step's own activations are a real part of what is compared
+
+
+def test_the_entropy_bonus_is_counted_in_the_logits_chunks_backward():
+    """At the 7B's vocabulary, long rows and a 16384-token chunk, the logits part is the policy
+    backward's peak: the bonus adds its own gradient of that chunk in bf16 (b V per token) and
+    the fp32 block temporaries, nothing to the other phases."""
+    from bench.memory import qwen7b_on_meta
+
+    cfg = phase_config("A", "qwen7b", {"optim.logits_chunk_tokens": "16384"}, "A")
+    sh = shapes_of_model(qwen7b_on_meta(cfg), cfg)
+    off = plan_step(sh, cfg)
+    cfg.optim.entropy_coef = 0.01
+    on = plan_step(sh, cfg)
+    T = on.completion_tokens
+    chunk = min(on.micro_batch_rows, max(1, 16384 // T)) * T  # completion tokens per LM-head chunk
+    grew = {p.name: q.bytes - p.bytes for p, q in zip(off.parts, on.parts) if q.bytes != p.bytes}
+    assert list(grew) == ["policy backward: final norm + one logits chunk recomputed + its gradient"], grew
+    assert list(grew.values())[0] == memory_plan.entropy_bonus_bytes(sh, chunk) >= chunk * sh.vocab * 2
+    for phase in ("resident", "sampling", "reference"):
+        assert on.phase_bytes(phase) == off.phase_bytes(phase)
 
 
 # ----------------------------------------------------------------------------- the trainer's decision

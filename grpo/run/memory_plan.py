@@ -20,7 +20,8 @@ what stays resident:
                 (L x m x S x d), and in backward the larger of one layer recomputed
                 (everything autograd saves in a layer, plus the gradients of its backward)
                 and the logits chunks' part (the final norm's saved tensors and one chunk
-                recomputed with its gradient), which is freed before the layers' backward
+                recomputed with its gradient, and with optim.entropy_coef > 0 the entropy
+                bonus's gradient of it too), which is freed before the layers' backward
 
 The peak of the step is the largest of the three. Each term is a formula of the widths
 (hidden d, MLP width I, heads, KV heads, vocabulary V, layers L, compute-dtype bytes b),
@@ -239,6 +240,15 @@ def logits_bytes_per_token(sh: Shapes, device: str, backward: bool) -> int:
     return (b + 3 * 4 + (2 * 4 if backward else 0)) * V
 
 
+def entropy_bonus_bytes(sh: Shapes, chunk: int, block_tokens: int = 128) -> int:
+    """The entropy bonus in one chunk's backward (optim.entropy_coef > 0;
+    grpo/model/logprobs.py ``_EntropyWithGrad``): the chunk's logits gradient once more, in
+    the logits' dtype (autograd then sums the two into one), and the fp32 temporaries of one
+    block of ``block_tokens`` tokens: log p, p, and two [V] products in flight. Its forward
+    keeps nothing new (the logits it saves are the log-prob pass's own)."""
+    return chunk * sh.compute_bytes * sh.vocab + 4 * 4 * min(chunk, block_tokens) * sh.vocab
+
+
 def decode_bytes_per_row(sh: Shapes) -> int:
     """The sampler's per-step logits transients per row (grpo/rollout/sampler.py
     sample_token): the LM head's output, its fp32 copy, the scaled logits, the log-softmax
@@ -359,6 +369,8 @@ def plan_step(sh: Shapes, cfg: TrainConfig, *, device: str = "cuda", micro_batch
     final_tokens = m * T if o.shared_prefix else tokens  # the shared pass norms only the T predicting positions
     final = final_tokens * ((4 * d if b < 4 else 0) + b * d) + m * T * b * d
     logits = final + chunk * logits_bytes_per_token(sh, device, True) + chunk * b * d
+    if o.entropy_coef > 0:
+        logits += entropy_bonus_bytes(sh, chunk)
     recompute = saved + mask_elems * b if cfg.model.gradient_checkpointing else 0
     layer_bwd = recompute + tokens * b * (BACKWARD_EXTRA_I * sh.intermediate + BACKWARD_EXTRA_H * d) + dequant_bwd
     if layer_bwd >= logits:
