@@ -88,6 +88,18 @@ PHASE_INIT: dict[str, str] = {"warmup": "base", "A": "base", "B": "A:best_struct
 PERCEPTION_DEFAULTS: dict[str, Any] = {"phase.perception_steps": 800, "optim.perception_weight": 1.0}
 
 
+# run.report_to's trackers: name -> (the module imported, the package that provides it);
+# mlflow-skinny is MLflow's client and file store without its server's dependencies.
+REPORT_TO = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"),
+             "mlflow": ("mlflow", "mlflow-skinny")}
+
+
+def reported_to(run: "RunConfig") -> tuple[str, ...]:
+    """The trackers a run writes to: run.report_to, with tensorboard when run.tensorboard is on."""
+    names = tuple(dict.fromkeys(run.report_to))
+    return names if not run.tensorboard or "tensorboard" in names else ("tensorboard", *names)
+
+
 def _one_of(choices: tuple[str, ...]) -> str:
     return ", ".join(choices[:-1]) + " or " + choices[-1]
 
@@ -337,7 +349,9 @@ class RunConfig:
     """torch CPU threads (0 = torch's default). The tiny model's matmuls gain nothing from
     more, and OpenMP spin-waits collapse (10x slower, measured) when the cores are shared."""
     tensorboard: bool = False
-    """Also write every number of train_log.jsonl as a TensorBoard scalar, in <run_dir>/tensorboard/ (tensorboard extra)."""
+    """Also write every number of train_log.jsonl as a TensorBoard scalar, in <run_dir>/tensorboard/ (tensorboard extra); the same as tensorboard in run.report_to."""
+    report_to: tuple[str, ...] = ()
+    """Experiment trackers that also get every logged number, the resolved config and each evaluation's sample completions with their images: tensorboard, wandb, mlflow (comma separated; each its optional extra, e.g. pip install 'vlgrpo[wandb]'); grpo/run/trackers.py."""
 
 
 @dataclass
@@ -500,6 +514,12 @@ class TrainConfig:
              "run.tensorboard=true needs the tensorboard package: pip install 'vlgrpo[tensorboard]' "
              "(or pip install tensorboard), or drop --run.tensorboard"),
         ]
+        for name in r.report_to:
+            checks.append((name in REPORT_TO, f"run.report_to names {name!r}: trackers are {_one_of(tuple(REPORT_TO))}"))
+            module, package = REPORT_TO.get(name, (name, name))
+            checks.append((name not in REPORT_TO or importlib.util.find_spec(module) is not None,
+                           f"run.report_to names {name}, which needs the {package} package: pip install 'vlgrpo[{name}]' "
+                           f"(or pip install {package}), or drop {name} from --run.report_to"))
         unknown = [k for k in self.data.columns if k not in ROW_FIELDS]
         checks.append((not unknown, f"data.columns names the field {unknown[0] if unknown else ''!r}, which no row "
                                     f"has: fields are {', '.join(ROW_FIELDS)} (write field=column)"))

@@ -244,6 +244,7 @@ def run_grpo_phase(cfg: TrainConfig, files: RunFiles, device: str, dp: DataParal
             raise Stopped(stop_message(f"{phase} step {done} (its evaluation abandoned)"), STOP.signum) from None
         print_eval(phase, done, result)
         files.write_log(dict(event="eval", phase=phase, step=done, metrics=result.flat(), skipped=dict(result.skipped)))
+        files.write_samples(phase, done, result.records, eval_examples)
         if cfg.phase.controller:
             metrics = dict(result.metrics, zero_spread=float(np.mean(state.zero_spread_since_eval)))
             for d in controller.update(metrics, result.overall.intervals, n=result.overall.n_prompts):

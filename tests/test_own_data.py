@@ -306,3 +306,19 @@ def test_stage_all_parses_and_a_datasets_directory_without_the_package_is_one_li
     with pytest.raises(ValueError, match=r"was written by datasets' save_to_disk, and reading it needs the datasets "
                                          r"package: pip install 'datasets>=3'"):
         load_source(tmp_path)
+
+
+@pytest.mark.parametrize("n,extra,text", [
+    (1, [], "has 1 usable rows, too few for the end-of-run report"),
+    (1, ["--run.test_per_stage", "0"], "has 1 training rows, too few for the checkpoint evaluation"),
+])
+def test_too_few_rows_for_the_held_out_rows_is_one_line(tmp_path, n, extra, text):
+    root = tmp_path / "few"
+    (root / "img").mkdir(parents=True)
+    lines = []
+    for row, image in minimal_rows(n):
+        image.save(root / row["image"])
+        lines.append(json.dumps(row))
+    (root / "data.jsonl").write_text("\n".join(lines) + "\n")
+    rc, _, err = run_main(tmp_path / "run", *QUICK, "--run.data", str(root), *extra)
+    one_line_error(rc, err, text)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from data.holdout import split_test
+from data.holdout import TEST_EVERY, split_test
 from data.jsonl import DATA_FILE
 from data.mathvista import require_gold_answers
 from data.schema import Example
@@ -25,6 +25,8 @@ from data.sources import load_source
 from data.stages import ALL, has_stage_metadata, is_numeric_free_form, select_stage
 from data.synthetic import generate
 from grpo.config import PHASE_DEFAULTS, ConfigError, TrainConfig
+
+VAL_EVERY = 5  # own data: one training row of a stage in five is held out for the checkpoint eval
 
 
 def load_own_data(cfg: TrainConfig, say: bool = False) -> tuple[list[Example], list[Example]]:
@@ -87,14 +89,22 @@ def load_training_data(cfg: TrainConfig) -> tuple[dict, dict]:
         train = {s: generate("train", s, cfg.run.train_per_stage, cfg.run.seed, cfg.model.image_size) for s in stages}
         val = {s: generate("val", s, n_val, cfg.run.seed, cfg.model.image_size) for s in stages}
     else:
-        rows, _ = load_own_data(cfg)
+        rows, test = load_own_data(cfg)
+        if not test and cfg.run.test_per_stage > 0:
+            raise ConfigError(f"--run.data: {cfg.run.data} has {len(rows)} usable rows, too few for the end-of-run "
+                              f"report, which tests on a held-out tenth of them: give at least {TEST_EVERY} usable "
+                              "rows, or --run.test_per_stage 0 to skip the report")
         train = {s: select_stage(rows, s) for s in stages}
         # Hold out a deterministic tail of each stage for the checkpoint-side eval, out of
         # every stage's training rows: a table row is in stages 1 and 2 alike.
         val = {}
         for s in stages:
-            k = min(len(train[s]) // 5, cfg.run.eval_size)
+            k = min(len(train[s]) // VAL_EVERY, cfg.run.eval_size)
             val[s] = train[s][len(train[s]) - k:]
+            if train[s] and not k:  # an empty eval has no metrics, and the controller's gates read them
+                raise ConfigError(f"--run.data: stage {s} of {cfg.run.data} has {len(train[s])} training rows, too few "
+                                  f"for the checkpoint evaluation, which holds out a fifth of them: give at least "
+                                  f"{VAL_EVERY} usable rows for it (after the report's tenth), or other data")
         held = {id(ex) for s in stages for ex in val[s]}
         train = {s: [ex for ex in train[s] if id(ex) not in held] for s in stages}
     for s in stages:
