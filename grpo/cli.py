@@ -35,7 +35,7 @@ from grpo.model.load import ModelLoadError
 from grpo.model.policy import check_policy_config
 from grpo.rewards.plugins import load_plugins
 from grpo.run.files import RunFiles
-from grpo.run.phase_data import fall_back_to_all, load_training_data
+from grpo.run.phase_data import fall_back_to_all, load_training_data, require_held_out_rows
 from grpo.run.runtime import keep_freed_memory, pick_device, seed_everything, set_threads
 from grpo.run.stop import EvalAbandoned, Stopped, stop_message
 from grpo.state.checkpoint import load_checkpoint
@@ -149,7 +149,8 @@ def preflight(configs: dict[str, TrainConfig], plan: list[str], files: RunFiles)
             check_init_compatible(init_path, first)
     for phase in plan:
         if configs[phase].run.data != "synthetic":  # synthetic data is generated, never malformed
-            load_training_data(configs[phase])
+            train, val = load_training_data(configs[phase])  # first: a stage with no rows is named as such
+            require_held_out_rows(configs[phase], train, val)
 
 
 def _stop_between(where: str, saved: str) -> None:

@@ -89,11 +89,7 @@ def load_training_data(cfg: TrainConfig) -> tuple[dict, dict]:
         train = {s: generate("train", s, cfg.run.train_per_stage, cfg.run.seed, cfg.model.image_size) for s in stages}
         val = {s: generate("val", s, n_val, cfg.run.seed, cfg.model.image_size) for s in stages}
     else:
-        rows, test = load_own_data(cfg)
-        if not test and cfg.run.test_per_stage > 0:
-            raise ConfigError(f"--run.data: {cfg.run.data} has {len(rows)} usable rows, too few for the end-of-run "
-                              f"report, which tests on a held-out tenth of them: give at least {TEST_EVERY} usable "
-                              "rows, or --run.test_per_stage 0 to skip the report")
+        rows, _ = load_own_data(cfg)
         train = {s: select_stage(rows, s) for s in stages}
         # Hold out a deterministic tail of each stage for the checkpoint-side eval, out of
         # every stage's training rows: a table row is in stages 1 and 2 alike.
@@ -101,10 +97,6 @@ def load_training_data(cfg: TrainConfig) -> tuple[dict, dict]:
         for s in stages:
             k = min(len(train[s]) // VAL_EVERY, cfg.run.eval_size)
             val[s] = train[s][len(train[s]) - k:]
-            if train[s] and not k:  # an empty eval has no metrics, and the controller's gates read them
-                raise ConfigError(f"--run.data: stage {s} of {cfg.run.data} has {len(train[s])} training rows, too few "
-                                  f"for the checkpoint evaluation, which holds out a fifth of them: give at least "
-                                  f"{VAL_EVERY} usable rows for it (after the report's tenth), or other data")
         held = {id(ex) for s in stages for ex in val[s]}
         train = {s: [ex for ex in train[s] if id(ex) not in held] for s in stages}
     for s in stages:
@@ -117,6 +109,26 @@ def load_training_data(cfg: TrainConfig) -> tuple[dict, dict]:
         # correctness reward was silently 0 on every step. Refuse, loudly.
         require_gold_answers(train[s], f"{cfg.run.data} stage {s}")
     return train, val
+
+
+def require_held_out_rows(cfg: TrainConfig, train: dict, val: dict) -> None:
+    """ConfigError with one line when own data is too small for the rows a run holds out
+    (load_training_data's (train, val) of it, whose stages are known to be non-empty): the
+    end-of-run report's tenth (data/holdout.py) and each stage's fifth for the checkpoint
+    evaluation. Run by the preflight, not by the loader: a few rows still load (and a
+    run with --run.test_per_stage 0 needs no report rows)."""
+    if cfg.run.data == "synthetic":
+        return
+    rows, test = load_own_data(cfg)
+    if not test and cfg.run.test_per_stage > 0:
+        raise ConfigError(f"--run.data: {cfg.run.data} has {len(rows)} usable rows, too few for the end-of-run "
+                          f"report, which tests on a held-out tenth of them: give at least {TEST_EVERY} usable "
+                          "rows, or --run.test_per_stage 0 to skip the report")
+    for s in val:
+        if not val[s]:  # an empty eval has no metrics, and the controller's gates read them
+            raise ConfigError(f"--run.data: stage {s} of {cfg.run.data} has {len(train[s])} training rows, too few "
+                              f"for the checkpoint evaluation, which holds out a fifth of them: give at least "
+                              f"{VAL_EVERY} usable rows for it (after the report's tenth), or other data")
 
 
 def report_examples(cfg: TrainConfig) -> tuple[list[Example], str]:
