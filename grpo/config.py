@@ -8,7 +8,7 @@
       rewards   RewardConfig     which reward components, their weights, tolerance
       phase     PhaseConfig      curriculum phase: stage mixture, init checkpoint, steps
       run       RunConfig        run directory, seed, data, eval/checkpoint cadence
-      data      DataConfig       how to read own data: the column map
+      data      DataConfig       how to read own data: the column map, the images a prompt
 
 Every knob that is set must be the knob that runs (R1-VL's trainer silently sampled at
 temperature 1 although configured 1.2): the trainer prints the resolved config at start
@@ -34,6 +34,7 @@ from typing import Any, Literal
 import torch
 
 from data.rows import FIELDS as ROW_FIELDS
+from data.rows import MAX_IMAGES
 from grpo.batches import micro_batch_rows_fit
 from data.stages import ALL
 
@@ -357,7 +358,9 @@ class RunConfig:
 @dataclass
 class DataConfig:
     columns: dict[str, str] = field(default_factory=dict)
-    """Column map for --run.data: field=column pairs naming the dataset's column for a field this project reads (pid, question, answer, image, answer_type, question_type, precision, choices, unit, metadata, query), e.g. question=query,answer=label,image=img; a field left out is read from its own name."""
+    """Column map for --run.data: field=column pairs naming the dataset's column for a field this project reads (pid, question, answer, image, images, answer_type, question_type, precision, choices, unit, metadata, query), e.g. question=query,answer=label,image=img; a field left out is read from its own name."""
+    max_images: int = MAX_IMAGES
+    """Most images one prompt of --run.data may show (a row's `images` list; EasyR1's limit_images): a row with more is skipped and counted (too_many_images); each image costs up to model.max_pixels / 784 visual tokens."""
 
 
 @dataclass
@@ -514,6 +517,8 @@ class TrainConfig:
              "run.tensorboard=true needs the tensorboard package: pip install 'vlgrpo[tensorboard]' "
              "(or pip install tensorboard), or drop --run.tensorboard"),
         ]
+        checks.append((self.data.max_images >= 1, f"data.max_images={self.data.max_images}: must be >= 1 (images one "
+                                                  "prompt may show)"))
         for name in r.report_to:
             checks.append((name in REPORT_TO, f"run.report_to names {name!r}: trackers are {_one_of(tuple(REPORT_TO))}"))
             module, package = REPORT_TO.get(name, (name, name))

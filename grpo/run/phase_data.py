@@ -35,7 +35,7 @@ def load_own_data(cfg: TrainConfig, say: bool = False) -> tuple[list[Example], l
     skipped rows by reason (once per command: this runs for every phase)."""
     data = cfg.run.data
     try:
-        rows, skipped = load_source(data, cfg.data.columns)
+        rows, skipped = load_source(data, cfg.data.columns, cfg.data.max_images)
         # The numeric filter below drops rows with an empty answer, so MathVista `test` (all
         # such rows) would vanish without a word: name them.
         if any(not str(ex.answer).strip() for ex in rows):
@@ -43,6 +43,8 @@ def load_own_data(cfg: TrainConfig, say: bool = False) -> tuple[list[Example], l
     except (OSError, ValueError) as err:
         raise ConfigError(f"--run.data: {err}") from None
     lost = ", ".join(f"{k} {v}" for k, v in sorted(skipped.items()))
+    if "too_many_images" in skipped:
+        lost += f"; a row may show --data.max_images={cfg.data.max_images} images: raise it to train on more"
     usable = [ex for ex in rows if is_numeric_free_form(ex)]
     if not usable:
         msg = f"--run.data: {data} has no usable rows"
