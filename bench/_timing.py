@@ -133,10 +133,32 @@ def fmt_bytes(n: int | None) -> str:
 
 def print_table(rows: list[dict], columns: list[str]) -> None:
     """Fixed-width table; each row maps column name -> already formatted string."""
-    widths = {c: max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in columns}
+    widths = {c: max([len(c), *(len(str(r.get(c, ""))) for r in rows)]) for c in columns}  # rows may be []
     print("  ".join(c.rjust(widths[c]) for c in columns))
     for r in rows:
         print("  ".join(str(r.get(c, "")).rjust(widths[c]) for c in columns))
+    print(end="", flush=True)  # a part cut short by its timeout keeps every table printed
+
+
+def first_call_s(step: Callable[[], object], device: torch.device | str) -> float:
+    """Seconds of one ``step()`` call, synchronised: for a torch.compile'd step the compile
+    itself, which ``measure``'s warm-up would otherwise hide (printed, never timed as a rep)."""
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda *a: None)
+    sync(device)
+    t0 = time.perf_counter()
+    step()
+    sync(device)
+    return time.perf_counter() - t0
+
+
+def print_compile_time(label: str, step: Callable[[], object], device: torch.device | str) -> None:
+    """Print how long the first call of a compiled ``step`` took (the compile); an
+    out-of-memory error is left to ``measure``, which records the row as OOM."""
+    try:
+        print(f"# torch.compile, first call of {label}: {first_call_s(step, device):.1f} s", flush=True)
+    except RuntimeError as err:
+        if not is_oom(err):
+            raise
 
 
 def is_oom(err: BaseException) -> bool:

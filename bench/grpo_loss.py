@@ -1,7 +1,8 @@
 """Benchmark the fused GRPO loss: forward + backward, eager vs torch.compile vs Triton.
 
     python -m bench.grpo_loss            # GPU: sweep to N = 64 completions x T = 4096 tokens
-    python -m bench.grpo_loss --quick    # fewer shapes and repetitions
+    python -m bench.grpo_loss --quick    # fewer shapes and repetitions, no torch.compile
+    python -m bench.grpo_loss --quick --compile --shape 64 4096   # the compiled comparison alone
     python -m bench.grpo_loss --compile  # on a CPU, include torch.compile (~1 min to compile)
     TRITON_INTERPRET=1 python -m bench.grpo_loss --force-triton --shape 16 64
                                          # smoke-test the Triton provider on a CPU (timings meaningless)
@@ -14,7 +15,10 @@ sync) is left out of all three and timed on its own row, so the providers compar
 Bandwidth counts the bytes a perfect single pass must move: read logp, old, ref, the mask
 and the reference when beta > 0, write d loss / d logp. Peak memory is what one forward
 + backward allocates above the inputs. On a CPU the Triton provider is skipped (the
-interpreter is for correctness, not speed) and shapes are scaled down.
+interpreter is for correctness, not speed) and shapes are scaled down. Each case's table
+prints as soon as it is measured. torch.compile compiles once per case (dynamic=False: 2
+compiles for --quick's two shapes); the first call of each is printed as its compile time
+and only then are the calls timed. --quick leaves compile out unless --compile asks for it.
 """
 
 from __future__ import annotations
@@ -23,8 +27,8 @@ import argparse
 
 import torch
 
-from bench._timing import (device_name, fmt, fmt_bytes, gbps, measure, peak_bandwidth, print_table,
-                           time_fn, timing_cells)
+from bench._timing import (device_name, fmt, fmt_bytes, gbps, measure, peak_bandwidth, print_compile_time,
+                           print_table, time_fn, timing_cells)
 from kernels import grpo_loss as gl
 
 GPU_SHAPES = [(8, 512), (16, 1024), (32, 2048), (64, 4096)]
@@ -125,6 +129,8 @@ def bench_case(N: int, T: int, mode_name: str, providers: dict, device: str, arg
             logp.grad = None
             loss_fn(logp, inp, mode).backward()
         row = dict(shape=f"N={N} T={T}", mode=mode_name, provider=name)
+        if name == "compiled":
+            print_compile_time(f"N={N} T={T} {mode_name}", step, device)
         measured = measure(step, device, warmup=args.warmup, reps=args.reps)
         if measured is None:
             rows.append({**row, "median ms": "OOM"})
@@ -142,9 +148,9 @@ def bench_case(N: int, T: int, mode_name: str, providers: dict, device: str, arg
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--quick", action="store_true", help="two shapes, default mode, fewer reps")
+    parser.add_argument("--quick", action="store_true", help="two shapes, default mode, fewer reps, no torch.compile")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                        help="include torch.compile (default: on for GPU, off for CPU)")
+                        help="include torch.compile (default: on for GPU without --quick, off for CPU)")
     parser.add_argument("--reps", type=int, default=None, help="timed runs per case")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--shape", type=int, nargs=2, action="append", metavar=("N", "T"),
@@ -155,7 +161,7 @@ def main() -> None:
     args = parser.parse_args()
     on_gpu = args.device.startswith("cuda")
     args.reps = args.reps or (10 if args.quick else (50 if on_gpu else 10))
-    use_compile = on_gpu if args.compile is None else args.compile
+    use_compile = on_gpu and not args.quick if args.compile is None else args.compile
 
     providers = {"eager": eager_loss}
     if use_compile:
@@ -171,15 +177,14 @@ def main() -> None:
               + (" (Triton here runs in the interpreter: a smoke test)" if args.force_triton else "")
               + ("" if use_compile else "; add --compile for torch.compile (~1 min)"))
 
-    rows = []
-    for N, T in shapes:
-        rows += bench_case(N, T, "grpo/token/kl", providers, args.device, args)
+    cases = [(N, T, "grpo/token/kl") for N, T in shapes]
     if not args.quick:
-        N, T = shapes[-1]
-        for mode_name in list(MODES)[1:]:
-            rows += bench_case(N, T, mode_name, providers, args.device, args)
-    print_table(rows, ["shape", "mode", "provider", "median ms", "p20", "p80", "GB/s", "% peak",
-                       "peak mem"])
+        cases += [(*shapes[-1], mode_name) for mode_name in list(MODES)[1:]]
+    rows = []
+    for N, T, mode_name in cases:  # each case's table as soon as it is measured
+        case = bench_case(N, T, mode_name, providers, args.device, args)
+        print_table(case, ["shape", "mode", "provider", "median ms", "p20", "p80", "GB/s", "% peak", "peak mem"])
+        rows += case
 
     N, T = shapes[-1]
     last = {r["provider"]: r for r in rows if r["shape"] == f"N={N} T={T}" and r["mode"] == "grpo/token/kl"}

@@ -1,7 +1,8 @@
 """Benchmark selective log-softmax (token log-probs from logits): eager vs compile vs Triton.
 
     python -m bench.logprob            # GPU: V = 151,936 (Qwen), bf16 logits, up to 64k tokens
-    python -m bench.logprob --quick    # two shapes, fewer repetitions
+    python -m bench.logprob --quick    # two shapes, fewer repetitions, no torch.compile
+    python -m bench.logprob --quick --compile --shape 64 1024   # the compiled comparison alone
     python -m bench.logprob --compile  # on a CPU, include torch.compile (slow to compile)
     TRITON_INTERPRET=1 python -m bench.logprob --force-triton --shape 2 8 --vocab 500 --hidden 64
                                        # smoke-test the Triton providers on a CPU (numbers meaningless)
@@ -17,7 +18,14 @@ N = 64 completions x T = 4096 tokens would be 80 GB of bf16 logits at this vocab
 the sweep stops at 64k tokens (the trainer computes log-probs in chunks of completions).
 Input validation (the token-id range check, one host sync) is timed on its own row. On a
 CPU the Triton provider is skipped (the interpreter is for correctness, not speed) and
-shapes are scaled down.
+shapes are scaled down. Each shape's table prints as soon as it is measured (a run cut
+short keeps what it measured). torch.compile compiles once per shape and pass (dynamic=False:
+4 compiles for two shapes); the first call of each is printed as its compile time and only
+then are the calls timed. --quick leaves compile out unless --compile asks for it.
+
+The logits are drawn in their own dtype, in place (64 x 1024 x 151,936 bf16: 19.9 GB, where an
+fp32 draw scaled by a temporary would peak near 100 GB): the inputs fit an 80 GB card, and a
+provider that does not (the eager reference's fp32 copies) is recorded as OOM.
 
 A second table starts from hidden states [N, T, d] (d = 3584, Qwen2.5-VL-7B) and a frozen
 lm_head, fwd+bwd: eager (full logits + reference), "triton" (full logits + kernel) and
@@ -31,8 +39,8 @@ import argparse
 
 import torch
 
-from bench._timing import (device_name, fmt, fmt_bytes, gbps, measure, peak_bandwidth, print_table,
-                           time_fn, timing_cells)
+from bench._timing import (device_name, fmt, fmt_bytes, gbps, measure, peak_bandwidth, print_compile_time,
+                           print_table, time_fn, timing_cells)
 from kernels import logprob as lp
 
 V_QWEN = 151_936
@@ -87,7 +95,7 @@ def bench_hidden(N: int, T: int, V: int, d: int, dtype, providers: list[str], de
 
 def bench_shape(N: int, T: int, V: int, dtype, providers: dict, device: str, args) -> list[dict]:
     g = torch.Generator(device=device).manual_seed(0)
-    logits = (3 * torch.randn(N, T, V, generator=g, device=device)).to(dtype)
+    logits = torch.empty(N, T, V, dtype=dtype, device=device).normal_(0.0, 3.0, generator=g)  # in place: no fp32 copy
     y = torch.randint(0, V, (N, T), generator=g, device=device)
     dlogp = torch.randn(N, T, generator=g, device=device)
     logits_bytes = logits.numel() * logits.element_size()
@@ -104,6 +112,8 @@ def bench_shape(N: int, T: int, V: int, dtype, providers: dict, device: str, arg
                     out.backward(dlogp)
 
             row = dict(shape=f"N={N} T={T} V={V}", provider=name, **{"pass": pass_name})
+            if name == "compiled":
+                print_compile_time(f"N={N} T={T} {pass_name}", step, device)
             measured = measure(step, device, warmup=args.warmup, reps=args.reps)
             x.grad = None
             if measured is None:
@@ -125,9 +135,9 @@ def bench_shape(N: int, T: int, V: int, dtype, providers: dict, device: str, arg
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--quick", action="store_true", help="two shapes, fewer reps")
+    parser.add_argument("--quick", action="store_true", help="two shapes, fewer reps, no torch.compile")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                        help="include torch.compile (default: on for GPU, off for CPU)")
+                        help="include torch.compile (default: on for GPU without --quick, off for CPU)")
     parser.add_argument("--dtype", choices=["bf16", "fp32"], default=None,
                         help="logits dtype (default: bf16 on GPU, fp32 on CPU)")
     parser.add_argument("--vocab", type=int, default=V_QWEN)
@@ -143,7 +153,7 @@ def main() -> None:
     on_gpu = args.device.startswith("cuda")
     args.reps = args.reps or (5 if args.quick else (20 if on_gpu else 5))
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if on_gpu else "fp32")]
-    use_compile = on_gpu if args.compile is None else args.compile
+    use_compile = on_gpu and not args.quick if args.compile is None else args.compile
 
     providers = {"eager": eager}
     if use_compile:
@@ -160,10 +170,11 @@ def main() -> None:
               + (" (Triton here runs in the interpreter: a smoke test)" if use_triton else "")
               + ("" if use_compile else "; add --compile for torch.compile"))
     rows = []
-    for N, T in shapes:
-        rows += bench_shape(N, T, args.vocab, dtype, providers, args.device, args)
-    print_table(rows, ["shape", "provider", "pass", "median ms", "p20", "p80", "GB/s", "% peak",
-                       "peak mem", "extra mem"])
+    for N, T in shapes:  # each shape's table as soon as it is measured
+        case = bench_shape(N, T, args.vocab, dtype, providers, args.device, args)
+        print_table(case, ["shape", "provider", "pass", "median ms", "p20", "p80", "GB/s", "% peak",
+                           "peak mem", "extra mem"])
+        rows += case
     if use_triton:
         N, T = shapes[-1]
         print("\n# from hidden states, frozen lm_head (extra mem relative to the full logits)")

@@ -5,6 +5,7 @@
     python -m bench.memory --preset qwen7b --gpu-gib 80           # does it fit, and which micro-batch would
     python -m bench.memory --preset qwen7b --measure              # + the 7B-width measurement (minutes, 1 core)
     python -m bench.memory --gpu-check                            # bench/gpu.sh: real 7B-shape steps on a GPU
+    python -m bench.memory --gpu-check --smoke                    # its first setting, one 7B layer (gpu.sh's smoke)
     python -m bench.memory                                        # the tiny default: + a whole real step measured
 
 Options: the trainer's own (``--preset``, ``--phase`` and every ``--section.key value`` of
@@ -262,7 +263,7 @@ def measured_step(bundle, cfg, examples, *, early_stop: bool = True) -> dict[str
     init_adamw_state(opt)
     rewards = RewardModel(cfg.rewards, cfg.sampling.max_new_tokens, tokenizer=bundle.tokenizer)
     merged = MergedRollout(model) if cfg.sampling.rollout == "merged" else None  # as the trainer builds it
-    learner = Learner(bundle, opt, rewards, cfg, torch.Generator().manual_seed(cfg.run.seed),
+    learner = Learner(bundle, opt, rewards, cfg, torch.Generator(device=bundle.device).manual_seed(cfg.run.seed),
                       rollout=merged.sample if merged is not None else sample)
     resident = resident_tensors(model, opt)
     if merged is not None:
@@ -500,9 +501,11 @@ def saved_per_layer(bundle, cfg, examples, G: int = 2, T: int = 8) -> tuple[int,
     prompts = encode_prompts(bundle, examples[:1], on_bad_image="skip").to(bundle.device)
     with torch.no_grad():
         ctx = build_prompt_context(model, prompts)
+    # drawn on the CPU (the same ids on every device), then put on the model's device
     ids = torch.randint(0, len(bundle.tokenizer), (G, T), generator=torch.Generator().manual_seed(0))
     mask = torch.ones(G, T, dtype=torch.long)
     mask[0, -1] = 0
+    ids, mask = ids.to(bundle.device), mask.to(bundle.device)
     total, resident = {}, resident_tensors(model, None)
     for n in (1, 2):
         with first_layers(model, n), checkpointing_off(model), saved_bytes(resident) as seen:
@@ -535,12 +538,13 @@ CPU_SETTINGS = [  # the same code at the tiny model's sizes (gpu.sh --dry-run)
 ]
 
 
-def gpu_check(budget_s: float) -> int:
+def gpu_check(budget_s: float, smoke: bool = False) -> int:
     """Real steps at GPU_SETTINGS on a CUDA device (the 7B's exact shapes, random weights,
     NF4 + LoRA r=8, checkpointing: bench/step.py's build), each phase's
     torch.cuda.max_memory_allocated against the plan; on a CPU the tiny model at
-    CPU_SETTINGS, measured with LiveBytes (bench/gpu.sh --dry-run). A setting that would
-    start after ``budget_s`` seconds is skipped."""
+    CPU_SETTINGS, measured with LiveBytes (bench/gpu.sh --dry-run). A setting after the
+    first that would start after ``budget_s`` seconds is skipped. ``smoke``: the first
+    setting only, and on CUDA one decoder layer of the 7B (seconds: gpu.sh's preflight)."""
     import copy
 
     from bench._timing import print_table
@@ -556,17 +560,19 @@ def gpu_check(budget_s: float) -> int:
         from grpo.cli import phase_config
 
         base = phase_config("A", "qwen7b", {"run.run_prior_phases": "false"}, "A")
-        bundle = build_bundle("7b", "cuda", four_bit=True, checkpointing=True)
+        bundle = build_bundle("7b", "cuda", four_bit=True, checkpointing=True, layers=1 if smoke else 0)
         settings, where = GPU_SETTINGS, torch.cuda.get_device_name(0)
     else:
         base = config_from_argv(["--sampling.rollout", "plain"])
         base.model.gradient_checkpointing = True
         _, bundle = model_shapes(base)
         settings, where = CPU_SETTINGS, "CPU"
-    print(f"# memory plan vs measured on {where}: model built in {time.perf_counter() - t0:.0f} s", flush=True)
+    settings = settings[:1] if smoke else settings
+    print(f"# memory plan vs measured on {where}{' (smoke)' if smoke else ''}: model built in "
+          f"{time.perf_counter() - t0:.0f} s", flush=True)
     rows, worst = [], 0.0
     for name, overrides in settings:
-        if time.perf_counter() - t0 > budget_s:
+        if rows and time.perf_counter() - t0 > budget_s:  # the first setting always runs
             print(f"# {name}: skipped (the {budget_s:.0f} s budget is used up)")
             continue
         cfg = apply_overrides(copy.deepcopy(base), overrides).validate()
@@ -625,12 +631,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="bench/gpu.sh: real steps at the plan's settings on CUDA, max_memory_allocated vs the plan "
                         "(on a CPU: the tiny model at smoke sizes)")
     p.add_argument("--budget-s", type=float, default=100.0,
-                   help="--gpu-check: start no setting after this many seconds")
+                   help="--gpu-check: start no setting but the first after this many seconds")
+    p.add_argument("--smoke", action="store_true",
+                   help="--gpu-check: its first setting only, on CUDA with one decoder layer of the 7B (seconds)")
     p.add_argument("--threads", type=int, default=1)
     args, trainer_argv = p.parse_known_args(argv)
     torch.set_num_threads(max(1, args.threads))
     if args.gpu_check:
-        return gpu_check(args.budget_s)
+        return gpu_check(args.budget_s, smoke=args.smoke)
     from grpo.config import ConfigError
 
     try:

@@ -29,7 +29,7 @@ from grpo.config import (PERCEPTION_DEFAULTS, PHASES, PRESETS, ConfigError, Trai
                          preset_overrides, reported_to, trains_from_scratch, weigh_plugins)
 from grpo.config_file import read_config_file
 from grpo.distributed import DataParallel, init_distributed, peer_lost
-from grpo.errors import NoRewardSpread, TrainingDiverged, inside, one_line
+from grpo.errors import NoRewardSpread, StepOutOfMemory, TrainingDiverged, inside, one_line
 from grpo.final_report import write_final_report
 from grpo.model.load import ModelLoadError
 from grpo.model.policy import check_policy_config
@@ -220,7 +220,7 @@ def main(argv: list[str] | None, run_phase: Callable[[TrainConfig, RunFiles, str
 
     Every error the project raises on purpose ends as one line on stderr: exit 2 when the
     request is wrong (config, selector, model name, data), exit 1 when the run failed (a
-    checkpoint, divergence, the run directory's disk). Anything else is a bug and keeps its
+    checkpoint, divergence, a step out of device memory, the run directory's disk). Anything else is a bug and keeps its
     traceback."""
     argv = list(sys.argv[1:] if argv is None else argv)
     STOP.install()  # from here a signal never ends the run with a traceback (data/signals.py, grpo/run/stop.py)
@@ -251,7 +251,7 @@ def _main(argv: list[str], run_phase: Callable[[TrainConfig, RunFiles, str, Data
         root = files.root
         device = pick_device(cfg.model.device)
         prepare_run_dir(files.root)
-        dp = init_distributed(device)  # torchrun: this rank's process group and device; else one process
+        dp = init_distributed(device, collective_timeout_s=cfg.run.collective_timeout_s)  # torchrun: this rank's process group and device; else one process
         device, files.writer = dp.device, dp.is_main
         plan = phases_to_run(known.phase, files, cfg.phase.init, cfg.model.name) if cfg.run.run_prior_phases else [known.phase]
         fall_back_to_all({p: configs[p] for p in plan})  # own data without MathVista metadata: the stage "all"
@@ -292,7 +292,7 @@ def _main(argv: list[str], run_phase: Callable[[TrainConfig, RunFiles, str, Data
     except (ConfigError, SelectorError, ModelLoadError) as err:  # the command asks for something wrong: say what
         print(f"error: {one_line(err)}", file=sys.stderr)
         return 2
-    except (CheckpointError, TrainingDiverged, NoRewardSpread) as err:  # the run failed; its earlier checkpoints are intact
+    except (CheckpointError, TrainingDiverged, NoRewardSpread, StepOutOfMemory) as err:  # the run failed; its earlier checkpoints are intact
         print(f"error: {one_line(err)}", file=sys.stderr)
         return 1
     except RuntimeError as err:

@@ -353,6 +353,10 @@ class RunConfig:
     """Also write every number of train_log.jsonl as a TensorBoard scalar, in <run_dir>/tensorboard/ (tensorboard extra); the same as tensorboard in run.report_to."""
     report_to: tuple[str, ...] = ()
     """Experiment trackers that also get every logged number, the resolved config and each evaluation's sample completions with their images: tensorboard, wandb, mlflow (comma separated; each its optional extra, e.g. pip install 'vlgrpo[wandb]'); grpo/run/trackers.py."""
+    collective_timeout_s: float = 300.0
+    """Data parallel (torchrun): seconds a collective may wait for a rank before every rank
+    stops with one line naming the rank that did not arrive (the warm-up's wait for rank 0
+    is exempt). A step's ranks arrive within seconds of each other; a hung one never does."""
 
 
 @dataclass
@@ -512,6 +516,8 @@ class TrainConfig:
             (r.save_every_minutes >= 0, f"run.save_every_minutes={r.save_every_minutes}: must be >= 0 (0 = no timed saves)"),
             (r.test_per_stage >= 0, f"run.test_per_stage={r.test_per_stage}: must be >= 0 (0 = no report)"),
             (r.cpu_threads >= 0, f"run.cpu_threads={r.cpu_threads}: must be >= 0 (0 = torch's default)"),
+            (math.isfinite(r.collective_timeout_s) and r.collective_timeout_s > 0,
+             f"run.collective_timeout_s={r.collective_timeout_s}: must be a finite number of seconds > 0"),
             # checked here, before a model loads, so a missing package is not found after the warm-up
             (not r.tensorboard or importlib.util.find_spec("tensorboard") is not None,
              "run.tensorboard=true needs the tensorboard package: pip install 'vlgrpo[tensorboard]' "

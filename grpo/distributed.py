@@ -60,7 +60,9 @@ What is exact and what is not
 - Logged diagnostics (KL, clip fractions, lengths, reward) are means of per-rank means:
   exact when ranks hold equal row/token counts. The logged loss and grad norm are exact.
 - The SFT warm-up is not data-parallel: rank 0 runs it while the others wait at a barrier
-  (the process group is created with a 2-hour timeout for that reason).
+  (the process group is created with a 2-hour timeout for that reason; every other collective
+  is watched: one that waits longer than run.collective_timeout_s for a rank ends every rank
+  with one line naming it, grpo/watchdog.py).
 
 Backends: NCCL on GPUs (rank r uses cuda:LOCAL_RANK), gloo on CPUs. A run without torchrun's
 environment (WORLD_SIZE unset or 1) gets a single-process ``DataParallel`` whose methods are
@@ -69,6 +71,7 @@ identities, so the trainer has one code path.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -82,6 +85,7 @@ import torch
 import torch.distributed as dist
 
 from grpo.config import ConfigError
+from grpo.watchdog import CollectiveWatch
 from kernels.grpo_advantages import batch_std
 
 
@@ -119,6 +123,7 @@ class DataParallel:
     local_rank: int = 0
     device: str = "cpu"
     owns_group: bool = False  # we created the process group (so we destroy it)
+    watch: Any = None  # the collective watchdog (grpo/watchdog.py CollectiveWatch) of a data-parallel run
 
     @property
     def is_main(self) -> bool:
@@ -175,12 +180,17 @@ class DataParallel:
 
     # -------------------------------------------------------------- collectives
 
+    def _watched(self, name: str):
+        """Every collective runs inside this: the watchdog times it (none in one process)."""
+        return self.watch.collective(name) if self.watch is not None else contextlib.nullcontext()
+
     def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """In-place SUM all-reduce through this rank's device (NCCL needs CUDA tensors); returns x."""
         if not self.enabled:
             return x
         y = x.to(self.device)
-        dist.all_reduce(y, op=dist.ReduceOp.SUM)
+        with self._watched("all_reduce"):
+            dist.all_reduce(y, op=dist.ReduceOp.SUM)
         if y is not x:
             x.copy_(y.to(x.device))
         return x
@@ -204,7 +214,8 @@ class DataParallel:
             by_dtype.setdefault(p.grad.dtype, []).append(p)
         for group in by_dtype.values():
             flat = torch.cat([p.grad.reshape(-1) for p in group])  # one copy: ~80 MB for the 7B's LoRA
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+            with self._watched("gradient all_reduce"):
+                dist.all_reduce(flat, op=dist.ReduceOp.SUM)
             for p, g in zip(group, flat.split([p.numel() for p in group])):
                 p.grad.copy_(g.view_as(p.grad))
 
@@ -212,7 +223,7 @@ class DataParallel:
         """Start every rank from rank 0's values (seeded inits agree anyway; this makes sure)."""
         if not self.enabled:
             return
-        with torch.no_grad():
+        with torch.no_grad(), self._watched("broadcast of rank 0's parameters"):
             for p in params:
                 dist.broadcast(p.data, src=0)
 
@@ -227,8 +238,9 @@ class DataParallel:
         with torch.no_grad():
             flat = torch.cat([p.detach().float().reshape(-1) for p in params])
             hi = flat.clone()
-            dist.all_reduce(hi, op=dist.ReduceOp.MAX)
-            dist.all_reduce(flat, op=dist.ReduceOp.MIN)
+            with self._watched("replica check"):
+                dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+                dist.all_reduce(flat, op=dist.ReduceOp.MIN)
             bad = int((hi != flat).sum())
         if bad:
             raise RuntimeError(f"rank {self.rank}: {bad} LoRA parameters differ between ranks; the replicas "
@@ -243,7 +255,8 @@ class DataParallel:
         keys = list(counts)
         summed = self._all_reduce(torch.tensor([float(counts[k]) for k in keys], dtype=torch.float64))
         peak = torch.tensor([float(counts[k]) for k in keys], dtype=torch.float64, device=self.device)
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        with self._watched("all_reduce max"):
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         return {k: int(peak[i] if k in maxima else summed[i]) for i, k in enumerate(keys)}
 
     def mean_over_ranks(self, record: dict[str, Any]) -> dict[str, Any]:
@@ -285,7 +298,8 @@ class DataParallel:
         if not self.enabled:
             return [obj]
         out: list[Any] = [None] * self.world
-        dist.all_gather_object(out, obj)
+        with self._watched("all_gather_object"):
+            dist.all_gather_object(out, obj)
         return out
 
     def agree(self, signum: int, due: bool) -> tuple[int, bool]:
@@ -295,7 +309,8 @@ class DataParallel:
         if not self.enabled:
             return signum, due
         flags = torch.tensor([float(signum), float(due)], dtype=torch.float64, device=self.device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        with self._watched("step-boundary agreement"):
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         return int(flags[0]), bool(flags[1])
 
     def lost_rank_message(self, err: BaseException, grace: float = 3.0) -> str:
@@ -322,8 +337,12 @@ class DataParallel:
         return (f"{who} died or stopped responding ({cause}); rank {self.rank} stopped too. Checkpoints up to the "
                 "last one saved are intact: the same command resumes from it")
 
-    def barrier(self) -> None:
-        if self.enabled:
+    def barrier(self, patient: bool = False) -> None:
+        """Wait for every rank. ``patient``: not watched, bounded by the process group's
+        2-hour timeout only (ranks > 0 waiting while rank 0 runs the warm-up)."""
+        if not self.enabled:
+            return
+        with contextlib.nullcontext() if patient else self._watched("barrier"):
             dist.barrier()
 
     # -------------------------------------------------------------- checkpoint pieces
@@ -370,7 +389,10 @@ class DataParallel:
         return evaluate_model(bundle, examples, protocol, sample_pass=sharded_pass)
 
     def close(self) -> None:
-        """Destroy the process group if this object created it."""
+        """Stop the watchdog; destroy the process group if this object created it."""
+        if self.watch is not None:
+            self.watch.close()
+            self.watch = None
         if self.owns_group and dist.is_initialized():
             dist.destroy_process_group()
             self.owns_group = False
@@ -389,11 +411,12 @@ def _deep_copy_dicts(d: dict) -> dict:
     return {k: _deep_copy_dicts(v) if isinstance(v, dict) else v for k, v in d.items()}
 
 
-def init_distributed(device: str, quiet: bool = True) -> DataParallel:
+def init_distributed(device: str, quiet: bool = True, collective_timeout_s: float = 300.0) -> DataParallel:
     """Join the process group torchrun describes (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_*).
 
     Without those variables (or WORLD_SIZE=1): a single-process DataParallel on ``device``.
-    With them: NCCL and cuda:LOCAL_RANK when ``device`` is a CUDA device, gloo otherwise.
+    With them: NCCL and cuda:LOCAL_RANK when ``device`` is a CUDA device, gloo otherwise,
+    and the collective watchdog (grpo/watchdog.py) with ``collective_timeout_s``.
     ``quiet``: silence stdout on ranks > 0 (every rank runs the same prints).
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -415,10 +438,14 @@ def init_distributed(device: str, quiet: bool = True) -> DataParallel:
         backend = "gloo"
     owns = False
     if not dist.is_initialized():
-        # 2 hours: ranks > 0 wait at a barrier while rank 0 runs the (not data-parallel) warm-up.
+        # 2 hours: ranks > 0 wait at a barrier while rank 0 runs the (not data-parallel) warm-up;
+        # every other collective is bounded by run.collective_timeout_s (the watchdog).
         extra = {"device_id": torch.device(device)} if backend == "nccl" else {}
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(hours=2), **extra)
         owns = True
     if quiet and rank != 0:
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 -- lives as long as the process
-    return DataParallel(rank=rank, world=world, local_rank=local_rank, device=device, owns_group=owns)
+    from torch.distributed.distributed_c10d import _get_default_store  # private: the group keeps its store nowhere public
+
+    watch = CollectiveWatch(_get_default_store(), rank, world, collective_timeout_s)
+    return DataParallel(rank=rank, world=world, local_rank=local_rank, device=device, owns_group=owns, watch=watch)

@@ -16,6 +16,11 @@ class TrainingDiverged(RuntimeError):
     """Losses stayed non-finite: the run stops (one line, exit code 1)."""
 
 
+class StepOutOfMemory(RuntimeError):
+    """A step ran out of device memory: the line names the step, its part and what the memory
+    plan says fits (grpo/run/memory_plan.py ``out_of_memory_message``; exit code 1)."""
+
+
 class NoRewardSpread(RuntimeError):
     """Dynamic sampling found no group with reward spread within its bound (one line, exit code 1)."""
 

@@ -88,7 +88,7 @@ from grpo import cli
 from grpo.config import ConfigError, TrainConfig
 from grpo.controller import Controller
 from grpo.distributed import DataParallel
-from grpo.errors import NoRewardSpread
+from grpo.errors import NoRewardSpread, StepOutOfMemory
 from grpo.model_eval import checkpoint_eval, print_eval
 from grpo.model.policy import build_policy
 from grpo.model.prompts import NoPromptsLeft, PromptCounts
@@ -98,7 +98,7 @@ from grpo.rollout.merged import MergedRollout
 from grpo.rollout.sampler import sample
 from grpo.run.files import RunFiles
 from grpo.run.guard import StepGuard
-from grpo.run.memory_plan import check_fits
+from grpo.run.memory_plan import check_fits, out_of_memory_message
 from grpo.run.phase_data import eval_subset, load_training_data
 from grpo.run.progress import Progress
 from grpo.run.records import progress_line, step_record
@@ -122,14 +122,16 @@ class PhaseHooks(Hooks):
 
     def begin(self, step: int) -> None:
         self.step, self.t0 = step, time.time()
+        self.part: str | None = None  # the part running now: an out-of-memory error names it
         self.timing = dict(sampling=0.0, rewards=0.0, logprobs=0.0, backward=0.0)
         self.prompts = PromptCounts()  # what this step's draws put into the model (the log line's "prompts")
 
     @contextlib.contextmanager
     def timed(self, part: str):
-        t0 = time.time()
-        yield
+        t0, self.part = time.time(), part
+        yield  # an exception leaves self.part naming where it struck
         self.timing[part] += time.time() - t0
+        self.part = None
 
     def counts_over_ranks(self, counts):
         return self.dp.counts_over_ranks(counts)
@@ -291,6 +293,8 @@ def run_grpo_phase(cfg: TrainConfig, files: RunFiles, device: str, dp: DataParal
         except NoSpread as e:
             raise NoRewardSpread(no_spread_message(phase, step + 1, e.fill, G, temperature,
                                                    cfg.sampling.max_refills)) from None
+        except torch.OutOfMemoryError:  # one line: where, the plan's figure, what fits; nothing was saved mid-step
+            raise StepOutOfMemory(out_of_memory_message(model, cfg, device, dp.world, step + 1, hooks.part)) from None
         if merged is not None and result.updates:
             merged.refresh()  # the merged copy follows the new adapter (only the next sampling reads it)
 
@@ -331,8 +335,10 @@ def run_phase(cfg: TrainConfig, files: RunFiles, device: str, dp: DataParallel) 
         run_grpo_phase(cfg, files, device, dp)
     elif phase_finished(files.root, "warmup"):
         print("warm-up already done in this run directory; skipping")
-    elif dp.is_main:  # the SFT warm-up is not data-parallel: rank 0 runs it, the others wait
-        run_warmup(cfg, files, device)
+    else:  # the SFT warm-up is not data-parallel: rank 0 runs it, the others wait (unwatched: it takes long)
+        if dp.is_main:
+            run_warmup(cfg, files, device)
+        dp.barrier(patient=True)
 
 
 def main(argv: list[str] | None = None) -> int:

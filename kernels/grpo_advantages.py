@@ -56,16 +56,6 @@ import triton.language as tl
 from kernels._dispatch import last_dim_contiguous, next_pow2, resolve_backend
 
 SCALES = ("group", "batch", "none")
-# The z-score kernel's SCALE codes (constexpr: each is its own compiled variant).
-SCALE_NONE = tl.constexpr(0)  # centred only (Dr. GRPO)
-SCALE_GROUP = tl.constexpr(1)  # divided by the group's std
-SCALE_BATCH = tl.constexpr(2)  # divided by the whole batch's std, per column
-_SCALE_CODE = {"none": SCALE_NONE, "group": SCALE_GROUP, "batch": SCALE_BATCH}
-
-# How the loss kernel reads A (its ADV_MODE), set by the advantage source.
-ADV_ROW = tl.constexpr(0)  # one value per row: A_i = sum_c coef_ic (rewards, reward components)
-ADV_PREFIX = tl.constexpr(1)  # V-Rubrics: A_it = sum_c coef_ic 1[t <= t_end_ic]
-_ADV_CODE = {"row": ADV_ROW, "prefix": ADV_PREFIX}
 _INT32_MAX = 2**31 - 1  # t_end of the answer column: it credits every token
 
 
@@ -223,129 +213,6 @@ def group_zscore_reference(
     return z.reshape(N, C), constant
 
 
-def grpo_advantages_reference(
-    rewards: torch.Tensor, G: int, *, scale: str = "group", eps: float = 1e-4,
-    weights: torch.Tensor | None = None, std_floor: float = 0.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """rewards [N] or components [N, K] with weights [K] -> (adv [N], zero_spread [B] bool)."""
-    values = rewards[:, None] if rewards.dim() == 1 else rewards
-    z, constant = group_zscore_reference(values, G, scale=scale, eps=eps, std_floor=std_floor)
-    w = torch.ones(values.shape[1], device=z.device) if weights is None else weights.float()
-    return (z * w).sum(1), constant.all(1)
-
-
-def prefix_advantages_reference(
-    prefix: PrefixRubrics, T: int, G: int, *, scale: str = "group", eps: float = 1e-4,
-    std_floor: float = 0.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """V-Rubrics prefix advantages -> (adv [N, T], zero_spread [B] bool).
-
-    Materialises [N, T, J] for clarity; the kernel never does.
-    """
-    N, J = prefix.s.shape
-    z_ans, const_ans = group_zscore_reference(prefix.R_ans[:, None], G, scale=scale, eps=eps, std_floor=std_floor)
-    z_s, const_s = group_zscore_reference(prefix.s, G, scale=scale, eps=eps, valid=prefix.scored,
-                                          std_floor=std_floor)
-    rho = prefix.rho.float().expand(N, J)
-    t = torch.arange(T, device=z_s.device)
-    covers = t[None, :, None] <= prefix.t_end[:, None, :]  # [N, T, J]
-    rubric = (covers * (rho * z_s)[:, None, :]).sum(-1)  # [N, T]
-    adv = prefix.a * z_ans + (1.0 - prefix.a) * rubric
-    return adv, const_ans[:, 0] & const_s.all(1)
-
-
-# ---------------------------------------------------------------------------------------
-# Triton kernel and launcher
-# ---------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _group_zscore_kernel(
-    val_ptr, valid_ptr, w_ptr, coef_ptr, const_ptr,  # pointers
-    N, B, G,  # dimensions
-    stride_vn, stride_okn, stride_wn, stride_wc, stride_cn, stride_kb,  # strides
-    eps, std_floor,  # scalars
-    SCALE: tl.constexpr, HAS_VALID: tl.constexpr, HAS_W: tl.constexpr,  # meta-parameters
-    G_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    """coef[:, c] = w[:, c] * z(values[:, c]); const[b, c] = 1 if group b is constant."""
-    c = tl.program_id(0)
-    if SCALE == SCALE_BATCH:  # batch std: two passes (mean, then squared deviations) avoid cancellation
-        s = 0.0
-        cnt = 0.0
-        for start in range(0, N, BLOCK_N):
-            rows = start + tl.arange(0, BLOCK_N)
-            ok = rows < N
-            if HAS_VALID:
-                ok = ok & (tl.load(valid_ptr + rows * stride_okn + c, mask=rows < N, other=0) != 0)
-            v = tl.load(val_ptr + rows * stride_vn + c, mask=ok, other=0.0).to(tl.float32)
-            s += tl.sum(tl.where(ok, v, 0.0))
-            cnt += tl.sum(ok.to(tl.float32))
-        mean_all = s / tl.maximum(cnt, 1.0)
-        sq = 0.0
-        for start in range(0, N, BLOCK_N):
-            rows = start + tl.arange(0, BLOCK_N)
-            ok = rows < N
-            if HAS_VALID:
-                ok = ok & (tl.load(valid_ptr + rows * stride_okn + c, mask=rows < N, other=0) != 0)
-            v = tl.load(val_ptr + rows * stride_vn + c, mask=ok, other=0.0).to(tl.float32)
-            sq += tl.sum(tl.where(ok, (v - mean_all) * (v - mean_all), 0.0))
-        std_all = tl.maximum(tl.sqrt_rn(sq / tl.maximum(cnt - 1.0, 1.0)), std_floor)  # floor 0: exact no-op
-
-    g = tl.arange(0, G_PAD)
-    for b in range(0, B):
-        rows = b * G + g
-        ok = g < G
-        if HAS_VALID:
-            ok = ok & (tl.load(valid_ptr + rows * stride_okn + c, mask=g < G, other=0) != 0)
-        v = tl.load(val_ptr + rows * stride_vn + c, mask=ok, other=0.0).to(tl.float32)
-        v = tl.where(ok, v, 0.0)  # unscored rubric entries may hold NaN
-        cnt = tl.sum(ok.to(tl.float32))
-        mean = tl.sum(v) / tl.maximum(cnt, 1.0)
-        centered = tl.where(ok, v - mean, 0.0)
-        hi = tl.max(tl.where(ok, v, float("-inf")))
-        lo = tl.min(tl.where(ok, v, float("inf")))
-        constant = (cnt < 2.0) | (hi == lo)
-        if SCALE == SCALE_GROUP:
-            std = tl.sqrt_rn(tl.sum(centered * centered) / tl.maximum(cnt - 1.0, 1.0))
-            z = centered / (tl.maximum(std, std_floor) + eps)
-        elif SCALE == SCALE_BATCH:
-            z = centered / (std_all + eps)
-        else:
-            z = centered
-        z = tl.where(constant, 0.0, z)
-        if HAS_W:
-            z *= tl.load(w_ptr + rows * stride_wn + c * stride_wc, mask=g < G, other=0.0)
-        tl.store(coef_ptr + rows * stride_cn + c, z, mask=g < G)
-        tl.store(const_ptr + b * stride_kb + c, constant.to(tl.float32))
-
-
-def group_zscore_triton(
-    values: torch.Tensor, valid: torch.Tensor | None, weights: torch.Tensor | None, G: int,
-    scale: str, eps: float, std_floor: float = 0.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """values [N, C], valid [N, C] | None, weights [N, C] | None (any strides) ->
-    (coef = w * z [N, C] fp32, const [B, C] fp32: 1.0 where column c of group b is constant)."""
-    N, C = values.shape
-    values = values.float().contiguous()
-    valid = None if valid is None else last_dim_contiguous(valid).contiguous()
-    coef = torch.empty(N, C, dtype=torch.float32, device=values.device)
-    const = torch.empty(N // G, C, dtype=torch.float32, device=values.device)
-    # A pointer the kernel never reads (HAS_VALID / HAS_W false) still needs a tensor: values.
-    _group_zscore_kernel[(C,)](
-        values, valid if valid is not None else values, weights if weights is not None else values,
-        coef, const,
-        N, N // G, G,
-        values.stride(0), 0 if valid is None else valid.stride(0),
-        0 if weights is None else weights.stride(0), 0 if weights is None else weights.stride(1),
-        coef.stride(0), const.stride(0),
-        eps, float(std_floor),
-        SCALE=_SCALE_CODE[scale].value, HAS_VALID=valid is not None,
-        HAS_W=weights is not None, G_PAD=next_pow2(G), BLOCK_N=min(1024, next_pow2(N, 16)),
-    )
-    return coef, const
-
-
 # ---------------------------------------------------------------------------------------
 # Public API: the advantage step of GRPO, checked once, for either loss path
 # ---------------------------------------------------------------------------------------
@@ -472,3 +339,143 @@ def _weighted_zscore(zscore, values, valid, weights, G, scale, eps, floor) -> tu
         return group_zscore_triton(values, valid, weights, G, scale, eps, floor)
     z, constant = group_zscore_reference(values, G, scale=scale, eps=eps, valid=valid, std_floor=floor)
     return (z if weights is None else z * weights), constant.float()
+
+
+# ---------------------------------------------------------------------------------------
+# Triton kernel and launcher
+# ---------------------------------------------------------------------------------------
+
+
+# The z-score kernel's SCALE codes (constexpr: each is its own compiled variant).
+SCALE_NONE = tl.constexpr(0)  # centred only (Dr. GRPO)
+SCALE_GROUP = tl.constexpr(1)  # divided by the group's std
+SCALE_BATCH = tl.constexpr(2)  # divided by the whole batch's std, per column
+_SCALE_CODE = {"none": SCALE_NONE, "group": SCALE_GROUP, "batch": SCALE_BATCH}
+
+# How the loss kernel reads A (its ADV_MODE), set by the advantage source.
+ADV_ROW = tl.constexpr(0)  # one value per row: A_i = sum_c coef_ic (rewards, reward components)
+ADV_PREFIX = tl.constexpr(1)  # V-Rubrics: A_it = sum_c coef_ic 1[t <= t_end_ic]
+_ADV_CODE = {"row": ADV_ROW, "prefix": ADV_PREFIX}
+
+
+@triton.jit
+def _group_zscore_kernel(
+    val_ptr, valid_ptr, w_ptr, coef_ptr, const_ptr,  # pointers
+    N, B, G,  # dimensions
+    stride_vn, stride_okn, stride_wn, stride_wc, stride_cn, stride_kb,  # strides
+    eps, std_floor,  # scalars
+    SCALE: tl.constexpr, HAS_VALID: tl.constexpr, HAS_W: tl.constexpr,  # meta-parameters
+    G_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """coef[:, c] = w[:, c] * z(values[:, c]); const[b, c] = 1 if group b is constant."""
+    c = tl.program_id(0)
+    if SCALE == SCALE_BATCH:  # batch std: two passes (mean, then squared deviations) avoid cancellation
+        s = 0.0
+        cnt = 0.0
+        for start in range(0, N, BLOCK_N):
+            rows = start + tl.arange(0, BLOCK_N)
+            ok = rows < N
+            if HAS_VALID:
+                ok = ok & (tl.load(valid_ptr + rows * stride_okn + c, mask=rows < N, other=0) != 0)
+            v = tl.load(val_ptr + rows * stride_vn + c, mask=ok, other=0.0).to(tl.float32)
+            s += tl.sum(tl.where(ok, v, 0.0))
+            cnt += tl.sum(ok.to(tl.float32))
+        mean_all = s / tl.maximum(cnt, 1.0)
+        sq = 0.0
+        for start in range(0, N, BLOCK_N):
+            rows = start + tl.arange(0, BLOCK_N)
+            ok = rows < N
+            if HAS_VALID:
+                ok = ok & (tl.load(valid_ptr + rows * stride_okn + c, mask=rows < N, other=0) != 0)
+            v = tl.load(val_ptr + rows * stride_vn + c, mask=ok, other=0.0).to(tl.float32)
+            sq += tl.sum(tl.where(ok, (v - mean_all) * (v - mean_all), 0.0))
+        std_all = tl.maximum(tl.sqrt_rn(sq / tl.maximum(cnt - 1.0, 1.0)), std_floor)  # floor 0: exact no-op
+
+    g = tl.arange(0, G_PAD)
+    for b in range(0, B):
+        rows = b * G + g
+        ok = g < G
+        if HAS_VALID:
+            ok = ok & (tl.load(valid_ptr + rows * stride_okn + c, mask=g < G, other=0) != 0)
+        v = tl.load(val_ptr + rows * stride_vn + c, mask=ok, other=0.0).to(tl.float32)
+        v = tl.where(ok, v, 0.0)  # unscored rubric entries may hold NaN
+        cnt = tl.sum(ok.to(tl.float32))
+        mean = tl.sum(v) / tl.maximum(cnt, 1.0)
+        centered = tl.where(ok, v - mean, 0.0)
+        hi = tl.max(tl.where(ok, v, float("-inf")))
+        lo = tl.min(tl.where(ok, v, float("inf")))
+        constant = (cnt < 2.0) | (hi == lo)
+        if SCALE == SCALE_GROUP:
+            std = tl.sqrt_rn(tl.sum(centered * centered) / tl.maximum(cnt - 1.0, 1.0))
+            z = centered / (tl.maximum(std, std_floor) + eps)
+        elif SCALE == SCALE_BATCH:
+            z = centered / (std_all + eps)
+        else:
+            z = centered
+        z = tl.where(constant, 0.0, z)
+        if HAS_W:
+            z *= tl.load(w_ptr + rows * stride_wn + c * stride_wc, mask=g < G, other=0.0)
+        tl.store(coef_ptr + rows * stride_cn + c, z, mask=g < G)
+        tl.store(const_ptr + b * stride_kb + c, constant.to(tl.float32))
+
+
+def group_zscore_triton(
+    values: torch.Tensor, valid: torch.Tensor | None, weights: torch.Tensor | None, G: int,
+    scale: str, eps: float, std_floor: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """values [N, C], valid [N, C] | None, weights [N, C] | None (any strides) ->
+    (coef = w * z [N, C] fp32, const [B, C] fp32: 1.0 where column c of group b is constant)."""
+    N, C = values.shape
+    values = values.float().contiguous()
+    valid = None if valid is None else last_dim_contiguous(valid).contiguous()
+    coef = torch.empty(N, C, dtype=torch.float32, device=values.device)
+    const = torch.empty(N // G, C, dtype=torch.float32, device=values.device)
+    # A pointer the kernel never reads (HAS_VALID / HAS_W false) still needs a tensor: values.
+    _group_zscore_kernel[(C,)](
+        values, valid if valid is not None else values, weights if weights is not None else values,
+        coef, const,
+        N, N // G, G,
+        values.stride(0), 0 if valid is None else valid.stride(0),
+        0 if weights is None else weights.stride(0), 0 if weights is None else weights.stride(1),
+        coef.stride(0), const.stride(0),
+        eps, float(std_floor),
+        SCALE=_SCALE_CODE[scale].value, HAS_VALID=valid is not None,
+        HAS_W=weights is not None, G_PAD=next_pow2(G), BLOCK_N=min(1024, next_pow2(N, 16)),
+    )
+    return coef, const
+
+
+# ---------------------------------------------------------------------------------------
+# Whole-advantage references: the tests' oracles (the trainer calls group_advantages)
+# ---------------------------------------------------------------------------------------
+
+
+def grpo_advantages_reference(
+    rewards: torch.Tensor, G: int, *, scale: str = "group", eps: float = 1e-4,
+    weights: torch.Tensor | None = None, std_floor: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """rewards [N] or components [N, K] with weights [K] -> (adv [N], zero_spread [B] bool)."""
+    values = rewards[:, None] if rewards.dim() == 1 else rewards
+    z, constant = group_zscore_reference(values, G, scale=scale, eps=eps, std_floor=std_floor)
+    w = torch.ones(values.shape[1], device=z.device) if weights is None else weights.float()
+    return (z * w).sum(1), constant.all(1)
+
+
+def prefix_advantages_reference(
+    prefix: PrefixRubrics, T: int, G: int, *, scale: str = "group", eps: float = 1e-4,
+    std_floor: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """V-Rubrics prefix advantages -> (adv [N, T], zero_spread [B] bool).
+
+    Materialises [N, T, J] for clarity; the kernel never does.
+    """
+    N, J = prefix.s.shape
+    z_ans, const_ans = group_zscore_reference(prefix.R_ans[:, None], G, scale=scale, eps=eps, std_floor=std_floor)
+    z_s, const_s = group_zscore_reference(prefix.s, G, scale=scale, eps=eps, valid=prefix.scored,
+                                          std_floor=std_floor)
+    rho = prefix.rho.float().expand(N, J)
+    t = torch.arange(T, device=z_s.device)
+    covers = t[None, :, None] <= prefix.t_end[:, None, :]  # [N, T, J]
+    rubric = (covers * (rho * z_s)[:, None, :]).sum(-1)  # [N, T]
+    adv = prefix.a * z_ans + (1.0 - prefix.a) * rubric
+    return adv, const_ans[:, 0] & const_s.all(1)

@@ -140,53 +140,6 @@ CORRECTIONS = ("off", "token", "sequence")  # rollout correction level (sampler 
 CORRECTION_MODES = ("truncate", "mask")
 
 
-# The finalisation kernel's LOSS_TYPE codes, one per name of LOSS_TYPES.
-LOSS_GRPO = tl.constexpr(0)
-LOSS_BNPO = tl.constexpr(1)
-LOSS_DR_GRPO = tl.constexpr(2)
-LOSS_DAPO = tl.constexpr(3)
-_LOSS_CODE = {"grpo": LOSS_GRPO, "bnpo": LOSS_BNPO, "dr_grpo": LOSS_DR_GRPO, "dapo": LOSS_DAPO}
-# The forward kernel's CORR codes, one per name of CORRECTIONS.
-CORR_OFF = tl.constexpr(0)
-CORR_TOKEN = tl.constexpr(1)
-CORR_SEQ = tl.constexpr(2)
-_CORR_CODE = {"off": CORR_OFF, "token": CORR_TOKEN, "sequence": CORR_SEQ}
-# dapo's divisor (NORM_MODE): this micro-batch's active tokens, a number, or a 1-element tensor.
-NORM_BATCH_TOKENS = tl.constexpr(0)
-NORM_VALUE = tl.constexpr(1)  # also dr_grpo's N * max_len
-NORM_TENSOR = tl.constexpr(2)
-
-# Row partials: the forward kernel leaves N_SLOTS fp32 sums per row at part[i, SLOT_*].
-SLOT_LOSS = tl.constexpr(0)  # sum_t (pg_t + beta kl_t), times 1 / n_i for grpo
-SLOT_TOKENS = tl.constexpr(1)  # n_i, the active tokens
-SLOT_KL = tl.constexpr(2)  # sum_t kl_t
-SLOT_CLIP_LOW = tl.constexpr(3)  # tokens clipped below (ratio < 1 - eps_low, A < 0)
-SLOT_CLIP_HIGH = tl.constexpr(4)  # tokens clipped above (ratio > 1 + eps_high, A > 0)
-SLOT_ADV_ABS = tl.constexpr(5)  # sum_t |A_t|
-SLOT_KL_OLD = tl.constexpr(6)  # sum_t (r_t - 1) - log r_t against old_logp
-SLOT_IS_KL = tl.constexpr(7)  # sum_t (w_t - 1) - log w_t, w_t = pi_train / pi_sampler per token
-SLOT_IS_SUM = tl.constexpr(8)  # sum of the rollout ratios at the correction's level (tokens or this row)
-SLOT_IS_MAX = tl.constexpr(9)  # their max (0 for a fully masked row)
-SLOT_IS_OVER = tl.constexpr(10)  # how many of them exceed the cap (truncated or masked)
-SLOT_IS_UNITS = tl.constexpr(11)  # how many there are: n_i (token level) or 1 if n_i > 0 (sequence)
-N_SLOTS = tl.constexpr(12)
-# The finalisation's outputs: stats[STAT_*] (GRPOStats' order) and extra[EXTRA_*].
-STAT_KL = tl.constexpr(0)
-STAT_CLIP_LOW = tl.constexpr(1)
-STAT_CLIP_HIGH = tl.constexpr(2)
-STAT_ZERO_SPREAD = tl.constexpr(3)
-STAT_ADV_ABS = tl.constexpr(4)
-STAT_KL_OLD = tl.constexpr(5)
-STAT_IS_KL = tl.constexpr(6)
-STAT_IS_RATIO_MEAN = tl.constexpr(7)
-STAT_IS_RATIO_MAX = tl.constexpr(8)
-STAT_IS_OVER = tl.constexpr(9)
-N_STATS = tl.constexpr(10)
-EXTRA_SCALE = tl.constexpr(0)  # the aggregation's normaliser, which backward multiplies in
-EXTRA_TOKENS = tl.constexpr(1)  # M, this micro-batch's active tokens
-N_EXTRA = tl.constexpr(2)
-
-
 @dataclass(frozen=True)
 class LossOptions:
     """The loss's knobs (formulas: the module docstring); the defaults are GRPO's.
@@ -327,17 +280,139 @@ def grpo_loss_reference(
         unit_ratio = torch.exp(unit_lr)
         stats.update(
             is_kl=((torch.exp(is_lr) - 1 - is_lr) * mf).sum() / M,
-            is_ratio_mean=torch.where(units, unit_ratio, 0.0).sum() / n_units if units.any()
-            else torch.ones((), device=lp.device),
-            is_ratio_max=torch.where(units, unit_ratio, 0.0).max() if units.any()
-            else torch.ones((), device=lp.device),
+            is_ratio_mean=torch.where(units.any(), torch.where(units, unit_ratio, 0.0).sum() / n_units,
+                                      torch.ones((), device=lp.device)),  # branchless: torch.compile traces it whole
+            is_ratio_max=torch.where(units.any(), torch.where(units, unit_ratio, 0.0).max(),
+                                     torch.ones((), device=lp.device)),
             is_over_frac=over.sum() / n_units)
     return loss, stats
 
 
 # ---------------------------------------------------------------------------------------
+# Public API: validate once, then dispatch to the kernel or the reference
+# ---------------------------------------------------------------------------------------
+
+
+def _validate(logp, mask, adv, old_logp, ref_logp, sampler_logp, num_active_tokens, options: LossOptions) -> None:
+    """The tensors against each other and the options (the advantages were checked when made)."""
+    if not isinstance(logp, torch.Tensor) or logp.dim() != 2:
+        raise ValueError(f"logp must be a [N, T] tensor, got {getattr(logp, 'shape', type(logp))}")
+    if not isinstance(options, LossOptions):
+        raise TypeError(f"options must be a LossOptions, got {type(options).__name__}")
+    N, T = logp.shape
+    dev = logp.device
+    check_tensor("logp", logp, (N, T), dev, floating=True)
+    check_tensor("mask", mask, (N, T), dev, floating=False)
+    for name, x in (("old_logp", old_logp), ("ref_logp", ref_logp), ("sampler_logp", sampler_logp)):
+        if x is not None:
+            check_tensor(name, x, (N, T), dev, floating=True)
+    # Duck-typed: a test's reloaded (interpreted) module has its own class.
+    missing = [f for f in ("G", "mode", "coef", "t_end", "constant", "values") if not hasattr(adv, f)]
+    if missing:
+        raise TypeError(f"advantages must come from group_advantages, got {type(adv).__name__}")
+    check_groups(N, adv.G)
+    if adv.num_rows != N:
+        raise ValueError(f"advantages are for {adv.num_rows} rows, the loss has {N}")
+    if options.beta > 0 and ref_logp is None:
+        raise ValueError(f"beta = {options.beta} > 0 needs ref_logp (the reference policy's log-probs)")
+    if options.kl_bias_correction and ref_logp is None:
+        raise ValueError("kl_bias_correction=True weights the KL term, which needs ref_logp")
+    if isinstance(num_active_tokens, torch.Tensor):
+        if num_active_tokens.numel() != 1 or num_active_tokens.device != dev:
+            raise ValueError("num_active_tokens must be a number or a 1-element tensor on "
+                             f"{dev}, got shape {tuple(num_active_tokens.shape)} on "
+                             f"{num_active_tokens.device}")
+    elif num_active_tokens is not None and not num_active_tokens > 0:
+        raise ValueError(f"num_active_tokens must be > 0, got {num_active_tokens}")
+
+
+def grpo_loss(
+    logp: torch.Tensor, mask: torch.Tensor, advantages: Advantages, *,
+    old_logp: torch.Tensor | None = None, ref_logp: torch.Tensor | None = None,
+    sampler_logp: torch.Tensor | None = None, num_active_tokens: float | torch.Tensor | None = None,
+    options: LossOptions = LossOptions(), backend: str = "auto",
+) -> tuple[torch.Tensor, GRPOStats]:
+    """GRPO loss (0-d fp32, differentiable w.r.t. logp) and detached diagnostics.
+
+    logp, old_logp, ref_logp, mask: [N, T], N = B*G rows, G completions per prompt contiguous.
+    advantages: from ``group_advantages`` (computed once per rollout batch; its G is the
+    loss's). old_logp=None means one policy update per batch (old = detached logp, ratio =
+    1). sampler_logp [N, T]: the rollout engine's log-probs of the same tokens (the mismatch
+    stats and the rollout correction; None = the trainer sampled). num_active_tokens: dapo's
+    divisor (default this call's active tokens). mask: nonzero = active. options: the
+    knobs (``LossOptions``), formulas in the module docstring. backend: "auto" (CUDA ->
+    Triton, else the reference), "torch", or "triton" (on a CPU only under
+    TRITON_INTERPRET=1). No host sync.
+    """
+    _validate(logp, mask, advantages, old_logp, ref_logp, sampler_logp, num_active_tokens, options)
+    T = logp.shape[1]
+    backend = resolve_backend(backend, logp.device)
+    loss_args = dict(old_logp=old_logp, ref_logp=ref_logp, num_active_tokens=num_active_tokens,
+                     sampler_logp=sampler_logp, options=options)
+
+    if backend == "torch":
+        loss, st = grpo_loss_reference(logp, mask, advantages.values(T), **loss_args)
+        return loss, GRPOStats(zero_spread_frac=advantages.zero_spread().float().mean(), **st)
+
+    check_launchable(_grpo_loss_fwd_kernel, logp.device, __name__)
+    loss, s = _FusedGRPOLoss.apply(logp, dict(mask=mask, adv=advantages, **loss_args))
+    return loss, GRPOStats(kl_mean=s[STAT_KL.value], clip_low_frac=s[STAT_CLIP_LOW.value],
+                           clip_high_frac=s[STAT_CLIP_HIGH.value], zero_spread_frac=s[STAT_ZERO_SPREAD.value],
+                           adv_abs_mean=s[STAT_ADV_ABS.value], kl_old_mean=s[STAT_KL_OLD.value],
+                           is_kl=s[STAT_IS_KL.value], is_ratio_mean=s[STAT_IS_RATIO_MEAN.value],
+                           is_ratio_max=s[STAT_IS_RATIO_MAX.value], is_over_frac=s[STAT_IS_OVER.value])
+
+
+# ---------------------------------------------------------------------------------------
 # Triton kernels
 # ---------------------------------------------------------------------------------------
+
+
+# The finalisation kernel's LOSS_TYPE codes, one per name of LOSS_TYPES.
+LOSS_GRPO = tl.constexpr(0)
+LOSS_BNPO = tl.constexpr(1)
+LOSS_DR_GRPO = tl.constexpr(2)
+LOSS_DAPO = tl.constexpr(3)
+_LOSS_CODE = {"grpo": LOSS_GRPO, "bnpo": LOSS_BNPO, "dr_grpo": LOSS_DR_GRPO, "dapo": LOSS_DAPO}
+# The forward kernel's CORR codes, one per name of CORRECTIONS.
+CORR_OFF = tl.constexpr(0)
+CORR_TOKEN = tl.constexpr(1)
+CORR_SEQ = tl.constexpr(2)
+_CORR_CODE = {"off": CORR_OFF, "token": CORR_TOKEN, "sequence": CORR_SEQ}
+# dapo's divisor (NORM_MODE): this micro-batch's active tokens, a number, or a 1-element tensor.
+NORM_BATCH_TOKENS = tl.constexpr(0)
+NORM_VALUE = tl.constexpr(1)  # also dr_grpo's N * max_len
+NORM_TENSOR = tl.constexpr(2)
+
+# Row partials: the forward kernel leaves N_SLOTS fp32 sums per row at part[i, SLOT_*].
+SLOT_LOSS = tl.constexpr(0)  # sum_t (pg_t + beta kl_t), times 1 / n_i for grpo
+SLOT_TOKENS = tl.constexpr(1)  # n_i, the active tokens
+SLOT_KL = tl.constexpr(2)  # sum_t kl_t
+SLOT_CLIP_LOW = tl.constexpr(3)  # tokens clipped below (ratio < 1 - eps_low, A < 0)
+SLOT_CLIP_HIGH = tl.constexpr(4)  # tokens clipped above (ratio > 1 + eps_high, A > 0)
+SLOT_ADV_ABS = tl.constexpr(5)  # sum_t |A_t|
+SLOT_KL_OLD = tl.constexpr(6)  # sum_t (r_t - 1) - log r_t against old_logp
+SLOT_IS_KL = tl.constexpr(7)  # sum_t (w_t - 1) - log w_t, w_t = pi_train / pi_sampler per token
+SLOT_IS_SUM = tl.constexpr(8)  # sum of the rollout ratios at the correction's level (tokens or this row)
+SLOT_IS_MAX = tl.constexpr(9)  # their max (0 for a fully masked row)
+SLOT_IS_OVER = tl.constexpr(10)  # how many of them exceed the cap (truncated or masked)
+SLOT_IS_UNITS = tl.constexpr(11)  # how many there are: n_i (token level) or 1 if n_i > 0 (sequence)
+N_SLOTS = tl.constexpr(12)
+# The finalisation's outputs: stats[STAT_*] (GRPOStats' order) and extra[EXTRA_*].
+STAT_KL = tl.constexpr(0)
+STAT_CLIP_LOW = tl.constexpr(1)
+STAT_CLIP_HIGH = tl.constexpr(2)
+STAT_ZERO_SPREAD = tl.constexpr(3)
+STAT_ADV_ABS = tl.constexpr(4)
+STAT_KL_OLD = tl.constexpr(5)
+STAT_IS_KL = tl.constexpr(6)
+STAT_IS_RATIO_MEAN = tl.constexpr(7)
+STAT_IS_RATIO_MAX = tl.constexpr(8)
+STAT_IS_OVER = tl.constexpr(9)
+N_STATS = tl.constexpr(10)
+EXTRA_SCALE = tl.constexpr(0)  # the aggregation's normaliser, which backward multiplies in
+EXTRA_TOKENS = tl.constexpr(1)  # M, this micro-batch's active tokens
+N_EXTRA = tl.constexpr(2)
 
 
 @triton.jit
@@ -730,78 +805,3 @@ class _FusedGRPOLoss(torch.autograd.Function):
         _scale_grad_kernel[(triton.cdiv(grad.numel(), BLOCK),)](
             grad, out, g_loss.float().contiguous(), extra, grad.numel(), BLOCK=BLOCK)
         return out, None
-
-
-# ---------------------------------------------------------------------------------------
-# Public API: validate once, then dispatch to the kernel or the reference
-# ---------------------------------------------------------------------------------------
-
-
-def _validate(logp, mask, adv, old_logp, ref_logp, sampler_logp, num_active_tokens, options: LossOptions) -> None:
-    """The tensors against each other and the options (the advantages were checked when made)."""
-    if not isinstance(logp, torch.Tensor) or logp.dim() != 2:
-        raise ValueError(f"logp must be a [N, T] tensor, got {getattr(logp, 'shape', type(logp))}")
-    if not isinstance(options, LossOptions):
-        raise TypeError(f"options must be a LossOptions, got {type(options).__name__}")
-    N, T = logp.shape
-    dev = logp.device
-    check_tensor("logp", logp, (N, T), dev, floating=True)
-    check_tensor("mask", mask, (N, T), dev, floating=False)
-    for name, x in (("old_logp", old_logp), ("ref_logp", ref_logp), ("sampler_logp", sampler_logp)):
-        if x is not None:
-            check_tensor(name, x, (N, T), dev, floating=True)
-    # Duck-typed: a test's reloaded (interpreted) module has its own class.
-    missing = [f for f in ("G", "mode", "coef", "t_end", "constant", "values") if not hasattr(adv, f)]
-    if missing:
-        raise TypeError(f"advantages must come from group_advantages, got {type(adv).__name__}")
-    check_groups(N, adv.G)
-    if adv.num_rows != N:
-        raise ValueError(f"advantages are for {adv.num_rows} rows, the loss has {N}")
-    if options.beta > 0 and ref_logp is None:
-        raise ValueError(f"beta = {options.beta} > 0 needs ref_logp (the reference policy's log-probs)")
-    if options.kl_bias_correction and ref_logp is None:
-        raise ValueError("kl_bias_correction=True weights the KL term, which needs ref_logp")
-    if isinstance(num_active_tokens, torch.Tensor):
-        if num_active_tokens.numel() != 1 or num_active_tokens.device != dev:
-            raise ValueError("num_active_tokens must be a number or a 1-element tensor on "
-                             f"{dev}, got shape {tuple(num_active_tokens.shape)} on "
-                             f"{num_active_tokens.device}")
-    elif num_active_tokens is not None and not num_active_tokens > 0:
-        raise ValueError(f"num_active_tokens must be > 0, got {num_active_tokens}")
-
-
-def grpo_loss(
-    logp: torch.Tensor, mask: torch.Tensor, advantages: Advantages, *,
-    old_logp: torch.Tensor | None = None, ref_logp: torch.Tensor | None = None,
-    sampler_logp: torch.Tensor | None = None, num_active_tokens: float | torch.Tensor | None = None,
-    options: LossOptions = LossOptions(), backend: str = "auto",
-) -> tuple[torch.Tensor, GRPOStats]:
-    """GRPO loss (0-d fp32, differentiable w.r.t. logp) and detached diagnostics.
-
-    logp, old_logp, ref_logp, mask: [N, T], N = B*G rows, G completions per prompt contiguous.
-    advantages: from ``group_advantages`` (computed once per rollout batch; its G is the
-    loss's). old_logp=None means one policy update per batch (old = detached logp, ratio =
-    1). sampler_logp [N, T]: the rollout engine's log-probs of the same tokens (the mismatch
-    stats and the rollout correction; None = the trainer sampled). num_active_tokens: dapo's
-    divisor (default this call's active tokens). mask: nonzero = active. options: the
-    knobs (``LossOptions``), formulas in the module docstring. backend: "auto" (CUDA ->
-    Triton, else the reference), "torch", or "triton" (on a CPU only under
-    TRITON_INTERPRET=1). No host sync.
-    """
-    _validate(logp, mask, advantages, old_logp, ref_logp, sampler_logp, num_active_tokens, options)
-    T = logp.shape[1]
-    backend = resolve_backend(backend, logp.device)
-    loss_args = dict(old_logp=old_logp, ref_logp=ref_logp, num_active_tokens=num_active_tokens,
-                     sampler_logp=sampler_logp, options=options)
-
-    if backend == "torch":
-        loss, st = grpo_loss_reference(logp, mask, advantages.values(T), **loss_args)
-        return loss, GRPOStats(zero_spread_frac=advantages.zero_spread().float().mean(), **st)
-
-    check_launchable(_grpo_loss_fwd_kernel, logp.device, __name__)
-    loss, s = _FusedGRPOLoss.apply(logp, dict(mask=mask, adv=advantages, **loss_args))
-    return loss, GRPOStats(kl_mean=s[STAT_KL.value], clip_low_frac=s[STAT_CLIP_LOW.value],
-                           clip_high_frac=s[STAT_CLIP_HIGH.value], zero_spread_frac=s[STAT_ZERO_SPREAD.value],
-                           adv_abs_mean=s[STAT_ADV_ABS.value], kl_old_mean=s[STAT_KL_OLD.value],
-                           is_kl=s[STAT_IS_KL.value], is_ratio_mean=s[STAT_IS_RATIO_MEAN.value],
-                           is_ratio_max=s[STAT_IS_RATIO_MAX.value], is_over_frac=s[STAT_IS_OVER.value])

@@ -2,8 +2,9 @@
 size, seconds each: it exits 0 and prints its table and summary line. Speed is not asserted
 (the benchmarks report it). The kernel and step benchmarks run exactly the command lines of
 bench/gpu.sh --dry-run, read from the script, so the GPU script cannot drift from what is
-tested; gpu.sh itself runs its env part (the rest of its parts are these commands and the
-kernel test files the suite runs anyway). bench/learning.py's CLI runs in
+tested; gpu.sh itself runs its preflight (the kit, the stack check and the smoke of a later
+part) and one part (the rest of its parts are these commands and the kernel test files the
+suite runs anyway). bench/learning.py's CLI runs in
 tests/test_bench_learning.py."""
 
 import os
@@ -34,7 +35,7 @@ def cli(module: str, *args: str, interpret: bool = False, timeout: int = 300) ->
 def dry_run_commands() -> dict[str, list[str]]:
     """bench/gpu.sh --dry-run's benchmark parts: part -> [module, args...]."""
     text = GPU_SH.read_text()
-    block = text[text.index('if [ "$DRY_RUN" = 1 ]; then\n  run env'):]
+    block = text[text.index('if [ "$DRY_RUN" = 1 ]; then\n  run tests'):]
     block = block[: block.index("\nelse\n")]
     found = re.findall(r'^\s*run (\w+)\s+\d+\s+"\$PY" -m (bench\.\w+)(.*)$', block, re.M)
     return {part: [module, *rest.split()] for part, module, rest in found}
@@ -44,8 +45,21 @@ DRY_RUN = dry_run_commands()
 
 
 def test_gpu_sh_dry_run_lists_every_kernel_and_step_benchmark():
-    assert set(DRY_RUN) == {"grpo_loss", "logprob", "step", "memory", "sampler"}
-    assert all(cmd[0] == f"bench.{part}" for part, cmd in DRY_RUN.items())
+    assert set(DRY_RUN) == {"grpo_loss", "logprob", "step", "memory", "sampler", "compiled"}
+    assert all(cmd[0] == f"bench.{part}" for part, cmd in DRY_RUN.items() if part != "compiled")
+    assert DRY_RUN["compiled"][:3] == ["bench.grpo_loss", "--quick", "--compile"]
+
+
+def test_gpu_sh_part_timeouts_sum_to_seven_minutes():
+    """The GPU run's parts under their own timeouts, preflight included: 420 s in all."""
+    text = GPU_SH.read_text()
+    gpu = text[text.index("\nelse\n  run tests"):text.index("\nfi\n", text.index("\nelse\n  run tests"))]
+    limits = [int(n) for n in re.findall(r"^\s*run \w+\s+(\d+)\s", gpu, re.M)]
+    table = re.findall(r"^#\s+(preflight|tests|grpo_loss|logprob|step|memory|sampler|compiled)\s.*?(\d+) s$", text, re.M)
+    assert [p for p, _ in table] == ["preflight", "tests", "grpo_loss", "logprob", "step", "memory", "sampler",
+                                     "compiled"]
+    assert [int(n) for _, n in table[1:]] == limits  # the header's table is the script's
+    assert sum(int(n) for _, n in table) == 420 and "BUDGET=${BUDGET:-$((420 * SCALE))}" in text
 
 
 def table_rows(out: str, *cells: str) -> list[str]:
@@ -121,6 +135,22 @@ def test_memory_gpu_check_dry_run():
     assert re.search(r"^summary: memory plan vs LiveBytes on CPU: 2 setting\(s\), step peak within [\d.]+%$", out, re.M)
 
 
+def test_an_empty_table_prints_its_header(capsys):
+    from bench._timing import print_table
+
+    print_table([], ["run", "phase"])  # bench.memory --gpu-check with every setting skipped
+    assert capsys.readouterr().out.split() == ["run", "phase"]
+
+
+def test_memory_gpu_check_smoke_runs_its_first_setting_only():
+    # gpu.sh's preflight smoke of the memory part
+    pytest.importorskip("bitsandbytes")
+    out = cli("bench.memory", "--gpu-check", "--smoke")
+    assert "(smoke)" in out and re.search(r"^\s*tiny 1 x G=2, 8 tok\s+PEAK\s", out, re.M)
+    assert "tiny 2 x G=2" not in out
+    assert re.search(r"^summary: memory plan vs LiveBytes on CPU: 1 setting\(s\)", out, re.M)
+
+
 def test_memory_plan_of_the_tiny_default_measures_its_step():
     pytest.importorskip("bitsandbytes")
     out = cli("bench.memory", "--sampling.G", "2", "--phase.prompts_per_step", "1", "--sampling.max_new_tokens", "4",
@@ -178,20 +208,45 @@ def gpu_sh(*args: str, out_dir: Path | None = None) -> subprocess.CompletedProce
 
 
 def test_gpu_sh_dry_run(tmp_path):
-    proc = gpu_sh("--dry-run", "--parts", "env", out_dir=tmp_path)
+    """The preflight (the kit from bench/gpu_kit/ when built, the stack, the smoke of the
+    selected later part) and that part, each row written into summary.md."""
+    proc = gpu_sh("--dry-run", "--parts", "preflight,grpo_loss", out_dir=tmp_path)
     assert proc.returncode == 0, proc.stderr
     summary = (tmp_path / "gpu_results" / "summary.md").read_text()
     assert summary.startswith("# bench/gpu.sh --dry-run (CPU-smoke sizes")
+    if list((ROOT / "bench" / "gpu_kit").glob("bitsandbytes-*.whl")):
+        assert "kit: bitsandbytes installed from bench/gpu_kit with --no-index" in summary
+    assert re.search(r"^summary: stack ok$", summary, re.M)
+    assert re.search(r"^torch \S+: ok \(declared >=", summary, re.M)
     rows = [ln for ln in summary.splitlines() if ln.startswith("| ") and not ln.startswith("| part ")]
-    assert len(rows) == 1 and re.fullmatch(r"\| env \| 0 \| \d+ \| summary: environment recorded \|", rows[0]), rows
-    env_log = (tmp_path / "gpu_results" / "env.log").read_text()
-    assert re.search(r"^python \S+ torch \S+ cuda \S+ device cpu$", env_log, re.M)  # --dry-run hides the GPU
-    assert re.search(r"^total: \d+ s of a 470 s budget$", summary, re.M)
+    assert len(rows) == 2, rows
+    assert re.fullmatch(r"\| preflight \| 0 \| \d+ \| smoke: grpo_loss ok; \|", rows[0]), rows
+    assert re.fullmatch(r"\| grpo_loss \| 0 \| \d+ \| summary: grpo_loss fwd\+bwd .* \|", rows[1]), rows
+    assert (tmp_path / "gpu_results" / "smoke_grpo_loss.log").read_text().count("summary:") == 1
+    assert re.search(r"^python \S+; torch CUDA \S+; device cpu$", summary, re.M)  # --dry-run hides the GPU
+    assert re.search(r"^total: \d+ s of a 1680 s budget$", summary, re.M)
+
+
+def test_gpu_sh_skips_a_part_whose_smoke_failed(tmp_path):
+    """A smoke that fails costs its seconds, not the part's budget: the part is skipped."""
+    env_python = tmp_path / "python"  # python with bench.grpo_loss broken, everything else real
+    env_python.write_text(f'#!/bin/sh\nfor a in "$@"; do [ "$a" = bench.grpo_loss ] && exit 3; done\n'
+                          f'exec {sys.executable} "$@"\n')
+    env_python.chmod(0o755)
+    env = {**os.environ, "PYTHON": str(env_python), "OMP_NUM_THREADS": "1", "OUT": str(tmp_path)}
+    proc = subprocess.run(["bash", str(GPU_SH), "--dry-run", "--parts", "preflight,grpo_loss"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr  # a failed smoke fails the run
+    summary = (tmp_path / "gpu_results" / "summary.md").read_text()
+    assert "| preflight | 0 |" in summary and "grpo_loss FAILED (3, smoke_grpo_loss.log: skipped);" in summary
+    assert "| grpo_loss | skipped | 0 | its smoke failed: smoke_grpo_loss.log |" in summary
+    assert not (tmp_path / "gpu_results" / "grpo_loss.log").exists()
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--parts", "env,nosuch"], "unknown part 'nosuch' in --parts; use some of env,tests,grpo_loss,logprob,step,memory,sampler"),
-    (["--parts"], "--parts needs a comma-separated list of: env,tests,"),
+    (["--parts", "preflight,nosuch"], "unknown part 'nosuch' in --parts; use some of "
+                                      "preflight,tests,grpo_loss,logprob,step,memory,sampler,compiled"),
+    (["--parts"], "--parts needs a comma-separated list of: preflight,tests,"),
     (["--frobnicate"], "unknown argument '--frobnicate'"),
 ])
 def test_gpu_sh_bad_arguments_are_one_line_with_exit_code_2(args, message, tmp_path):
@@ -223,3 +278,51 @@ def test_step_benchmark_runs_one_log_prob_path():
     assert re.search(r"^\s*logp \(grad\)\s+\d", out, re.M) and "[shared]" not in out
     assert re.search(r"^# log-prob paths \(plain rollouts\): full: training passes [\d.]+ ms, policy pass [\d.]+ ms, "
                      r"saved [\d.]+ [KMG]?i?B$", out, re.M)
+
+
+def _fake_wheel(path: Path) -> Path:
+    """A bitsandbytes-shaped wheel: Python files, three native libraries, metadata, a RECORD."""
+    import zipfile
+
+    from bench.gpu_kit import record_line
+
+    files = {"bitsandbytes/__init__.py": b"__version__ = '0.0'\n",
+             "bitsandbytes/libbitsandbytes_cpu.so": b"cpu" * 10,
+             "bitsandbytes/libbitsandbytes_cuda118.so": b"118" * 1000,
+             "bitsandbytes/libbitsandbytes_cuda130.so": b"130" * 100,
+             "bitsandbytes-0.0.dist-info/METADATA": b"Name: bitsandbytes\nVersion: 0.0\n"}
+    rows = [record_line(n, d) for n, d in files.items()] + ["bitsandbytes-0.0.dist-info/RECORD,,"]
+    wheel = path / "bitsandbytes-0.0-py3-none-manylinux_2_24_x86_64.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        for n, d in files.items():
+            z.writestr(n, d)
+        z.writestr("bitsandbytes-0.0.dist-info/RECORD", "\n".join(rows) + "\n")
+    return wheel
+
+
+def test_gpu_kit_trims_a_wheel_and_rewrites_its_record(tmp_path):
+    """bench/gpu_kit.sh's repacking: only the named libraries stay, the RECORD matches every
+    file (what pip checks), a tampered file is caught, a library the wheel lacks is one line."""
+    import zipfile
+
+    from bench.gpu_kit import check_wheel
+
+    src = _fake_wheel(tmp_path)
+    out = cli("bench.gpu_kit", str(src), str(tmp_path / "kit"), "--keep-lib", "cuda130", "--keep-lib", "cpu")
+    assert re.search(r"^summary: .*bitsandbytes-0.0-py3-none-manylinux_2_24_x86_64.whl .* 4 files, RECORD checked; "
+                     r"libraries kept: cuda130, cpu\)$", out, re.M), out
+    kit = tmp_path / "kit" / src.name
+    with zipfile.ZipFile(kit) as z:
+        assert sorted(n.rsplit("/", 1)[1] for n in z.namelist() if n.endswith(".so")) == [
+            "libbitsandbytes_cpu.so", "libbitsandbytes_cuda130.so"]
+    assert check_wheel(kit) == 4
+    tampered = tmp_path / "tampered.whl"
+    with zipfile.ZipFile(kit) as zin, zipfile.ZipFile(tampered, "w") as zout:
+        for n in zin.namelist():
+            zout.writestr(n, b"changed" if n.endswith("__init__.py") else zin.read(n))
+    with pytest.raises(ValueError, match="__init__.py does not match its RECORD row"):
+        check_wheel(tampered)
+    proc = subprocess.run([sys.executable, "-m", "bench.gpu_kit", str(src), str(tmp_path / "k2"), "--keep-lib", "cuda999"],
+                          cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+    assert "no libbitsandbytes_cuda999 in the wheel; it has ['cpu', 'cuda118', 'cuda130']" in proc.stderr

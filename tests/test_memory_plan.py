@@ -160,3 +160,68 @@ def test_the_trainer_stops_with_one_line_and_exit_2_before_any_step(monkeypatch,
     assert rc == 2 and len(err) == 1 and err[0].startswith("error: the step does not fit on cuda: predicted peak")
     log = tmp_path / "run" / "train_log.jsonl"
     assert not log.exists() or '"step"' not in log.read_text()
+
+
+# ----------------------------------------------------------------------------- an out-of-memory error mid-step
+
+
+def test_out_of_memory_in_the_training_pass_names_the_micro_batch_that_fits(qwen7b_preset):
+    cfg, model = qwen7b_preset
+    sh = shapes_of_model(model, cfg)
+    plan = plan_step(sh, cfg)
+    smaller = [r for r in memory_plan.micro_batch_choices(cfg) if r < plan.micro_batch_rows]
+    assert smaller, plan.micro_batch_rows  # the preset's micro-batch has a smaller choice
+    budget = (need_bytes(plan) + need_bytes(plan_step(sh, cfg, micro_batch_rows=smaller[0]))) // 2
+    assert need_bytes(plan_step(sh, cfg, micro_batch_rows=smaller[0])) < budget < need_bytes(plan)
+    msg = memory_plan.out_of_memory_fix(sh, cfg, "backward", budget)
+    assert f"the loss and backward at {plan.phase_bytes('policy') / GiB:.1f} GiB (policy" in msg
+    assert f"--optim.micro_batch_rows {smaller[0]} (the same command with it resumes" in msg
+    assert "--optim.micro_batch_rows" not in memory_plan.out_of_memory_fix(sh, cfg, "sampling", budget)
+    # the plan predicted the current micro-batch fits: the next smaller one
+    msg = memory_plan.out_of_memory_fix(sh, cfg, "logprobs", 10_000 * GiB)
+    assert f"so try the next smaller --optim.micro_batch_rows {smaller[0]} " in msg
+
+
+def test_out_of_memory_in_sampling_names_the_budget_that_fits(qwen7b_preset):
+    cfg, model = qwen7b_preset
+    sh = shapes_of_model(model, cfg)
+    T = cfg.sampling.max_new_tokens
+    shorter = copy.deepcopy(cfg)
+    shorter.sampling.max_new_tokens = T // 2
+    budget = need_bytes(plan_step(sh, shorter))  # exactly what half the budget needs
+    msg = memory_plan.out_of_memory_fix(sh, cfg, "sampling", budget)
+    assert f"puts sampling at {plan_step(sh, cfg).phase_bytes('sampling') / GiB:.1f} GiB" in msg
+    assert f"--sampling.max_new_tokens {T // 2} (in a new run directory" in msg
+    assert "no shorter" in memory_plan.out_of_memory_fix(sh, cfg, "sampling", GiB)
+
+
+def test_an_out_of_memory_error_mid_step_is_one_line_and_the_last_checkpoint_loads(monkeypatch, tmp_path, capsys):
+    """A real run of phase A: step 1 is evaluated and saved, then the policy's log-prob pass of
+    step 2 raises torch.OutOfMemoryError (what a GPU raises there). One line naming step 2,
+    the part and the smaller micro-batch; exit 1; step 1's checkpoint loads."""
+    import grpo.step as step
+    import grpo.train as train
+    from grpo.state.checkpoint import load_checkpoint
+    from grpo.state.registry import resolve
+
+    real, calls = step.completion_logprobs, []
+
+    def short_of_memory(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:  # one call per step (one micro-batch of all rows): step 2's
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(step, "completion_logprobs", short_of_memory)
+    run = tmp_path / "run"
+    rc = train.main(["--phase", "A", "--init", "base", "--run.run_dir", str(run), "--phase.steps", "3",
+                     "--run.eval_every", "1", "--model.device", "cpu", "--run.test_per_stage", "0",
+                     "--run.train_per_stage", "8", "--run.eval_size", "2", "--sampling.G", "2",
+                     "--sampling.max_new_tokens", "8", "--phase.prompts_per_step", "2"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1 and len(err) == 1, err
+    assert err[0].startswith("error: phase A step 2 ran out of device memory in the log-probs on cpu; "
+                             "the memory plan puts the log-probs at "), err[0]
+    assert "rerun with --optim.micro_batch_rows 2" in err[0] and err[0].endswith("intact")
+    latest = load_checkpoint(resolve(run, "A:latest"))
+    assert latest.step == 1

@@ -11,7 +11,7 @@ from PIL import Image
 
 from grpo.model.load import ModelBundle, load_bundle
 from grpo.model.prompts import encode_prompts
-from grpo.rollout.sampler import filter_logits, sample, sample_token, stop_token_ids
+from grpo.rollout.sampler import check_generator_device, filter_logits, sample, sample_token, stop_token_ids
 
 QUESTIONS = ["How many red circles are there?", "Sum?", "What is the total number of squares in the picture shown?"]
 
@@ -274,6 +274,21 @@ def test_bad_arguments(sharp, prompts):
         sample(sharp, prompts, G=2, max_new_tokens=4, decode="fast")
     with pytest.raises(ValueError, match="exceeds the model's context"):
         sample(sharp, prompts, G=2, max_new_tokens=sharp.context_length)
+
+
+def test_generator_must_live_on_the_logits_device(sharp, prompts):
+    """A CPU generator handed to a sampler whose model (and so logits) lives elsewhere is
+    refused with one line before any compute: on a GPU it would fail at the first token's
+    exponential draw. Here the model is moved to the meta device, which a CPU run can build."""
+    check_generator_device(torch.Generator(), torch.device("cpu"))  # the same device: accepted
+    check_generator_device(None, torch.device("cuda:0"))  # no generator: the global RNG, accepted
+    with pytest.raises(ValueError, match=r"lives on cpu but the model's logits on cuda:0") as err:
+        check_generator_device(torch.Generator(), torch.device("cuda:0"))
+    assert "\n" not in str(err.value)
+    meta = ModelBundle(model=copy.deepcopy(sharp.model).to("meta"), tokenizer=sharp.tokenizer,
+                       image_processor=sharp.image_processor, source="sharp on meta")
+    with pytest.raises(ValueError, match=r"generator lives on cpu but the model's logits on meta"):
+        sample(meta, prompts, G=2, max_new_tokens=2, generator=torch.Generator().manual_seed(0))
 
 
 def test_static_decode_with_lora_equals_hf(sharp, prompts):

@@ -164,9 +164,11 @@ def spread_rollout(learner, prompts: int):
     r.scores = RewardBatch(total=total, components={"correctness": total}, weights={"correctness": 1.0})
     state = {k: v.clone() for k, v in learner.bundle.model.state_dict().items()}
     g = torch.Generator().manual_seed(3)
-    for k in state:
-        if k.endswith("lora_B.weight"):
-            state[k] = 0.05 * torch.randn(state[k].shape, generator=g)
+    adapters = [k for k in state if k.endswith(".lora_B")]  # LoRALinear's parameter: "<module>.lora_B"
+    assert adapters, "no LoRA B in the policy's state: the policy would equal the base"
+    for k in adapters:
+        state[k] = 0.05 * torch.randn(state[k].shape, generator=g)
+    assert all(bool(state[k].abs().gt(0).any()) for k in adapters)
     return r, state
 
 

@@ -271,6 +271,28 @@ def decode_n_tokens(
     return tokens[:, :n_steps], logps[:, :n_steps], logqs[:, :n_steps], done_all
 
 
+def check_generator_device(generator: torch.Generator | None, device: torch.device) -> None:
+    """Refuse a generator that does not live on the device the logits are drawn on: the
+    exponential draw on CUDA logits needs a CUDA generator, and the mismatch would only
+    surface on the first sampled token on a GPU. Checked here so a CPU test catches it."""
+    if generator is None:
+        return
+    got, want = torch.device(generator.device), torch.device(device)
+    same_index = got.index is None or want.index is None or got.index == want.index
+    if got.type != want.type or not same_index:
+        raise ValueError(f"the sampler's generator lives on {got} but the model's logits on {want}: "
+                         f"build it as torch.Generator(device=model.device)")
+
+
+def sampler_generator(generator: torch.Generator | None, seed: int | None, device: torch.device):
+    """The generator ``sample`` draws with: the one given (checked to live on ``device``), a
+    new one on ``device`` seeded with ``seed``, or None (torch's global RNG)."""
+    if generator is None and seed is not None:
+        return torch.Generator(device=device).manual_seed(seed)
+    check_generator_device(generator, device)
+    return generator
+
+
 def _check_args(G: int, max_new_tokens: int, temperature: float, top_k: int, top_p: float) -> None:
     if not isinstance(G, int) or G < 1:
         raise ValueError(f"G={G!r}: the group size must be an integer >= 1")
@@ -339,8 +361,7 @@ def sample(
         raise ValueError(f"prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens} exceeds the model's "
                          f"context of {bundle.context_length}; lower max_new_tokens or the image size")
     device = model.device
-    if generator is None and seed is not None:
-        generator = torch.Generator(device=device).manual_seed(seed)
+    generator = sampler_generator(generator, seed, device)  # refused unless on the model's device
 
     ctx = build_prompt_context(model, prompts)  # vision tower: once per prompt
     first_logits, cache = prefill(model, ctx)  # text prefill: once per prompt

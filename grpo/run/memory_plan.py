@@ -430,3 +430,89 @@ def check_fits(model: torch.nn.Module, cfg: TrainConfig, device: str, world: int
     raise ConfigError(f"the step does not fit on {device}: predicted peak {plan.peak / GiB:.1f} GiB "
                       f"({plan.peak_phase}; {ALLOCATOR_SLACK:.0%} allocator slack on top) needs {more / GiB:.1f} GiB "
                       f"beyond the loaded model and {free / GiB:.1f} GiB is free; {fix}")
+
+
+# ----------------------------------------------------------------------------- an out-of-memory error mid-step
+
+# The step's timed parts (grpo/step.py Hooks.timed): how the one line names each, and the
+# plan's phase whose peak it reaches (the log-prob and loss passes run on one training
+# micro-batch: the policy's; rewards allocate nothing on the device, so sampling's peak is
+# the one in force).
+PARTS = {"sampling": ("sampling", "sampling"), "rewards": ("the rewards", "sampling"),
+         "logprobs": ("the log-probs", "policy"), "backward": ("the loss and backward", "policy")}
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / GiB:.1f} GiB" if nbytes >= GiB else f"{nbytes / 2**20:.0f} MiB"
+
+
+def device_budget(device: str) -> int | None:
+    """The bytes one step may use on ``device``: a CUDA device's total memory (the run alone
+    on it); None on a CPU, which has no fixed memory to plan against."""
+    if not str(device).startswith("cuda") or not torch.cuda.is_available():
+        return None
+    return torch.cuda.mem_get_info(torch.device(device))[1]
+
+
+def largest_fitting_budget(sh: Shapes, cfg: TrainConfig, budget: int, device: str = "cuda",
+                           micro_batch_rows: int | None = None) -> int | None:
+    """The largest sampling.max_new_tokens, in eighths of the current one, whose step the
+    plan fits in ``budget`` bytes (``need_bytes``); None when not even an eighth fits."""
+    T = cfg.sampling.max_new_tokens
+    for t in sorted({max(1, T * k // 8) for k in range(1, 8)}, reverse=True):
+        shorter = copy.deepcopy(cfg)
+        shorter.sampling.max_new_tokens = t
+        if need_bytes(plan_step(sh, shorter, device=device, micro_batch_rows=micro_batch_rows)) <= budget:
+            return t
+    return None
+
+
+def out_of_memory_fix(sh: Shapes, cfg: TrainConfig, part: str, budget: int | None, device: str = "cuda") -> str:
+    """What the plan says fits, for an out-of-memory error in ``part`` of a step: the memory
+    plan's figure for that part, then a smaller optim.micro_batch_rows (the training passes;
+    it may change on resume) or sampling.max_new_tokens (sampling; a new run directory)."""
+    label, phase = PARTS.get(part, (part, "policy"))
+    plan = plan_step(sh, cfg, device=device)
+    phase = phase if phase in plan.phases else plan.peak_phase
+    figure = (f"the memory plan puts {label} at {_size(plan.phase_bytes(phase))} ({phase}; peak "
+              f"{_size(plan.peak)} in {plan.peak_phase}, micro-batch {plan.micro_batch_rows} of {plan.rows} rows)")
+    smaller = [r for r in micro_batch_choices(cfg) if r < plan.micro_batch_rows]
+    if budget is None:  # no device memory to plan against: the next smaller step
+        fix = (f"rerun with --optim.micro_batch_rows {smaller[0]}" if phase == "policy" and smaller else
+               f"lower --sampling.max_new_tokens (now {cfg.sampling.max_new_tokens}) in a new run directory")
+        return f"{figure}; {fix}"
+    have = _size(budget)
+    if phase == "policy" and smaller:
+        fit = largest_fitting(sh, cfg, budget, device)
+        resumes = "the same command with it resumes from the last checkpoint"
+        if fit is not None and fit[0] >= plan.micro_batch_rows:  # the plan thought this fits: it runs short here
+            return (f"{figure}; the plan predicted that fits in {have}, so try the next smaller "
+                    f"--optim.micro_batch_rows {smaller[0]} ({resumes})")
+        if fit is not None:
+            return (f"{figure}; the plan fits {_size(need_bytes(fit[1]))} of {have} with "
+                    f"--optim.micro_batch_rows {fit[0]} ({resumes})")
+    rows = smaller[-1] if phase == "policy" and smaller else None
+    tokens = largest_fitting_budget(sh, cfg, budget, device, micro_batch_rows=rows)
+    if tokens is None or tokens >= cfg.sampling.max_new_tokens:
+        return (f"{figure}; the plan fits no shorter sampling.max_new_tokens in {have}: lower "
+                "--phase.prompts_per_step or --model.max_pixels in a new run directory, or use a larger GPU")
+    return (f"{figure}; the plan fits {have} with --sampling.max_new_tokens {tokens}"
+            + (f" and --optim.micro_batch_rows {rows}" if rows else "") + " (in a new run directory: "
+            "max_new_tokens is fixed on resume)")
+
+
+def out_of_memory_message(model: torch.nn.Module, cfg: TrainConfig, device: str, world: int, step: int,
+                          part: str | None) -> str:
+    """The one line for torch.OutOfMemoryError in step ``step`` of a GRPO phase, during
+    ``part`` (None: outside the timed parts): which part, the plan's figure and its fix."""
+    if world > 1:
+        cfg = copy.deepcopy(cfg)
+        cfg.phase.prompts_per_step = max(1, cfg.phase.prompts_per_step // world)
+    label = PARTS.get(part, (part or "the step", ""))[0]
+    head = f"phase {cfg.phase.name} step {step} ran out of device memory in {label} on {device}"
+    try:
+        fix = out_of_memory_fix(shapes_of_model(model, cfg), cfg, part or "backward", device_budget(device),
+                                "cuda" if str(device).startswith("cuda") else "cpu")
+    except Exception as err:  # noqa: BLE001 -- the plan failed on this model: the line still goes out
+        fix = f"no memory plan for this model ({type(err).__name__}); lower --optim.micro_batch_rows"
+    return f"{head}; {fix}; checkpoints up to the last one saved are intact"

@@ -1,0 +1,130 @@
+"""A collective that waits too long for a rank (grpo/watchdog.py) ends every rank with one line.
+
+Two real gloo ranks (this file run as a script, RANK / WORLD_SIZE / MASTER_* set by hand, as
+torchrun sets them): both meet at one all-reduce, then rank 1 sleeps (a hung rank) while
+rank 0 enters the next one. Both must exit 1 within twice run.collective_timeout_s of rank 0
+entering, each with one line on stderr naming rank 1 and no traceback. The watchdog's own
+logic is checked first in one process, with an in-memory store shared by two watches.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+
+from grpo.watchdog import CollectiveWatch, late_ranks
+
+TIMEOUT = 4.0  # run.collective_timeout_s of the two-rank run
+SLEEP = 60.0  # the hung rank's sleep: far longer than the timeout
+
+
+def test_late_ranks_are_those_with_a_lower_count():
+    assert late_ranks({0: 7, 1: 6, 2: 7, 3: 5}, 7) == [1, 3]
+    assert late_ranks({0: 7, 1: 7}, 7) == []
+
+
+def test_watch_names_the_rank_that_never_arrives_and_ends_both():
+    store = dist.HashStore()
+    ended: dict[int, str] = {}
+    done = threading.Event()
+
+    def end_of(rank):
+        def end(message):
+            ended[rank] = message
+            if len(ended) == 2:
+                done.set()
+        return end
+
+    watches = [CollectiveWatch(store, r, 2, timeout_s=0.3, poll_s=0.02, end=end_of(r)) for r in range(2)]
+    try:
+        with watches[1].collective("first"):  # both ranks pass collective 1...
+            pass
+        with watches[0].collective("first"):
+            pass
+        with watches[0].collective("all_reduce"):  # ...rank 0 waits in its second, rank 1 never comes
+            assert done.wait(10.0), ended
+    finally:
+        for w in watches:
+            w.close()
+    assert ended[0] == ended[1]
+    assert ended[0].startswith("rank 1 of 2 did not arrive at collective #"), ended[0]
+    assert "(all_reduce)" in ended[0] and "run.collective_timeout_s" in ended[0]
+
+
+def test_watch_stays_quiet_while_collectives_finish_in_time():
+    store = dist.HashStore()
+    ended = []
+    w = CollectiveWatch(store, 0, 1, timeout_s=0.5, poll_s=0.02, end=ended.append)
+    try:
+        for _ in range(5):
+            with w.collective("all_reduce"):
+                time.sleep(0.05)
+        time.sleep(0.6)  # idle between collectives is not waiting
+    finally:
+        w.close()
+    assert ended == []
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_hung_rank_ends_every_rank_with_one_line(tmp_path):
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(repo), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(_free_port()))
+    env.pop("TRITON_INTERPRET", None)
+    if sys.platform == "linux":  # gloo on loopback: the hostname may resolve to an unreachable address
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    procs, errs = [], []
+    for rank in range(2):
+        err = tmp_path / f"rank{rank}.err"
+        errs.append(err)
+        with err.open("w") as f:
+            procs.append(subprocess.Popen([sys.executable, __file__, str(tmp_path)], cwd=repo, stderr=f,
+                                          stdout=subprocess.DEVNULL,
+                                          env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank))))
+    ended = {}
+    t_limit = time.time() + 120
+    while len(ended) < 2 and time.time() < t_limit:
+        for rank, p in enumerate(procs):
+            if rank not in ended and p.poll() is not None:
+                ended[rank] = time.time()
+        time.sleep(0.05)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    assert len(ended) == 2, [e.read_text()[-2000:] for e in errs]
+    entered = float((tmp_path / "entered0").read_text())  # rank 0 entering the collective rank 1 never reaches
+    for rank, p in enumerate(procs):
+        text = errs[rank].read_text()
+        lines = [x for x in text.splitlines() if x.strip()]
+        assert p.returncode == 1, (rank, p.returncode, text[-2000:])
+        assert len(lines) == 1 and "Traceback" not in text, text[-2000:]
+        assert lines[0].startswith("error: rank 1 of 2 did not arrive at collective #2 (all_reduce)"), lines[0]
+        assert ended[rank] - entered < 2 * TIMEOUT, (rank, ended[rank] - entered)
+
+
+def _worker(out: Path) -> None:
+    from grpo.distributed import init_distributed
+
+    dp = init_distributed("cpu", quiet=False, collective_timeout_s=TIMEOUT)
+    assert dp.all_reduce_sum(1.0) == 2.0  # collective #1: both arrive
+    if dp.rank == 1:
+        time.sleep(SLEEP)  # hung: never reaches collective #2
+    (out / "entered0").write_text(repr(time.time()))
+    dp.all_reduce_sum(1.0)
+    print("collective #2 returned", file=sys.stderr)  # never: the watchdog ends the process
+
+
+if __name__ == "__main__":
+    _worker(Path(sys.argv[1]))
