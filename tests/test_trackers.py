@@ -88,3 +88,22 @@ def test_a_tracker_not_installed_is_one_line_before_any_model_loads(tmp_path, mo
     assert "pip install 'vlgrpo[wandb]'" in err and not (tmp_path / "run" / "train_log.jsonl").exists()
     rc, _, err = run_main(tmp_path / "run", *QUICK, "--run.report_to", "comet")
     assert rc == 2 and "trackers are tensorboard, wandb or mlflow" in err
+
+
+def test_a_sample_row_shows_every_image_of_its_prompt():
+    """A one-image prompt's cell is its image; a prompt of several shows them all, left to
+    right in the prompt's order (a tracker's table cell holds one image)."""
+    from PIL import Image
+
+    from data.schema import Example
+    from grpo.run.trackers import sample_rows
+
+    red, blue = Image.new("RGB", (3, 2), (255, 0, 0)), Image.new("RGB", (4, 5), (0, 0, 255))
+    examples = [Example("one", "q", "1", image=red), Example("two", "q", "2", image=red, images=[red, blue])]
+    records = [dict(pid=p, gold=g, text="t", answer=g, exact=True) for p, g in (("one", "1"), ("two", "2"), ("gone", "3"))]
+    one, two, gone = sample_rows(records, examples)
+    assert one["image"] is red and gone["image"] is None
+    strip = two["image"]
+    assert strip.size == (7, 5)
+    assert strip.getpixel((2, 1)) == (255, 0, 0) and strip.getpixel((3, 4)) == (0, 0, 255)
+    assert strip.getpixel((0, 4)) == (255, 255, 255)  # below the shorter image: the white ground

@@ -26,13 +26,31 @@ SAMPLE_ROWS = 8  # completions per evaluation table: enough to see what the poli
 COLUMNS = ("pid", "image", "question", "gold", "completion", "answer", "exact")
 
 
+def side_by_side(images: list) -> Any:
+    """A prompt's images as one picture for a table cell: the one image itself, or several
+    pasted left to right in the prompt's order on white (a tracker's cell holds one image)."""
+    images = [im for im in images if im is not None]
+    if len(images) <= 1:
+        return images[0] if images else None
+    from PIL import Image
+
+    strip = Image.new("RGB", (sum(im.width for im in images), max(im.height for im in images)), "white")
+    x = 0
+    for im in images:
+        strip.paste(im.convert("RGB"), (x, 0))
+        x += im.width
+    return strip
+
+
 def sample_rows(records: list[dict], examples: list) -> list[dict]:
-    """The evaluation's first SAMPLE_ROWS completions as table rows; ``image`` is the PIL image."""
+    """The evaluation's first SAMPLE_ROWS completions as table rows; ``image`` is the PIL image
+    (a prompt of several images: all of them, side by side)."""
     by_pid = {ex.pid: ex for ex in examples}
     rows = []
     for r in records[:SAMPLE_ROWS]:
         ex = by_pid.get(r["pid"])
-        rows.append(dict(pid=str(r["pid"]), image=getattr(ex, "image", None), question=getattr(ex, "question", ""),
+        image = side_by_side(ex.prompt_images) if ex is not None else None
+        rows.append(dict(pid=str(r["pid"]), image=image, question=getattr(ex, "question", ""),
                          gold=str(r["gold"]), completion=r["text"], answer=str(r["answer"]), exact=bool(r["exact"])))
     return rows
 
