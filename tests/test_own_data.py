@@ -251,6 +251,26 @@ def test_rows_of_two_images_beside_rows_of_one_train_with_one_command(tmp_path):
     one_line_error(rc, err, "data.max_images=0: must be >= 1")
 
 
+def test_evaluate_reads_a_set_of_several_images_under_its_own_bound(tmp_path, capsys):
+    """python -m grpo.evaluate --data DIR: --max-images as the trainer's --data.max_images
+    (a row over it skipped and counted); below 1 it is one line."""
+    from eval.inputs import load_examples
+    from grpo.evaluate import build_parser, main
+
+    rows = several_image_rows(6)
+    rows.append(({"pid": "three", "question": "q", "answer": "1"}, rows[0][1] + rows[1][1]))  # 3 images
+    write_images_jsonl(tmp_path / "data", rows)
+    args = build_parser().parse_args(["--data", str(tmp_path / "data"), "--subset", "all"])
+    examples, _, skipped = load_examples(args)
+    assert not skipped and [len(ex.prompt_images) for ex in examples] == [1, 2, 2, 1, 2, 2, 3]
+    args.max_images = 2
+    examples, _, skipped = load_examples(args)
+    assert skipped == {"too_many_images": 1} and len(examples) == 6
+    assert main(["--data", str(tmp_path / "data"), "--max-images", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--max-images 0: must be >= 1" in err
+
+
 # ----------------------------------------------------------------------------- bad inputs
 
 
