@@ -172,8 +172,9 @@ def float64(monkeypatch):
 # Why float64. In float32, dapo with mu = 2 and one group per pass differed at update 2 by ~100
 # eps x the largest gradient entry (update 1: 5). Not a slicing error: update 1's gradients,
 # summed in another order, leave the parameters different in their last bits, so update 2's
-# forward and backward round differently everywhere, and the backward's sums cancel (terms far
-# larger than the result). The same comparison in float64 agrees to 8 eps64 x that entry
+# forward and backward round differently everywhere (its log-probs differ by 1-2 ulp where
+# update 1's were bit for bit the same), and the gradient, a sum over every token, collects
+# those differences. The same comparison in float64 agrees to 8 eps64 x that entry
 # (4e-17); a wrong old_logp or token count per micro-batch would differ at O(1) in any dtype.
 # So every case is held in float64 to 64 eps64 (1.4e-14 of the largest entry), and one in
 # float32, the dtype a CPU run trains in, to 64 eps32.
