@@ -8,7 +8,7 @@
       rewards   RewardConfig     which reward components, their weights, tolerance
       phase     PhaseConfig      curriculum phase: stage mixture, init checkpoint, steps
       run       RunConfig        run directory, seed, data, eval/checkpoint cadence
-      data      DataConfig       how to read own data: the column map
+      data      DataConfig       how to read own data: the column map, the images a prompt
 
 Every knob that is set must be the knob that runs (R1-VL's trainer silently sampled at
 temperature 1 although configured 1.2): the trainer prints the resolved config at start
@@ -34,6 +34,7 @@ from typing import Any, Literal
 import torch
 
 from data.rows import FIELDS as ROW_FIELDS
+from data.rows import MAX_IMAGES
 from grpo.batches import micro_batch_rows_fit
 from data.stages import ALL
 
@@ -86,6 +87,18 @@ PHASE_INIT: dict[str, str] = {"warmup": "base", "A": "base", "B": "A:best_struct
 # The warm-up of a model trained from scratch (a random vision tower) adds the perception
 # supervision of grpo/warmup/perception.py: a pretrained model already sees, so it never gets these.
 PERCEPTION_DEFAULTS: dict[str, Any] = {"phase.perception_steps": 800, "optim.perception_weight": 1.0}
+
+
+# run.report_to's trackers: name -> (the module imported, the package that provides it);
+# mlflow-skinny is MLflow's client and file store without its server's dependencies.
+REPORT_TO = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"),
+             "mlflow": ("mlflow", "mlflow-skinny")}
+
+
+def reported_to(run: "RunConfig") -> tuple[str, ...]:
+    """The trackers a run writes to: run.report_to, with tensorboard when run.tensorboard is on."""
+    names = tuple(dict.fromkeys(run.report_to))
+    return names if not run.tensorboard or "tensorboard" in names else ("tensorboard", *names)
 
 
 def _one_of(choices: tuple[str, ...]) -> str:
@@ -337,7 +350,9 @@ class RunConfig:
     """torch CPU threads (0 = torch's default). The tiny model's matmuls gain nothing from
     more, and OpenMP spin-waits collapse (10x slower, measured) when the cores are shared."""
     tensorboard: bool = False
-    """Also write every number of train_log.jsonl as a TensorBoard scalar, in <run_dir>/tensorboard/ (tensorboard extra)."""
+    """Also write every number of train_log.jsonl as a TensorBoard scalar, in <run_dir>/tensorboard/ (tensorboard extra); the same as tensorboard in run.report_to."""
+    report_to: tuple[str, ...] = ()
+    """Experiment trackers that also get every logged number, the resolved config and each evaluation's sample completions with their images: tensorboard, wandb, mlflow (comma separated; each its optional extra, e.g. pip install 'vlgrpo[wandb]'); grpo/run/trackers.py."""
     collective_timeout_s: float = 300.0
     """Data parallel (torchrun): seconds a collective may wait for a rank before every rank
     stops with one line naming the rank that did not arrive (the warm-up's wait for rank 0
@@ -347,7 +362,9 @@ class RunConfig:
 @dataclass
 class DataConfig:
     columns: dict[str, str] = field(default_factory=dict)
-    """Column map for --run.data: field=column pairs naming the dataset's column for a field this project reads (pid, question, answer, image, answer_type, question_type, precision, choices, unit, metadata, query), e.g. question=query,answer=label,image=img; a field left out is read from its own name."""
+    """Column map for --run.data: field=column pairs naming the dataset's column for a field this project reads (pid, question, answer, image, images, answer_type, question_type, precision, choices, unit, metadata, query), e.g. question=query,answer=label,image=img; a field left out is read from its own name."""
+    max_images: int = MAX_IMAGES
+    """Most images one prompt of --run.data may show (a row's `images` list; EasyR1's limit_images): a row with more is skipped and counted (too_many_images); each image costs up to model.max_pixels / 784 visual tokens."""
 
 
 @dataclass
@@ -506,6 +523,14 @@ class TrainConfig:
              "run.tensorboard=true needs the tensorboard package: pip install 'vlgrpo[tensorboard]' "
              "(or pip install tensorboard), or drop --run.tensorboard"),
         ]
+        checks.append((self.data.max_images >= 1, f"data.max_images={self.data.max_images}: must be >= 1 (images one "
+                                                  "prompt may show)"))
+        for name in r.report_to:
+            checks.append((name in REPORT_TO, f"run.report_to names {name!r}: trackers are {_one_of(tuple(REPORT_TO))}"))
+            module, package = REPORT_TO.get(name, (name, name))
+            checks.append((name not in REPORT_TO or importlib.util.find_spec(module) is not None,
+                           f"run.report_to names {name}, which needs the {package} package: pip install 'vlgrpo[{name}]' "
+                           f"(or pip install {package}), or drop {name} from --run.report_to"))
         unknown = [k for k in self.data.columns if k not in ROW_FIELDS]
         checks.append((not unknown, f"data.columns names the field {unknown[0] if unknown else ''!r}, which no row "
                                     f"has: fields are {', '.join(ROW_FIELDS)} (write field=column)"))

@@ -201,11 +201,12 @@ def run_grpo_phase(cfg: TrainConfig, files: RunFiles, device: str, dp: DataParal
     # GPU, the compute dtype on a CPU) refreshed after every batch (grpo/rollout/merged.py: no
     # NF4 dequantisation and no separate LoRA matmuls per decode step).
     merged = MergedRollout(model) if cfg.sampling.rollout == "merged" else None
-    # On CUDA: the predicted peak of a step, and one line instead of an OOM mid-step when it cannot fit
-    check_fits(model, cfg, device, world=dp.world)
 
     # ---- data, rewards, controller; then a resume puts back everything a straight run holds
     train, val = load_training_data(cfg)
+    # On CUDA: the predicted peak of a step (prompts of the data's most images), and one line
+    # instead of an OOM mid-step when it cannot fit
+    check_fits(model, cfg, device, world=dp.world, images=max(len(ex.prompt_images) for s in train for ex in train[s]))
     stream = MixtureStream(train, cfg.phase.mixture, cfg.run.seed)
     eval_examples = eval_subset(cfg, val)
     rewards = RewardModel(cfg.rewards, cfg.sampling.max_new_tokens, tokenizer=bundle.tokenizer)
@@ -246,6 +247,7 @@ def run_grpo_phase(cfg: TrainConfig, files: RunFiles, device: str, dp: DataParal
             raise Stopped(stop_message(f"{phase} step {done} (its evaluation abandoned)"), STOP.signum) from None
         print_eval(phase, done, result)
         files.write_log(dict(event="eval", phase=phase, step=done, metrics=result.flat(), skipped=dict(result.skipped)))
+        files.write_samples(phase, done, result.records, eval_examples)
         if cfg.phase.controller:
             metrics = dict(result.metrics, zero_spread=float(np.mean(state.zero_spread_since_eval)))
             for d in controller.update(metrics, result.overall.intervals, n=result.overall.n_prompts):

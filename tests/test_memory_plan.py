@@ -116,6 +116,22 @@ def test_on_cuda_nothing_fits_says_what_else_to_lower(monkeypatch, qwen7b_preset
         check_fits(model, cfg, "cuda", log=lambda *a, **k: None)
 
 
+def test_the_plan_counts_the_visual_tokens_of_every_image_of_a_prompt(monkeypatch, qwen7b_preset):
+    """max_pixels bounds each image, so a prompt of k images is k x 256 visual tokens at the
+    preset's 448^2 (plus the text); a prompt cap, when set, is the bound instead."""
+    cfg, model = qwen7b_preset
+    one, three = memory_plan.prompt_tokens(cfg), memory_plan.prompt_tokens(cfg, images=3)
+    assert one == 256 + memory_plan.TEXT_TOKENS and three == 3 * 256 + memory_plan.TEXT_TOKENS
+    fake_cuda(monkeypatch, free_gib=200.0, total_gib=200.0)
+    lines = []
+    plan = check_fits(model, cfg, "cuda", images=3, log=lambda *a, **k: lines.append(a[0]))
+    assert plan.prompt_tokens == three and f"prompt ~{three} tokens" in lines[0]
+    assert plan.peak > plan_step(shapes_of_model(model, cfg), cfg).peak
+    capped = copy.deepcopy(cfg)
+    capped.model.max_prompt_tokens = 600
+    assert memory_plan.prompt_tokens(capped, images=3) == 600
+
+
 def test_on_a_cpu_the_plan_prints_nothing_and_never_stops(monkeypatch, qwen7b_preset, capsys):
     cfg, model = qwen7b_preset
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (0, 0))  # would stop any CUDA run
@@ -124,16 +140,17 @@ def test_on_a_cpu_the_plan_prints_nothing_and_never_stops(monkeypatch, qwen7b_pr
 
 
 def test_the_trainer_stops_with_one_line_and_exit_2_before_any_step(monkeypatch, tmp_path, capsys):
-    """grpo.train's GRPO phase asks the plan right after building the policy; on a (faked)
+    """grpo.train's GRPO phase asks the plan once the policy is built and the data read; on a (faked)
     CUDA device without room it ends with one line and exit 2, no step taken."""
     import grpo.train as train
 
     real = train.check_fits
 
-    def on_a_full_gpu(model, cfg, device, world=1):  # CUDA faked for the check alone (bitsandbytes asks too)
+    def on_a_full_gpu(model, cfg, device, world=1, images=1):  # CUDA faked for the check alone (bitsandbytes asks too)
+        assert images == 1  # the synthetic curriculum: one image a prompt
         with monkeypatch.context() as patch:
             fake_cuda(patch, free_gib=0.0)
-            return real(model, cfg, "cuda", world)
+            return real(model, cfg, "cuda", world, images)
 
     monkeypatch.setattr(train, "check_fits", on_a_full_gpu)
     rc = train.main(["--phase", "A", "--init", "base", "--run.run_dir", str(tmp_path / "run"), "--phase.steps", "1",
