@@ -206,8 +206,7 @@ def loss_options(cfg: TrainConfig) -> LossOptions:
 
 def grpo_step(learner: Learner, draw: Callable[[int], Rollout], step: int, temperature: float,
               hooks: Hooks = Hooks()) -> StepResult:
-    """optim.accumulation rollout batches sampled, scored and given advantages once; then mu updates,
-    each a pass over every micro-batch of every rollout batch. draw(n): the next n prompts, sampled and scored."""
+    """Rollout batches (draw(n): n prompts, sampled and scored) get advantages once; mu passes over the micro-batches."""
     cfg, model, params, G, mu, opts = (learner.cfg, learner.bundle.model, learner.params, learner.cfg.sampling.G,
                                        learner.cfg.optim.updates_per_batch, loss_options(learner.cfg))
     passes = dict(temperature=temperature, chunk_tokens=cfg.optim.logits_chunk_tokens, shared_prefix=cfg.optim.shared_prefix)
@@ -254,9 +253,8 @@ def grpo_step(learner: Learner, draw: Callable[[int], Rollout], step: int, tempe
                     loss, stats = grpo_loss(logp, mb.mask.float(), mb.adv, old_logp=mb.old_logp, ref_logp=mb.ref_logp,
                                             num_active_tokens=active_tokens, sampler_logp=mb.sampler_logp,
                                             options=opts, backend=learner.backend)
-                    if cfg.optim.entropy_coef > 0:
-                        loss = loss - cfg.optim.entropy_coef * aggregate(ent, mb.mask, opts, active_tokens)
-                    loss = loss * mb.share
+                    bonus = aggregate(ent, mb.mask, opts, active_tokens) if entropy == "grad" else 0.0
+                    loss = (loss - cfg.optim.entropy_coef * bonus) * mb.share  # coef 0: loss - 0.0, the same bits
                     if torch.isfinite(loss):  # a host sync per micro-batch: the price of the NaN guard
                         loss.backward()
                     loss_sum += float(loss.detach())
