@@ -23,6 +23,7 @@ dicts (``name=value,name=value``).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import importlib.util
 import json
 import math
@@ -795,7 +796,9 @@ def _resolve_key(cfg: TrainConfig, key: str) -> tuple[Any, str]:
         if len(owners) > 1:
             raise ConfigError(f"--{key} is ambiguous: write one of " + ", ".join(f"--{s}.{key}" for s in owners))
     known = sorted(f"{s}.{n}" for s in sections for n in _fields(getattr(cfg, s)))
-    raise ConfigError(f"unknown config key --{key}; known keys: {', '.join(known)}")
+    near = difflib.get_close_matches(key, known, n=3, cutoff=0.7)
+    hint = f"did you mean {' or '.join('--' + k for k in near)}? " if near else ""
+    raise ConfigError(f"unknown config key --{key}; {hint}known keys: {', '.join(known)}")
 
 
 def _parse_value(text: str, typ: Any, key: str) -> Any:

@@ -39,7 +39,8 @@ def test_overrides_parse_by_field_type():
 @pytest.mark.parametrize(
     "argv,match",
     [
-        (["--nonsense", "1"], "unknown config key --nonsense"),
+        (["--nonsense", "1"], "unknown config key --nonsense; known keys: data.columns"),
+        (["--run.dir", "x"], r"unknown config key --run.dir; did you mean --run.run_dir\? known keys"),
         (["--G", "four"], "expected an integer"),
         (["--load_in_4bit", "maybe"], "expected true or false"),
         (["--G"], "needs a value"),
