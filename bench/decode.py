@@ -302,26 +302,25 @@ def qwen7b_widths_bundle(layers: int = 2):
 
 
 def count_step(B: int, G: int, T: int) -> tuple[dict[str, Counts], dict]:
-    """One GRPO step of the embedded default (bench.step.grpo_step: the tiny policy, merged
-    rollouts, shared-prefix log-probs, beta 0, AdamW and the copy's refresh) under the counter,
-    one Counts per stage. A small warm-up step first (first-call work is not the step's)."""
-    from bench.step import Stages, build_bundle, grpo_step
+    """One GRPO step of the embedded default (bench.step.run_step: the trainer's grpo_step on the
+    tiny policy, merged rollouts, shared-prefix log-probs, beta 0, AdamW and the copy's refresh)
+    under the counter, one Counts per stage. A small warm-up step first (first-call work is not
+    the step's)."""
+    from bench.step import Stages, build_bundle, run_step, step_config
     from data.synthetic import generate
     from grpo.rollout.merged import MergedRollout
     from lora import lora_parameters
 
     bundle = build_bundle("tiny", "cpu", four_bit=True, checkpointing=False)
     merged = MergedRollout(bundle.model)
-    args = argparse.Namespace(G=G, max_new_tokens=T, beta=0.0, cap=3.0, prefix_paths=["shared"], prefixes=["shared"],
-                              saved={}, opt=torch.optim.AdamW(lora_parameters(bundle.model), lr=1e-5))
+    opt = torch.optim.AdamW(lora_parameters(bundle.model), lr=1e-5)
     examples = generate("train", 1, B, seed=0, image_size=112)
-    small = argparse.Namespace(**{**vars(args), "G": 2, "max_new_tokens": 4})
-    grpo_step(bundle, examples[:1], small, "merged", merged, Stages(torch.device("cpu")))
+    run_step(bundle, step_config(1, 2, 4, 0.0, 3.0), examples[:1], Stages(torch.device("cpu")), opt, merged=merged)
 
     counter = OpCounter(bundle.model)
     per: dict[str, Counts] = {}
 
-    class Counted(Stages):  # grpo_step's own stage names label the counts
+    class Counted(Stages):  # the step's own stage names label the counts
         @contextmanager
         def __call__(self, name: str):
             saved, counter.counts = counter.counts, per.setdefault(name.strip(), Counts())
@@ -331,7 +330,8 @@ def count_step(B: int, G: int, T: int) -> tuple[dict[str, Counts], dict]:
                 counter.counts = saved
 
     with counter:
-        facts = grpo_step(bundle, examples, args, "merged", merged, Counted(torch.device("cpu")))
+        _, facts = run_step(bundle, step_config(B, G, T, 0.0, 3.0), examples, Counted(torch.device("cpu")), opt,
+                            merged=merged)
     per.pop("(prefill alone)", None)  # bench.step times the prefill alone too; not part of the step
     return per, facts
 
