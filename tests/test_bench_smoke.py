@@ -349,4 +349,4 @@ def test_decode_counts_one_grpo_step():
                                                    "optimizer", "step"])
     counts = {s: int(n.replace(",", "")) for s, n in stages}
     assert counts["backward"] > 0 and counts["step"] == sum(v for k, v in counts.items() if k != "step")
-    assert re.search(r"^summary: operators in one GRPO step of the embedded default: prompts [\d,]+, ", out, re.M)
+    assert re.search(r"^summary: operators in one GRPO step of the embedded default: sampling [\d,]+, ", out, re.M)
