@@ -21,13 +21,14 @@ LoRA on q, k, v, o, gate, up, down of every decoder layer and gradient checkpoin
 ``qwen7b`` preset's model. Resident at the end: ~3.3 GiB NF4 codes + statistics, 2 x 1.0 GiB
 embeddings / lm_head, 1.3 GiB vision tower, 77 MiB LoRA.
 
-Then ONE GRPO step through the trainer's code (bench.step.grpo_step, the plain rollout the
-trainer uses on a CPU): a synthetic 448 px prompt (32 x 32 patches: 16 windows of 112 px in
-the windowed vision blocks, one 1024-patch sequence in the full-attention ones), G
-completions, rewards, policy log-probs with grad, the GRPO loss, backward into the LoRA
-parameters, clip + AdamW. Per stage: seconds and the process's peak RSS during the stage
-(the kernel's high-water mark, reset before each stage where Linux allows). The vision
-blocks report the attention segments they actually ran over.
+Then ONE GRPO step, the trainer's own (grpo/step.py ``grpo_step``, timed through its hooks
+by bench/step.py ``run_step``; the plain rollout the trainer uses on a CPU): a synthetic
+448 px prompt (32 x 32 patches: 16 windows of 112 px in the windowed vision blocks, one
+1024-patch sequence in the full-attention ones), G completions, rewards, policy log-probs
+with grad, the GRPO loss, backward into the LoRA parameters and the clip, AdamW. Per stage:
+seconds and the process's peak RSS during the stage (the kernel's high-water mark, reset
+before each stage where Linux allows). The vision blocks report the attention segments
+they actually ran over.
 
 Counts checked against the 7B's: 8,292,166,656 base parameters (its safetensors total, the
 "8.29B" on the model card) and 20,185,088 LoRA parameters (r = 8: 8 x (in + out) per
@@ -96,13 +97,14 @@ class RSSStages(Stages):
         super().__init__(device)
         self.resettable = True  # False once a reset of the high-water mark failed
 
-    @contextmanager
-    def __call__(self, name: str):
+    def reset_peak(self) -> None:
         self.resettable = reset_peak_rss() and self.resettable
-        with super().__call__(name):
-            yield
-        ms, _ = self.rows[name]
-        self.rows[name] = (ms, peak_rss_bytes())
+
+    def read_peak(self) -> int:
+        return peak_rss_bytes()
+
+    def add(self, name: str, ms: float, peak: int | None) -> None:
+        super().add(name, ms, peak)
         # progress: a run stopped by a time limit still leaves its per-stage figures so far
         print(f"#   {name.strip()}: {ms / 1e3:.1f} s, peak RSS {self.rows[name][1] / 2**30:.2f} GiB", flush=True)
 
@@ -262,7 +264,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--image-px", type=int, default=448, help="image side (448 -> 32x32 patches)")
     p.add_argument("--beta", type=float, default=0.0, help="KL coefficient (> 0 adds the reference pass)")
     p.add_argument("--cap", type=float, default=3.0,
-                   help="rollout-correction cap C of the loss (bench.step's grpo_step: sequence level)")
+                   help="rollout-correction cap C of the loss (the step's correction: sequence level)")
     p.add_argument("--no-checkpointing", action="store_true", help="keep every layer's activations")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (0 = torch's default)")
     args = p.parse_args(argv)
@@ -279,7 +281,7 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
 
     from bench._timing import fmt_bytes, print_table
-    from bench.step import grpo_step
+    from bench.step import run_step, step_config
     from data.synthetic import generate
     from lora import lora_parameters
 
@@ -309,9 +311,9 @@ def main(argv: list[str] | None = None) -> None:
                     and ".language_model." in n and hasattr(model.get_submodule(n), "lora_A")})
     print(f"# LoRA targets: {', '.join(names)} (e.g. {next(n for n, m in model.named_modules() if hasattr(m, 'lora_A'))})")
 
-    args.opt = torch.optim.AdamW(lora_parameters(model), lr=1e-5)
-    args.prefix_paths = args.prefixes = ["shared"]  # the trainer's default log-prob path (bench.step --prefix compares)
-    args.saved = {}
+    opt = torch.optim.AdamW(lora_parameters(model), lr=1e-5)
+    # the trainer's default log-prob path, the shared prefix (bench.step --prefix compares)
+    cfg_step = step_config(1, args.G, args.max_new_tokens, args.beta, args.cap, shared_prefix=True)
     examples = generate("train", 1, 1, seed=0, image_size=args.image_px)
     stages = RSSStages(torch.device("cpu"))
     # Which LoRA tensors backward reached, and the gradient's size. On random weights the G
@@ -324,7 +326,7 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     try:
         with record_vision_attention(model) as attention:
-            facts_step = grpo_step(bundle, examples, args, "plain", None, stages)
+            _, facts_step = run_step(bundle, cfg_step, examples, stages, opt)
     finally:
         for h in hooks:
             h.remove()

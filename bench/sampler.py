@@ -78,9 +78,7 @@ def run_ours(bundle, prompts, args) -> int:
 @torch.no_grad()
 def run_generate(bundle, prompts, args) -> int:
     G = args.G
-    inputs = {k: v.repeat_interleave(G, 0) for k, v in prompts.model_inputs().items() if k != "pixel_values"}
-    per_image = prompts.pixel_values.split(prompts.image_grid_thw.prod(-1).tolist())
-    inputs["pixel_values"] = torch.cat([p for p in per_image for _ in range(G)])
+    inputs = prompts.repeated(G)  # every prompt and its images G times: the TRL way
     stops = stop_token_ids(bundle)
     torch.manual_seed(0)
     out = bundle.model.generate(**inputs, do_sample=True, temperature=args.temperature, top_k=args.top_k or None,

@@ -37,23 +37,34 @@ the full head would outweigh the layer it is measured against (at 28 layers it i
 the pass).
 
 Log-prob paths (``--prefix``): the shared-prefix pass (each prompt once per group,
-grpo/model/shared_prefix.py) and the full-row pass (the prompt in all G rows), each running
-the reference pass, the policy pass, the loss, backward and AdamW on the same rollouts,
-alternated within every step (the order swapped each step). "saved" is what autograd keeps
-for backward during the policy pass (saved-tensor hooks, each storage once). The step total
-counts every log-prob path that ran.
+grpo/model/shared_prefix.py) and the full-row pass (the prompt in all G rows), each one
+real step's training passes (the reference pass, the policy pass, the loss, backward and
+AdamW) on the same rollouts: the first path's step samples them, the second's reuses them
+(the paths' order swapped each step). "saved" is what autograd keeps for backward during
+the policy pass (saved-tensor hooks, each storage once). The step total counts every
+log-prob path that ran.
 
-One step, timed stage by stage (CUDA-synchronised; peak memory = the CUDA allocator's peak
-during the stage, above nothing):
+One step is the trainer's own: grpo/step.py ``grpo_step`` with a ``Learner`` on phase A's
+config at the scale's sizes (one pass: no micro-batches, mu = 1, no accumulation; beta,
+the sequence-level rollout correction at --cap, AdamW at lr 1e-5, gradient clip 1), timed
+through its ``Hooks`` stage by stage (CUDA-synchronised; peak memory = the CUDA allocator's
+peak during the stage, above nothing). A stage inside another is counted apart: the outer
+stage's time leaves it out.
 
     prompts    image preprocessing + tokenisation (CPU)
     sampling   prefill once per prompt + decode B*G rows (one row per table line per path)
     rewards    verifier components on the decoded texts
     ref logp   reference log-probs, LoRA off, no grad (only with --beta > 0)
     logp       policy log-probs with grad (vision features reused)
-    loss       fused GRPO loss (Triton on CUDA)
-    backward   into the LoRA parameters (gradient checkpointing recomputes the layers)
-    optimizer  clip + AdamW (+ refreshing the merged copy on the merged path)
+    loss       the GRPO loss (fused Triton kernel on CUDA)
+    backward   into the LoRA parameters (gradient checkpointing recomputes the layers), and
+               the gradient clip
+    optimizer  AdamW (+ refreshing the merged copy on the merged path)
+
+The step's hooks see the ``Hooks.timed`` sections (sampling, rewards, logprobs, backward)
+and the optimiser step; the prompt encoding, the reference pass and the loss are timed by
+wrapping the names grpo/step.py calls them by, for the step's duration. The advantages
+(microseconds) sit in no stage.
 
 Decode table: tokens/s of the decode loop (sampling minus a separately timed prefill)
 against the bandwidth bound: every step must read the LM weights once (NF4 packed codes +
@@ -76,6 +87,7 @@ import torch
 
 from bench._timing import device_name, fmt, fmt_bytes, peak_bandwidth, print_table
 from grpo.model.load import ModelBundle
+from grpo.step import Hooks
 
 # Qwen2.5-VL-7B-Instruct (config.json): text decoder and vision tower.
 QWEN7B_TEXT = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
@@ -117,9 +129,11 @@ class WrappedBundle(ModelBundle):
 # ----------------------------------------------------------------------------- building the model
 
 
-def build_bundle(scale: str, device: str, four_bit: bool, checkpointing: bool, layers: int = 0) -> WrappedBundle:
+def build_bundle(scale: str, device: str, four_bit: bool, checkpointing: bool, layers: int = 0,
+                 custom: tuple | None = None) -> WrappedBundle:
     """Random Qwen2.5-VL of the scale's config, built on ``device`` in its dtype, NF4 + LoRA;
-    scale "tiny": the trainer's policy of the embedded default (its preset and LoRA)."""
+    scale "tiny": the trainer's policy of the embedded default (its preset and LoRA).
+    ``custom``: (text config, vision config, dtype, image px) instead of the scale's."""
     if scale == "tiny":
         from grpo.cli import phase_config
         from grpo.model.policy import build_policy
@@ -133,7 +147,7 @@ def build_bundle(scale: str, device: str, four_bit: bool, checkpointing: bool, l
     from grpo.model.tiny import tiny_image_processor
     from lora import LoRAConfig, enable_gradient_checkpointing, inject_lora, quantize_model_4bit
 
-    text, vision, dtype, *_, image_px = SCALES[scale]
+    text, vision, dtype, *_, image_px = custom or SCALES[scale]
     text = dict(text, num_hidden_layers=layers or text["num_hidden_layers"])
     tiny = load_bundle("tiny")  # tokenizer and special-token ids only
     tok = tiny.tokenizer
@@ -167,25 +181,45 @@ def build_bundle(scale: str, device: str, four_bit: bool, checkpointing: bool, l
 
 
 class Stages:
-    """Wall time and CUDA peak memory per named stage."""
+    """Wall time and peak memory per named stage (CUDA: the allocator's peak; elsewhere none).
+    A stage opened inside another is counted apart: the outer one's time leaves it out, its
+    peak takes it in."""
 
     def __init__(self, device: torch.device):
         self.device, self.rows = device, {}
+        self._open: list[list] = []  # per open stage: [start, its inner stages' ms, its peak so far]
+
+    def reset_peak(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def read_peak(self) -> int | None:
+        return torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
+
+    def add(self, name: str, ms: float, peak: int | None) -> None:
+        old = self.rows.get(name, (0.0, None))
+        self.rows[name] = (old[0] + ms, peak if old[1] is None else max(old[1], peak or 0))
 
     @contextmanager
     def __call__(self, name: str):
         cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-        t0 = time.perf_counter()
-        yield
-        if cuda:
-            torch.cuda.synchronize(self.device)
-        ms = 1e3 * (time.perf_counter() - t0)
-        peak = torch.cuda.max_memory_allocated(self.device) if cuda else None
-        old = self.rows.get(name, (0.0, None))
-        self.rows[name] = (old[0] + ms, peak if old[1] is None else max(old[1], peak or 0))
+        if self._open:  # the enclosing stage's peak so far, before this one resets it
+            self._open[-1][2] = _larger(self._open[-1][2], self.read_peak())
+        self.reset_peak()
+        frame = [time.perf_counter(), 0.0, None]
+        self._open.append(frame)
+        try:
+            yield
+        finally:
+            if cuda:
+                torch.cuda.synchronize(self.device)
+            self._open.pop()
+            ms, peak = 1e3 * (time.perf_counter() - frame[0]), _larger(frame[2], self.read_peak())
+            if self._open:
+                self._open[-1][1] += ms
+            self.add(name, ms - frame[1], peak)
 
     @staticmethod
     def median(runs: list[Stages]) -> Stages:
@@ -195,6 +229,10 @@ class Stages:
             peaks = [r.rows[name][1] for r in runs if r.rows[name][1] is not None]
             out.rows[name] = (statistics.median(r.rows[name][0] for r in runs), max(peaks) if peaks else None)
         return out
+
+
+def _larger(a: int | None, b: int | None) -> int | None:
+    return b if a is None else a if b is None else max(a, b)
 
 
 def lm_weight_bytes(model, merged=None) -> int:
@@ -222,78 +260,131 @@ def kv_bytes_per_step(model, N: int, P: int, T: int) -> float:
 # ----------------------------------------------------------------------------- one step
 
 
-def grpo_step(bundle, examples, args, rollout_path: str, merged, stages: Stages) -> dict:
-    """Sample, reward, log-probs, loss, backward, optimiser step; returns decode facts."""
-    from grpo.rollout.sampler import content_tokens
-    from grpo.config import RewardConfig
-    from grpo.model.prompts import encode_prompts
+def step_config(B: int, G: int, max_new_tokens: int, beta: float, cap: float, shared_prefix: bool = True):
+    """The trainer's config of the timed step: phase A's preset at these sizes, one pass over
+    the rollout batch (no micro-batches, mu = 1, no accumulation), the sequence-level rollout
+    correction capped at ``cap``, AdamW at lr 1e-5 without warm-up, the gradient clipped at 1."""
+    from grpo.config import phase_preset
+
+    cfg = phase_preset("A")
+    cfg.phase.prompts_per_step, cfg.sampling.G, cfg.sampling.max_new_tokens = B, G, max_new_tokens
+    cfg.sampling.temperature, cfg.sampling.top_k, cfg.sampling.top_p = 1.0, 0, 1.0
+    o = cfg.optim
+    o.beta, o.lr, o.warmup_steps, o.grad_clip = beta, 1e-5, 0, 1.0
+    o.rollout_correction, o.rollout_correction_cap = "sequence", cap
+    o.shared_prefix, o.micro_batch_rows, o.updates_per_batch, o.accumulation = shared_prefix, 0, 1, 1
+    return cfg
+
+
+class StageHooks(Hooks):
+    """grpo_step's timing sections as the benchmark's stages (``tag`` names the log-prob path
+    of the training ones); the optimiser step as its own, with the merged copy's refresh; the
+    bytes autograd saves during the policy pass."""
+
+    def __init__(self, stages: Stages, tag: str = "", merged=None):
+        self.stages, self.tag, self.merged, self.saved = stages, tag, merged, {}
+
+    @contextmanager
+    def timed(self, part: str):
+        if part != "logprobs":
+            with self.stages(f"{part}{self.tag}" if part == "backward" else part):
+                yield
+            return
+
+        def pack(t):  # what backward will read: each storage counted once
+            self.saved.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+            return t
+
+        with self.stages(f"logp (grad){self.tag}"), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield
+
+    def optimizer_step(self, opt: torch.optim.Optimizer, update: int, loss: float) -> bool:
+        with self.stages(f"optimizer{self.tag}"):
+            opt.step()
+            if self.merged is not None:
+                self.merged.refresh()
+        return True
+
+
+@contextmanager
+def _replaced(module, **names):
+    """``module``'s globals ``names`` replaced while the block runs."""
+    old = {k: getattr(module, k) for k in names}
+    for k, v in names.items():
+        setattr(module, k, v)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            setattr(module, k, v)
+
+
+def run_step(bundle, cfg, examples: list, stages: Stages, opt: torch.optim.Optimizer, *, merged=None,
+             tag: str = "", reuse=None):
+    """ONE grpo.step.grpo_step on ``bundle`` with ``cfg``, timed into ``stages``: it samples
+    and scores ``examples`` (the merged copy's sampler when ``merged`` is given), or trains on
+    the Rollout ``reuse`` without sampling. Returns (the Rollout, the decode and mismatch facts)."""
+    import grpo.step as step
     from grpo.model.prompt_context import build_prompt_context
     from grpo.rewards import RewardModel
     from grpo.rollout.sampler import prefill, sample
-    from kernels.grpo_loss import AdvantageSource, group_advantages, grpo_loss
 
     model, device = bundle.model, bundle.device
-    G, L = args.G, args.max_new_tokens
-    with stages("prompts"):
-        prompts = encode_prompts(bundle, examples).to(device)
-    with torch.no_grad(), stages("  (prefill alone)"):
-        prefill(model, build_prompt_context(model, prompts))
-    with stages("sampling"):
-        fn = merged.sample if rollout_path == "merged" else sample
-        out = fn(bundle, prompts, G=G, max_new_tokens=L, temperature=1.0, seed=0)
-    with stages("rewards"):
-        rewards = RewardModel(RewardConfig(), L, tokenizer=bundle.tokenizer)
-        rows = [examples[n // G] for n in range(len(out.texts))]
-        rb = rewards(rows, out.texts, num_tokens=content_tokens(out), completion_ids=out.completion_ids)
-    ids, mask = out.completion_ids, out.completion_mask
-    for prefix in args.prefixes:  # the log-prob paths, on the same rollouts
-        tag = f" [{prefix}]" if len(args.prefix_paths) > 1 else ""
-        logp, st, args.saved[prefix] = train_passes(model, out, rb.total.to(device), args, prefix == "shared", merged,
-                                                    stages, tag)
-    with torch.no_grad():  # sequence ratios (the token ones are st's): the correction's unit
-        seq_ratio = torch.exp(((logp - out.logprobs) * mask).sum(1))
-    adv = group_advantages(AdvantageSource(rb.total.to(device)[:, None]), G)
-    _, tok = grpo_loss(logp, mask.float(), adv, sampler_logp=out.logprobs)
-    return dict(N=ids.shape[0], steps=ids.shape[1], P=prompts.input_ids.shape[1], kl=float(tok.is_kl),
-                ratio_mean=float(tok.is_ratio_mean), ratio_max=float(tok.is_ratio_max),
-                seq_ratio_max=float(seq_ratio.max()), seq_over=float(st.is_over_frac))
+    hooks = StageHooks(stages, tag, merged)
+    rewards = RewardModel(cfg.rewards, cfg.sampling.max_new_tokens, tokenizer=bundle.tokenizer)
+    learner = step.Learner(bundle, opt, rewards, cfg, torch.Generator(device=device).manual_seed(0),
+                           rollout=sample if merged is None else merged.sample)
+    encode, reference, loss = step.encode_prompts, step.reference_logprobs, step.grpo_loss
+    drawn, losses = [], []
 
+    def draw(n: int):
+        if reuse is not None:
+            drawn.append(reuse)
+            return reuse
+        with torch.no_grad():  # the prefill alone, for the decode table (sampling minus it)
+            prompts = encode(bundle, examples[:n]).to(device)
+            with stages("  (prefill alone)"):
+                prefill(model, build_prompt_context(model, prompts))
+        drawn.append(step.sample_and_score(learner, examples[:n], cfg.sampling.temperature, hooks))
+        return drawn[-1]
 
-def train_passes(model, out, rewards, args, shared: bool, merged, stages: Stages, tag: str):
-    """Reference and policy log-probs, loss, backward, AdamW on one sampled batch; returns
-    (the policy's log-probs, the loss statistics, bytes autograd kept during the policy pass)."""
-    from grpo.model.logprobs import completion_logprobs, reference_logprobs
-    from kernels.grpo_loss import AdvantageSource, LossOptions, group_advantages, grpo_loss
-    from lora import disable_adapters, lora_parameters
+    def encode_prompts(*args, **kwargs):
+        with stages("prompts"):
+            return encode(*args, **kwargs)
 
-    ids, mask, G = out.completion_ids, out.completion_mask, args.G
-    ref = None
-    if args.beta > 0:
+    def reference_logprobs(*args, **kwargs):
         with stages(f"ref logp (no grad){tag}"):
-            ref = reference_logprobs(model, out.context, ids, mask, G, shared_prefix=shared,
-                                     ref_context=lambda: disable_adapters(model))
-    kept: dict[int, int] = {}
+            return reference(*args, **kwargs)
 
-    def pack(t):  # what backward will read: each storage counted once
-        kept.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
-        return t
+    def grpo_loss(logp, mask, adv, **kwargs):
+        with stages(f"loss{tag}"):
+            out = loss(logp, mask, adv, **kwargs)
+        losses.append((logp.detach(), mask, adv, kwargs["sampler_logp"]))
+        return out
 
-    with stages(f"logp (grad){tag}"), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        logp = completion_logprobs(model, out.context, ids, mask, G, shared_prefix=shared)
-    with stages(f"loss{tag}"):
-        adv = group_advantages(AdvantageSource(rewards[:, None]), G)  # inside the loss's time, as before
-        loss, st = grpo_loss(logp, mask.float(), adv, ref_logp=ref, sampler_logp=out.logprobs,
-                             options=LossOptions(beta=args.beta, max_len=args.max_new_tokens, correction="sequence",
-                                                 correction_cap=args.cap))
-    with stages(f"backward{tag}"):
-        loss.backward()
-    with stages(f"optimizer{tag}"):
-        torch.nn.utils.clip_grad_norm_(lora_parameters(model), 1.0)
-        args.opt.step()
-        args.opt.zero_grad(set_to_none=True)
-        if merged is not None:
-            merged.refresh()
-    return logp.detach(), st, sum(kept.values())
+    with _replaced(step, encode_prompts=encode_prompts, reference_logprobs=reference_logprobs, grpo_loss=grpo_loss):
+        result = step.grpo_step(learner, draw, 0, cfg.sampling.temperature, hooks)
+    r, (logp, mask, adv, sampler) = drawn[0], losses[-1]  # the last loss call: the whole rollout batch
+    with torch.no_grad():  # token ratios (the step's stats are at the correction's sequence level)
+        _, tok = loss(logp, mask, adv, sampler_logp=sampler)
+        seq_ratio = torch.exp(((logp - sampler) * mask).sum(1))
+    ids = r.out.completion_ids
+    return r, dict(N=ids.shape[0], steps=ids.shape[1], P=r.out.context.P, kl=float(tok.is_kl),
+                   ratio_mean=float(tok.is_ratio_mean), ratio_max=float(tok.is_ratio_max),
+                   seq_ratio_max=float(seq_ratio.max()), seq_over=float(result.logs[0].stats.is_over_frac),
+                   saved=sum(hooks.saved.values()))
+
+
+def timed_paths(bundle, examples: list, args, prefixes: list[str], merged, stages: Stages) -> dict:
+    """One step per log-prob path in ``prefixes`` on the same rollouts (the first one samples
+    them): the first path's facts; each path's saved bytes go to args.saved."""
+    reuse, facts = None, None
+    for prefix in prefixes:
+        tag = f" [{prefix}]" if len(args.prefix_paths) > 1 else ""
+        cfg = step_config(args.B, args.G, args.max_new_tokens, args.beta, args.cap, prefix == "shared")
+        reuse, f = run_step(bundle, cfg, examples, stages, args.opt, merged=merged, tag=tag, reuse=reuse)
+        args.saved[prefix], facts = f["saved"], facts or f
+    return facts
 
 
 def prefix_summary(results: dict, paths: list[str], args) -> None:
@@ -341,7 +432,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.cap <= 1:
         raise SystemExit(f"--cap {args.cap}: must be > 1 (the largest pi_train / pi_sampler ratio kept)")
     args.prefix_paths = ["shared", "full"] if args.prefix == "both" else [args.prefix]
-    args.prefixes, args.saved = list(args.prefix_paths), {}
+    args.saved = {}
     if scale == "7b" and device.type != "cuda":
         raise SystemExit("--scale 7b needs a CUDA GPU (~40 GB); on a CPU use the default scaled-down config, "
                          "or python -m bench.qwen7b_cpu for one step at the 7B's exact shapes (NF4, layer by layer)")
@@ -365,26 +456,27 @@ def main(argv: list[str] | None = None) -> None:
     merged = MergedRollout(model) if args.rollout in ("merged", "both") else None
     merge_s = time.perf_counter() - t0
     if merged is not None:
-        print(f"# merged copy dtype {merged.weights[0]['q_proj'][0].dtype} (the model's compute dtype)")
+        print(f"# merged copy dtype {merged.weights[0]['qkv'][0].dtype} (the model's compute dtype)")
     print(f"# model built in {build_s:.1f} s ({n_params / 1e6:,.1f}M parameters); merged {dtype} copy "
           + (f"{fmt_bytes(merged.nbytes)} built in {merge_s:.2f} s" if merged else "not built"))
     args.opt = torch.optim.AdamW(lora_parameters(model), lr=1e-5)
     examples = generate("train", 1, args.B, seed=0, image_size=image_px)
 
     # Warm-up: one small step per path (cuBLAS, bitsandbytes and Triton kernels compile/load here).
-    small = argparse.Namespace(**{**vars(args), "G": 2, "max_new_tokens": 4})
+    small = argparse.Namespace(**{**vars(args), "B": 1, "G": 2, "max_new_tokens": 4, "saved": {}})
     paths = ["plain", "merged"] if args.rollout == "both" else [args.rollout]
     for path in paths:
-        grpo_step(bundle, examples[:1], small, path, merged if path == "merged" else None, Stages(device))
+        warm = merged if path == "merged" else None
+        timed_paths(bundle, examples[:1], small, args.prefix_paths, warm, Stages(device))
 
     runs: dict[str, list[Stages]] = {path: [] for path in paths}
     facts: dict[str, dict] = {}
     for i in range(args.repeats):  # alternate the paths so load changes on a shared machine hit both
         for j, path in enumerate(paths):
             k = i * len(paths) + j  # the log-prob paths' order swaps every step
-            args.prefixes = args.prefix_paths[::-1] if k % 2 else list(args.prefix_paths)
+            prefixes = args.prefix_paths[::-1] if k % 2 else list(args.prefix_paths)
             stages = Stages(device)
-            facts[path] = grpo_step(bundle, examples, args, path, merged if path == "merged" else None, stages)
+            facts[path] = timed_paths(bundle, examples, args, prefixes, merged if path == "merged" else None, stages)
             runs[path].append(stages)
             total = sum(ms for name, (ms, _) in stages.rows.items() if not name.startswith("  "))
             print(f"# {path} rollouts: step {total / 1e3:.2f} s (sampling {stages.rows['sampling'][0] / 1e3:.2f} s)",

@@ -5,6 +5,7 @@ Format (a directory):
     data.jsonl          one JSON object per line, one line per example
     images/<pid>.png    the example's image (characters other than A-Z a-z 0-9 . _ - in
                         the pid become "_" in the file name)
+    images/<pid>/<k>.png  the k-th image (from 0) of an example of several images
 
 Each line is a MathVista row plus the supervision fields of data/schema.py:
 
@@ -12,6 +13,8 @@ Each line is a MathVista row plus the supervision fields of data/schema.py:
     choices, unit, metadata {context, skills, grade, language, source, ...},
     image          the image's path relative to the directory ("images/<pid>.png"),
                    exactly as MathVista's own JSON release names its images
+    images         instead of ``image``, for several images a prompt: their paths, in the
+                   order the prompt shows them (TRL's column name; data/rows.py)
     reasoning      worked solution text, or null
     key_steps      [[alternative, ...], ...]
     intermediates  [{"name": ..., "value": ...}, ...]
@@ -56,7 +59,7 @@ from pathlib import Path
 from typing import Any
 
 from data.atomic import replace_file
-from data.rows import SkipRow, check_columns, example_from_row, map_columns
+from data.rows import MAX_IMAGES, SkipRow, check_columns, example_from_row, map_columns
 from data.schema import Example, Intermediate, RubricItem
 
 DATA_FILE = "data.jsonl"
@@ -64,17 +67,22 @@ IMAGE_DIR = "images"
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 
 
-def image_name(pid: str) -> str:
-    return f"{IMAGE_DIR}/{_UNSAFE.sub('_', pid)}.png"
+def image_name(pid: str, k: int | None = None) -> str:
+    """The file of a pid's image, or of its k-th image when it has several (a folder per pid:
+    no name of one pid's images can be another pid's)."""
+    safe = _UNSAFE.sub("_", pid)
+    return f"{IMAGE_DIR}/{safe}.png" if k is None else f"{IMAGE_DIR}/{safe}/{k}.png"
 
 
-def to_row(ex: Example, image: str | None) -> dict[str, Any]:
-    """The JSON object of one example; ``image`` is its relative image path (or None)."""
+def to_row(ex: Example, image: str | list[str] | None) -> dict[str, Any]:
+    """The JSON object of one example; ``image`` is its relative image path (or None), or the
+    list of them of a several-image example (written as ``images``)."""
+    several = isinstance(image, list)
     return {
         "pid": ex.pid, "question": ex.question, "answer": ex.answer,
         "answer_type": ex.answer_type, "precision": ex.precision,
         "question_type": ex.question_type, "choices": ex.choices, "unit": ex.unit,
-        "metadata": ex.metadata, "image": image,
+        "metadata": ex.metadata, "image": None if several else image, **({"images": image} if several else {}),
         "reasoning": ex.reasoning, "key_steps": ex.key_steps,
         "intermediates": [asdict(i) for i in ex.intermediates],
         "difficulty": ex.difficulty, "hops": ex.hops,
@@ -90,15 +98,18 @@ def save_jsonl(examples: Iterable[Example], directory: str | os.PathLike) -> Pat
     seen: dict[str, str] = {}
     lines = []
     for ex in examples:
-        name = image_name(ex.pid) if ex.image is not None else None
-        if name is not None:
+        pictures = ex.images or ([ex.image] if ex.image is not None else [])
+        names = [image_name(ex.pid, k if ex.images else None) for k in range(len(pictures))]
+        for name, picture in zip(names, pictures):
             if name in seen:
                 raise ValueError(f"pids {seen[name]!r} and {ex.pid!r} map to the same image file "
                                  f"{name}; pids must be unique (after replacing unsafe characters)")
             seen[name] = ex.pid
-            ex.image.convert("RGB").save(root / name, format="PNG")
+            (root / name).parent.mkdir(exist_ok=True)
+            picture.convert("RGB").save(root / name, format="PNG")
         try:
-            lines.append(json.dumps(to_row(ex, name), ensure_ascii=False))
+            lines.append(json.dumps(to_row(ex, names if ex.images else (names[0] if names else None)),
+                                    ensure_ascii=False))
         except TypeError as err:
             raise ValueError(f"example {ex.pid!r} has a field JSON cannot store: {err}") from err
     path = root / DATA_FILE
@@ -120,13 +131,14 @@ def _supervision(ex: Example, row: dict[str, Any]) -> Example:
     return ex
 
 
-def load_jsonl(directory: str | os.PathLike, return_skipped: bool = False, columns: dict[str, str] | None = None
-               ) -> list[Example] | tuple[list[Example], dict[str, int]]:
+def load_jsonl(directory: str | os.PathLike, return_skipped: bool = False, columns: dict[str, str] | None = None,
+               max_images: int = MAX_IMAGES) -> list[Example] | tuple[list[Example], dict[str, int]]:
     """Read a directory written by ``save_jsonl`` (or any MathVista-format JSONL + images).
 
     Returns the examples, or ``(examples, skipped)`` with ``skipped`` = {reason: count}
     for the reasons that occurred (see the module docstring). ``columns`` maps field names
-    to the keys the lines use instead (data/rows.py ``map_columns``).
+    to the keys the lines use instead (data/rows.py ``map_columns``); a row with more than
+    ``max_images`` images is skipped as too_many_images.
     """
     root = Path(directory)
     path = root / DATA_FILE
@@ -156,7 +168,7 @@ def load_jsonl(directory: str | os.PathLike, return_skipped: bool = False, colum
             skipped["bad_json" if not isinstance(row, dict) else "bad_row"] += 1
             continue
         try:
-            examples.append(_supervision(example_from_row(row, base_dir=root), row))
+            examples.append(_supervision(example_from_row(row, base_dir=root, max_images=max_images), row))
         except SkipRow as skip:
             skipped[skip.reason] += 1
         except (TypeError, KeyError, ValueError, AttributeError):

@@ -16,9 +16,18 @@ The image comes from embedded bytes (``decoded_image`` or ``image`` as a {bytes,
 struct or raw bytes), a PIL image (what ``datasets`` decodes), or a path relative to the
 data's directory (``image`` or the struct's ``path``).
 
+Several images a prompt (TRL's ``images`` column): a row whose ``images`` is a list (JSONL
+array, parquet or datasets list column) shows every one of them, in order, each element any
+of the forms above; it then ignores ``image``. ``max_images`` (``--data.max_images``, default
+MAX_IMAGES) bounds the list: the prompt's visual tokens are the sum over its images, so the
+count multiplies what one prompt costs. A list of one image is the usual one-image row.
+
 Bad rows raise ``SkipRow(reason)``; the loaders count them by reason, never crash:
 
-    missing_image        no image bytes and no readable file at the row's image path
+    missing_image        no image bytes and no readable file at the row's image path (for an
+                         ``images`` list: at any element)
+    empty_images         an ``images`` list with no element
+    too_many_images      an ``images`` list longer than ``max_images``
     corrupt_image        bytes that PIL cannot identify / verify
     image_too_large      more pixels than PIL's decompression-bomb limit (Image.MAX_IMAGE_PIXELS
                          x 2, 179M by default): a few KB of PNG can claim 30000 x 30000
@@ -46,14 +55,19 @@ from data.schema import ANSWER_TYPES, Example
 
 LANGUAGES = ("english", "chinese", "persian")
 NUMERIC_ANSWER_TYPES = ("integer", "float")
-SKIP_REASONS = ("missing_image", "corrupt_image", "image_too_large", "image_aspect", "unknown_answer_type",
-                "unknown_language", "non_numeric_answer")
+SKIP_REASONS = ("missing_image", "empty_images", "too_many_images", "corrupt_image", "image_too_large", "image_aspect",
+                "unknown_answer_type", "unknown_language", "non_numeric_answer")
 # The fields a row may carry (a column map renames the dataset's columns to these), and
 # those without which it means nothing.
-FIELDS = ("pid", "question", "answer", "image", "decoded_image", "answer_type", "question_type", "precision",
-          "choices", "unit", "metadata", "query")
+FIELDS = ("pid", "question", "answer", "image", "images", "decoded_image", "answer_type", "question_type",
+          "precision", "choices", "unit", "metadata", "query")
+IMAGE_FIELDS = ("image", "images", "decoded_image")  # a row needs one of them
 NEEDED = ("question", "answer")
 MAX_ASPECT = 200  # Qwen2-VL's smart_resize raises above this long/short side ratio
+# Images one prompt may show (--data.max_images). Each costs up to max_pixels / 784 visual
+# tokens (256 at the 7B preset's 448^2), so 4 keeps a prompt near 1k visual tokens; EasyR1's
+# limit_images and OpenRLHF's max_images_per_prompt are the same bound.
+MAX_IMAGES = 4
 
 
 class SkipRow(Exception):
@@ -83,6 +97,21 @@ def _check_aspect(image: Any, pid: str) -> Any:
     if min(w, h) < 1 or max(w, h) / min(w, h) > MAX_ASPECT:
         raise SkipRow("image_aspect", pid)
     return image
+
+
+def row_images(row: dict[str, Any], base_dir: Path | None, pid: str, max_images: int = MAX_IMAGES) -> list[Any]:
+    """Every image of the row, in order: its ``images`` list, else its one image (``row_image``).
+    The count is checked before any element is read, so a long list costs nothing."""
+    images = row.get("images")
+    if images is None:
+        return [row_image(row, base_dir, pid)]
+    if not isinstance(images, (list, tuple)):  # a parquet / datasets list column reads as a list
+        raise SkipRow("missing_image", pid)
+    if not images:
+        raise SkipRow("empty_images", pid)
+    if len(images) > max_images:
+        raise SkipRow("too_many_images", pid)
+    return [row_image({"image": value}, base_dir, pid) for value in images]
 
 
 def row_image(row: dict[str, Any], base_dir: Path | None, pid: str) -> Any:
@@ -135,7 +164,8 @@ def infer_answer_type(answer: str, pid: str = "?") -> str:
     return "integer" if _WHOLE.fullmatch(answer.strip()) else "float"
 
 
-def example_from_row(row: dict[str, Any], base_dir: Path | None = None, with_image: bool = True) -> Example:
+def example_from_row(row: dict[str, Any], base_dir: Path | None = None, with_image: bool = True,
+                     max_images: int = MAX_IMAGES) -> Example:
     """One row (a dict of the fields in the module doc) -> Example, or raise SkipRow."""
     pid = str(row.get("pid", "?"))
     meta = _metadata(row.get("metadata"))
@@ -150,6 +180,8 @@ def example_from_row(row: dict[str, Any], base_dir: Path | None = None, with_ima
     if row.get("query"):
         meta["query"] = str(row["query"])
     choices = row.get("choices")
+    images = row_images(row, base_dir, pid, max_images) if with_image else [None]
+    path = row.get("image") if row.get("images") is None else None  # the one image's file name, if stated
     ex = Example(
         pid=pid,
         question=str(row.get("question") or ""),
@@ -158,8 +190,9 @@ def example_from_row(row: dict[str, Any], base_dir: Path | None = None, with_ima
         precision=_precision(row.get("precision")),
         question_type=str(row.get("question_type") or "free_form").strip().lower(),
         metadata=meta,
-        image=row_image(row, base_dir, pid) if with_image else None,
-        image_path=row["image"] if isinstance(row.get("image"), str) and row["image"] else None,
+        image=images[0],
+        image_path=path if isinstance(path, str) and path else None,
+        images=images if len(images) > 1 else None,
         choices=[str(c) for c in choices] if choices is not None and len(choices) else None,
         unit=str(row["unit"]) if row.get("unit") else None,
     )
@@ -176,8 +209,8 @@ def check_columns(columns: dict[str, str], present: Iterable[str], where: Any) -
                              f"its columns: {', '.join(sorted(present))}")
     have = {name for name in FIELDS if columns.get(name, name) in present}
     missing = [name for name in NEEDED if name not in have]
-    if not {"image", "decoded_image"} & have:
-        missing.append("image")
+    if not set(IMAGE_FIELDS) & have:
+        missing.append("image (or images)")
     if missing:
         raise ValueError(f"{where} has no column for {', '.join(missing)} (its columns: {', '.join(sorted(present))}); "
                          f"name them with --data.columns, e.g. --data.columns {missing[0]}=<column>")

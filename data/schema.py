@@ -72,6 +72,10 @@ class Example:
     metadata: dict[str, Any] = field(default_factory=dict)
     image: Any = None  # PIL.Image.Image, decoded lazily by loaders where possible
     image_path: str | None = None  # relative path inside a dataset directory, if any
+    # A row of several images (an `images` list column): all of them, in the order the prompt
+    # shows them, and ``image`` is the first; None for the usual one-image row. Read both
+    # through ``prompt_images``.
+    images: list[Any] | None = None
     choices: list[str] | None = None
     unit: str | None = None
     # --- supervision for the rewards (absent on MathVista) ---
@@ -84,6 +88,11 @@ class Example:
     # --- what the renderer drew (synthetic only): dense perception labels for the warm-up
     marks: list[dict[str, Any]] = field(default_factory=list)
     caption: str | None = None  # every perceived quantity, "name: value." (data/gen_common.Family.describe)
+
+    @property
+    def prompt_images(self) -> list[Any]:
+        """The images the prompt shows, in order: ``images`` of a several-image row, else [image]."""
+        return list(self.images) if self.images else [self.image]
 
     @property
     def context_family(self) -> str:

@@ -11,7 +11,8 @@
 
 Every row goes through data/rows.py's parser, so the three formats mean the same thing:
 answer_type inferred from the gold when absent, question_type free_form and language
-english when absent, bad rows skipped and counted by reason. ``columns`` (``--data.columns
+english when absent, bad rows skipped and counted by reason, an ``images`` list column
+(JSONL array, parquet list, datasets Sequence of Image) read as several images a prompt. ``columns`` (``--data.columns
 question=query,answer=label,image=img``) names the dataset's column for a field; a map
 naming a column the data lacks is one ValueError naming it and listing the columns present.
 A row without a pid (parquet, datasets) is named by its row number.
@@ -25,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from data.jsonl import DATA_FILE, load_jsonl
-from data.rows import SkipRow, check_columns, example_from_row, map_columns
+from data.rows import MAX_IMAGES, SkipRow, check_columns, example_from_row, map_columns
 from data.schema import Example
 
 DATASETS_MARKERS = ("dataset_info.json", "state.json")
@@ -47,11 +48,13 @@ def source_kind(path: str | Path) -> str:
     raise ValueError(f"no {DATA_FILE} in {path}" + ("" if root.exists() else " (it does not exist)") + f": give {FORMATS}")
 
 
-def load_source(path: str | Path, columns: dict[str, str] | None = None) -> tuple[list[Example], dict[str, int]]:
-    """(examples, skipped rows by reason) of any of the three formats."""
+def load_source(path: str | Path, columns: dict[str, str] | None = None, max_images: int = MAX_IMAGES
+                ) -> tuple[list[Example], dict[str, int]]:
+    """(examples, skipped rows by reason) of any of the three formats; a row with more than
+    ``max_images`` images is skipped as too_many_images (data/rows.py)."""
     kind = source_kind(path)
     if kind == "jsonl":
-        return load_jsonl(path, return_skipped=True, columns=columns)
+        return load_jsonl(path, return_skipped=True, columns=columns, max_images=max_images)
     if kind == "parquet":
         names, rows = _parquet(Path(path))
         base = Path(path).parent
@@ -67,7 +70,7 @@ def load_source(path: str | Path, columns: dict[str, str] | None = None) -> tupl
         if row["pid"] is None:
             row["pid"] = str(n)
         try:
-            examples.append(example_from_row(row, base))
+            examples.append(example_from_row(row, base, max_images=max_images))
         except SkipRow as skip:
             skipped[skip.reason] += 1
         except (TypeError, KeyError, ValueError, AttributeError):

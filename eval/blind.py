@@ -91,6 +91,7 @@ def shuffle_images(examples: Sequence[Example], seed: int = CONTROL_SEED) -> lis
         rng.shuffle(order)
         for a, b in zip(order, order[1:] + order[:1]):  # a cycle: nobody keeps their own image
             out[a].image, out[a].image_path = examples[b].image, examples[b].image_path
+            out[a].images = examples[b].images  # a prompt of several images takes all of the other's
     return out
 
 

@@ -20,15 +20,16 @@ from eval.results import STAGES
 
 def load_examples(args: Any) -> tuple[list[Example], str, dict[str, int]]:
     """The evaluation prompts named by ``args.data / split / subset / limit`` (and, for the
-    synthetic curriculum, ``seed / image_size``): (examples, a description for the report,
-    rows the loader skipped by reason)."""
+    synthetic curriculum, ``seed / image_size``; for a dataset directory, ``max_images``, the
+    most images a row may show): (examples, a description for the report, rows the loader
+    skipped by reason)."""
     if args.data == "synthetic":
         per_stage = max(1, args.limit // len(STAGES)) if args.limit else 100
         examples = [ex for s in STAGES for ex in generate("test", s, per_stage, args.seed, args.image_size)]
         return examples, f"synthetic test split, {per_stage} per stage, seed {args.seed}", {}
     own = (Path(args.data) / "data.jsonl").is_file() or Path(args.data, DATASETS_MARKERS[0]).is_file()
     if own:  # a dataset written by data/jsonl.py (or convert), or by datasets' save_to_disk
-        examples, skipped = load_source(args.data)
+        examples, skipped = load_source(args.data, max_images=args.max_images)
         if args.subset == "eval_overall_numeric":
             examples = eval_overall_numeric(examples)
         return examples[: args.limit], f"dataset {args.data} ({args.subset})", skipped

@@ -26,7 +26,8 @@ from data.atomic import temp_path
 from data.signals import STOP, StopNow, exit_code, signal_name
 from grpo.config import (PERCEPTION_DEFAULTS, PHASES, PRESETS, ConfigError, TrainConfig, apply_overrides,
                          describe_fields, parse_override_args, phase_init, phase_preset, preset_for_model,
-                         preset_overrides, trains_from_scratch, weigh_plugins)
+                         preset_overrides, reported_to, trains_from_scratch, weigh_plugins)
+from grpo.config_file import read_config_file
 from grpo.distributed import DataParallel, init_distributed, peer_lost
 from grpo.errors import NoRewardSpread, StepOutOfMemory, TrainingDiverged, inside, one_line
 from grpo.final_report import write_final_report
@@ -34,7 +35,7 @@ from grpo.model.load import ModelLoadError
 from grpo.model.policy import check_policy_config
 from grpo.rewards.plugins import load_plugins
 from grpo.run.files import RunFiles
-from grpo.run.phase_data import fall_back_to_all, load_training_data
+from grpo.run.phase_data import fall_back_to_all, load_training_data, require_held_out_rows
 from grpo.run.runtime import keep_freed_memory, pick_device, seed_everything, set_threads
 from grpo.run.stop import EvalAbandoned, Stopped, stop_message
 from grpo.state.checkpoint import load_checkpoint
@@ -85,6 +86,16 @@ def phase_configs(requested: str, preset: str, overrides: dict[str, str], init: 
         configs[requested].phase.init = init
         configs[requested].validate()
     return configs
+
+
+def command_overrides(rest: list[str], config: str | None, requested: str) -> dict[str, object]:
+    """The --key value flags, after the keys of the --config file if one is given: every flag
+    is applied after the file's keys (a repeated key takes the flag's place), so a flag wins."""
+    overrides: dict[str, object] = dict(parse_override_args(rest))
+    if config is None:
+        return overrides
+    from_file = read_config_file(config, requested)
+    return {k: v for k, v in from_file.items() if k not in overrides} | overrides
 
 
 def choose_preset(preset: str | None, overrides: dict[str, str]) -> str:
@@ -138,7 +149,8 @@ def preflight(configs: dict[str, TrainConfig], plan: list[str], files: RunFiles)
             check_init_compatible(init_path, first)
     for phase in plan:
         if configs[phase].run.data != "synthetic":  # synthetic data is generated, never malformed
-            load_training_data(configs[phase])
+            train, val = load_training_data(configs[phase])  # first: a stage with no rows is named as such
+            require_held_out_rows(configs[phase], train, val)
 
 
 def _stop_between(where: str, saved: str) -> None:
@@ -170,7 +182,7 @@ def phases_to_run(requested: str, files: RunFiles, init: str, model_name: str) -
 
 
 HELP = """\
-python -m grpo.train --phase {warmup,A,B,C} [--preset tiny|qwen7b] [--init base|SELECTOR|PATH] [--key value ...]
+python -m grpo.train --phase {warmup,A,B,C} [--preset tiny|qwen7b] [--init base|SELECTOR|PATH] [--config FILE] [--key value ...]
 
 Phases (the staged, metric-gated curriculum):
   warmup  R1-VL policy warm-up: SFT on worked reasoning (a LoRA on a pretrained model; on
@@ -190,6 +202,11 @@ position of <phase>:latest are restored.
 --preset: tiny by default; a --model.name that is Qwen2.5-VL-7B (its hub id, or a local
 directory whose config.json is one) chooses qwen7b, and says so; the other Qwen2.5-VL sizes
 need an explicit --preset. An explicit --preset always wins.
+
+--config FILE: config keys from a JSON file (YAML for .yaml/.yml, with PyYAML installed), the
+shape of a run's saved config_<phase>.json: {"optim": {"lr": 0.001}, "A": {"phase": {"steps": 20}}}.
+Top-level sections apply as the same flags would; a top-level warmup, A, B or C holds keys for
+that phase alone (as --A.phase.steps); flags on the command line override the file.
 
 Options (--section.key VALUE, or --key VALUE where the key is unique). phase.* keys and
 rewards.weights apply to the requested phase only; prefix a key with a phase name to set it
@@ -223,10 +240,11 @@ def _main(argv: list[str], run_phase: Callable[[TrainConfig, RunFiles, str, Data
     ap.add_argument("--phase", default="B", choices=PHASES)
     ap.add_argument("--preset", default=None, choices=sorted(PRESETS))
     ap.add_argument("--init", default="auto")
+    ap.add_argument("--config", default=None)
     known, rest = ap.parse_known_args(argv)
     dp, root, files = None, None, None
     try:
-        overrides = parse_override_args(rest)
+        overrides = command_overrides(rest, known.config, known.phase)
         configs = phase_configs(known.phase, choose_preset(known.preset, overrides), overrides, known.init)
         cfg = configs[known.phase]
         files = RunFiles(Path(cfg.run.run_dir))
@@ -251,7 +269,7 @@ def _main(argv: list[str], run_phase: Callable[[TrainConfig, RunFiles, str, Data
                 (files.root / f"config_{phase}.json").write_text(pcfg.to_json())
             seed_everything(pcfg.run.seed)
             set_threads(pcfg.run.cpu_threads)
-            files.tensorboard = pcfg.run.tensorboard
+            files.track(reported_to(pcfg.run), pcfg.to_dict())
             t_phase = time.time()
             run_phase(pcfg, files, device, dp)
             print(f"phase {phase} took {time.time() - t_phase:.0f}s", flush=True)

@@ -8,7 +8,7 @@
       rewards   RewardConfig     which reward components, their weights, tolerance
       phase     PhaseConfig      curriculum phase: stage mixture, init checkpoint, steps
       run       RunConfig        run directory, seed, data, eval/checkpoint cadence
-      data      DataConfig       how to read own data: the column map
+      data      DataConfig       how to read own data: the column map, the images a prompt
 
 Every knob that is set must be the knob that runs (R1-VL's trainer silently sampled at
 temperature 1 although configured 1.2): the trainer prints the resolved config at start
@@ -23,6 +23,7 @@ dicts (``name=value,name=value``).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import importlib.util
 import json
 import math
@@ -34,11 +35,12 @@ from typing import Any, Literal
 import torch
 
 from data.rows import FIELDS as ROW_FIELDS
+from data.rows import MAX_IMAGES
 from grpo.batches import micro_batch_rows_fit
 from data.stages import ALL
 
 from kernels.grpo_advantages import SCALES
-from kernels.grpo_loss import CORRECTION_MODES, CORRECTIONS, IMPORTANCE, LOSS_TYPES
+from kernels.grpo_loss import CORRECTION_MODES, CORRECTIONS, IMPORTANCE, KL_ESTIMATORS, LOSS_TYPES
 from lora.inject import LoRAConfig
 
 # Every default that depends on the phase, in one table: phase_preset(phase) is TrainConfig()
@@ -88,6 +90,18 @@ PHASE_INIT: dict[str, str] = {"warmup": "base", "A": "base", "B": "A:best_struct
 PERCEPTION_DEFAULTS: dict[str, Any] = {"phase.perception_steps": 800, "optim.perception_weight": 1.0}
 
 
+# run.report_to's trackers: name -> (the module imported, the package that provides it);
+# mlflow-skinny is MLflow's client and file store without its server's dependencies.
+REPORT_TO = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"),
+             "mlflow": ("mlflow", "mlflow-skinny")}
+
+
+def reported_to(run: "RunConfig") -> tuple[str, ...]:
+    """The trackers a run writes to: run.report_to, with tensorboard when run.tensorboard is on."""
+    names = tuple(dict.fromkeys(run.report_to))
+    return names if not run.tensorboard or "tensorboard" in names else ("tensorboard", *names)
+
+
 def _one_of(choices: tuple[str, ...]) -> str:
     return ", ".join(choices[:-1]) + " or " + choices[-1]
 
@@ -97,10 +111,11 @@ class ConfigError(ValueError):
 
 
 # Reward components a rewards.weights dict may name: the six verifier terms of the staged
-# paper (grpo/rewards/verifier.py), R1-VL's StepRAR / StepRVR, RewardMap's detail reward and
-# the V-Rubrics rubric score. Defined here, below grpo/rewards, which imports this module.
+# paper (grpo/rewards/verifier.py), R1-VL's StepRAR / StepRVR, RewardMap's detail reward,
+# the V-Rubrics rubric score, this project's arithmetic check and DAPO's soft overlong
+# punishment. Defined here, below grpo/rewards, which imports this module.
 KNOWN_COMPONENTS = ("format", "parseable", "finished", "correctness", "tolerance", "brevity",
-                    "step_rar", "step_rvr", "detail", "rubric", "arithmetic")
+                    "step_rar", "step_rvr", "detail", "rubric", "arithmetic", "overlong")
 
 
 def check_weights(weights: Any, tolerance: bool, plugins: Any = ()) -> dict[str, float]:
@@ -147,6 +162,22 @@ def plugin_target(name: Any, spec: Any) -> tuple[str, str]:
         raise ConfigError(f"rewards.extra {name}={spec!r}: write NAME=module:function, e.g. "
                           f"{name}=my_rewards:{name} (the module importable from the current directory or PYTHONPATH)")
     return module.strip(), attr.strip()
+
+
+def overlong_buffer(rewards: "RewardConfig", max_new_tokens: int) -> int:
+    """L_cache of DAPO's soft overlong punishment (grpo/rewards/overlong.py) for a budget of
+    ``max_new_tokens``, or a ConfigError naming the bad value: rewards.overlong_buffer, or
+    for 0 a fifth of the budget (DAPO's 4096 of 20480 tokens), at least one token."""
+    buffer = rewards.overlong_buffer or max(1, max_new_tokens // 5)
+    if isinstance(buffer, bool) or not isinstance(buffer, int) or not 1 <= buffer <= max_new_tokens:
+        raise ConfigError(f"rewards.overlong_buffer={rewards.overlong_buffer!r}: give the number of tokens before "
+                          f"sampling.max_new_tokens={max_new_tokens} over which the penalty ramps in, an int in "
+                          f"1..{max_new_tokens} (0 = a fifth of the budget)")
+    penalty = rewards.overlong_penalty
+    if isinstance(penalty, bool) or not isinstance(penalty, (int, float)) or not (math.isfinite(penalty) and penalty > 0):
+        raise ConfigError(f"rewards.overlong_penalty={penalty!r}: give a finite number > 0 (1 = DAPO's penalty, "
+                          f"-1 at the budget; switch the component off with rewards.weights overlong=0 instead)")
+    return buffer
 
 
 def weigh_plugins(rewards: "RewardConfig") -> None:
@@ -229,6 +260,16 @@ class SamplingConfig:
     """NoisyRollout (arXiv 2504.13055): this fraction of each group's G completions is sampled from its image with Gaussian noise added (the rest from the clean image), the advantages taken over the whole group; every row is trained conditioned on the clean image (grpo/rollout/noisy.py; 0 = off; the paper mixes half and half)."""
     noise_std: float = 0.5
     """NoisyRollout: the noise's standard deviation at the phase's first step, in the processor's normalised pixel units, annealed to 0 by the phase's last step (sampling.noisy_fraction > 0)."""
+    accuracy_low: float = 0.0
+    """Dynamic sampling's accuracy band, lower end: keep a group only if its mean correctness (fraction of its G completions right) is >= this (EasyR1's online_filtering: 0.01); 0 and accuracy_high 1 = no band."""
+    accuracy_high: float = 1.0
+    """Dynamic sampling's accuracy band, upper end: keep a group only if its mean correctness is <= this (EasyR1: 0.99)."""
+
+    def accuracy_band(self) -> tuple[float, float] | None:
+        """(low, high) of the accuracy band, or None for the default [0, 1] (no band: any spread)."""
+        if self.accuracy_low <= 0.0 and self.accuracy_high >= 1.0:
+            return None
+        return self.accuracy_low, self.accuracy_high
 
 
 @dataclass
@@ -258,7 +299,7 @@ class OptimConfig:
     shared_prefix: bool = True
     """The log-prob passes run each group's prompt through the language model once (B rows) and attend the G completions to its keys and values (grpo/model/shared_prefix.py): the same log-probs and gradients as running the prompt in all B*G rows (False: the full-row pass, the reference), with 1/G of the prompt's compute and saved activations."""
     beta: float = 0.0
-    """KL penalty coefficient (k3 estimator) against the reference (LoRA disabled)."""
+    """KL penalty coefficient against the reference (LoRA disabled); the estimator is optim.kl_estimator."""
     eps_low: float = 0.2
     """Lower clip range of the importance ratio: 1 - eps_low."""
     eps_high: float = 0.2
@@ -272,7 +313,11 @@ class OptimConfig:
     updates_per_batch: int = 1
     """mu: optimiser steps per rollout batch (PPO epochs); the ratio is taken against the sampling policy, so the clip binds from the 2nd."""
     kl_bias_correction: bool = False
-    """KL term ratio * k3 with the gradient through the ratio (TRL's use_bias_correction_kl); needs beta > 0."""
+    """KL term ratio * k (k: optim.kl_estimator) with the gradient through the ratio (TRL's use_bias_correction_kl); needs beta > 0."""
+    entropy_coef: float = 0.0
+    """Entropy bonus: loss -= entropy_coef * the policy's token entropy, aggregated over the loss's tokens as optim.loss_type aggregates (TRL's entropy_coef, verl's entropy_coeff); its gradient runs through the chunked LM-head pass (grpo/model/logprobs.py). In [0, 1]; 0 = off, no extra work."""
+    kl_estimator: str = "k3"
+    """Per-token KL estimate in the beta term, d = ref - logp: k1 = -d, k2 = d^2/2 (its gradient is the KL's), k3 = exp(d) - d - 1 (DeepSeekMath's); kernels/grpo_loss.py compares them. Needs beta > 0 unless k3."""
     adv_mode: str = "total"
     """Advantage source: total (z-score of the weighted reward) or components (sum_k w_k/sum(w) z(r_k), each term alone)."""
     adv_std_floor: float = 0.0
@@ -299,6 +344,10 @@ class RewardConfig:
     """'a' in A_t = a*z(R_ans) + (1-a)*sum_j rho_j z(s_j) 1[t <= t_end_j] (prefix mode)."""
     random_reward: bool = False
     """Control, not training: each completion's rewards are replaced by those of a random completion of its batch."""
+    overlong_buffer: int = 0
+    """L_cache of the overlong component (DAPO's soft overlong punishment, on when rewards.weights names overlong): the penalty ramps from 0 at max_new_tokens - L_cache tokens to -overlong_penalty at max_new_tokens; 0 = a fifth of max_new_tokens."""
+    overlong_penalty: float = 1.0
+    """The overlong component's value at the budget (verl's penalty_factor; 1 = DAPO: -1 when truncated); > 0."""
     extra: dict[str, str] = field(default_factory=dict)
     """Your own reward components, NAME=module:function (comma separated): function(examples, completions) -> one finite float per completion; weight 1 unless rewards.weights names it (README, "Your own reward")."""
 
@@ -349,7 +398,9 @@ class RunConfig:
     """torch CPU threads (0 = torch's default). The tiny model's matmuls gain nothing from
     more, and OpenMP spin-waits collapse (10x slower, measured) when the cores are shared."""
     tensorboard: bool = False
-    """Also write every number of train_log.jsonl as a TensorBoard scalar, in <run_dir>/tensorboard/ (tensorboard extra)."""
+    """Also write every number of train_log.jsonl as a TensorBoard scalar, in <run_dir>/tensorboard/ (tensorboard extra); the same as tensorboard in run.report_to."""
+    report_to: tuple[str, ...] = ()
+    """Experiment trackers that also get every logged number, the resolved config and each evaluation's sample completions with their images: tensorboard, wandb, mlflow (comma separated; each its optional extra, e.g. pip install 'vlgrpo[wandb]'); grpo/run/trackers.py."""
     collective_timeout_s: float = 300.0
     """Data parallel (torchrun): seconds a collective may wait for a rank before every rank
     stops with one line naming the rank that did not arrive (the warm-up's wait for rank 0
@@ -359,7 +410,9 @@ class RunConfig:
 @dataclass
 class DataConfig:
     columns: dict[str, str] = field(default_factory=dict)
-    """Column map for --run.data: field=column pairs naming the dataset's column for a field this project reads (pid, question, answer, image, answer_type, question_type, precision, choices, unit, metadata, query), e.g. question=query,answer=label,image=img; a field left out is read from its own name."""
+    """Column map for --run.data: field=column pairs naming the dataset's column for a field this project reads (pid, question, answer, image, images, answer_type, question_type, precision, choices, unit, metadata, query), e.g. question=query,answer=label,image=img; a field left out is read from its own name."""
+    max_images: int = MAX_IMAGES
+    """Most images one prompt of --run.data may show (a row's `images` list; EasyR1's limit_images): a row with more is skipped and counted (too_many_images); each image costs up to model.max_pixels / 784 visual tokens."""
 
 
 @dataclass
@@ -487,6 +540,13 @@ class TrainConfig:
             (not (o.adv_std_floor > 0 and o.adv_scale == "none"),
              f"optim.adv_std_floor={o.adv_std_floor} floors the std, but optim.adv_scale='none' divides by no std: "
              f"use adv_scale group or batch, or drop the floor"),
+            (isinstance(o.entropy_coef, (int, float)) and 0 <= o.entropy_coef <= 1,
+             f"optim.entropy_coef={o.entropy_coef}: must be a number in [0, 1] (the entropy bonus's weight against "
+             "the policy term; verl's examples use 0 to 0.01; 0 = off)"),
+            (o.kl_estimator in KL_ESTIMATORS, f"optim.kl_estimator={o.kl_estimator!r}: use {_one_of(KL_ESTIMATORS)}"),
+            (o.kl_estimator == "k3" or o.beta > 0,
+             f"optim.kl_estimator={o.kl_estimator!r} picks the KL term, which optim.beta=0 switches off: set "
+             "--optim.beta > 0 or leave the estimator at k3"),
             (not (o.kl_bias_correction and o.beta == 0),
              "optim.kl_bias_correction=true weights the KL term, which optim.beta=0 switches off: set --optim.beta > 0 "
              "or leave the correction off"),
@@ -504,6 +564,15 @@ class TrainConfig:
             (s.noise_std > 0 if s.noisy_fraction > 0 else s.noise_std >= 0,
              f"sampling.noise_std={s.noise_std}: must be > 0 with sampling.noisy_fraction > 0 (the noise's std at the "
              f"phase's first step, in normalised pixel units)"),
+            (0 <= s.accuracy_low <= s.accuracy_high <= 1,
+             f"sampling.accuracy_low={s.accuracy_low}, sampling.accuracy_high={s.accuracy_high}: the accuracy band "
+             "needs 0 <= low <= high <= 1 (fractions of a group's completions that are right; 0 and 1 = no band)"),
+            (not grpo or s.accuracy_band() is None or s.dynamic_sampling,
+             f"sampling.accuracy_low={s.accuracy_low}, sampling.accuracy_high={s.accuracy_high} filter the groups of "
+             "dynamic sampling, which is off: set --sampling.dynamic_sampling true, or leave the band at 0 and 1"),
+            (not grpo or s.accuracy_band() is None or "correctness" in ru.weights,
+             "sampling.accuracy_low / accuracy_high filter on the correctness component, which rewards.weights does "
+             "not name: add correctness to rewards.weights (correctness=0 scores it without paying it)"),
             (bool(m.name.strip()), "model.name is empty: use 'tiny', a local model directory or a hub id"),
             (m.dtype in ("float32", "bfloat16", "float16"), f"model.dtype={m.dtype!r}: use float32 or bfloat16"),
             (re.fullmatch(r"auto|cpu|cuda(:\d+)?", m.device) is not None,
@@ -543,6 +612,14 @@ class TrainConfig:
              "run.tensorboard=true needs the tensorboard package: pip install 'vlgrpo[tensorboard]' "
              "(or pip install tensorboard), or drop --run.tensorboard"),
         ]
+        checks.append((self.data.max_images >= 1, f"data.max_images={self.data.max_images}: must be >= 1 (images one "
+                                                  "prompt may show)"))
+        for name in r.report_to:
+            checks.append((name in REPORT_TO, f"run.report_to names {name!r}: trackers are {_one_of(tuple(REPORT_TO))}"))
+            module, package = REPORT_TO.get(name, (name, name))
+            checks.append((name not in REPORT_TO or importlib.util.find_spec(module) is not None,
+                           f"run.report_to names {name}, which needs the {package} package: pip install 'vlgrpo[{name}]' "
+                           f"(or pip install {package}), or drop {name} from --run.report_to"))
         unknown = [k for k in self.data.columns if k not in ROW_FIELDS]
         checks.append((not unknown, f"data.columns names the field {unknown[0] if unknown else ''!r}, which no row "
                                     f"has: fields are {', '.join(ROW_FIELDS)} (write field=column)"))
@@ -554,6 +631,7 @@ class TrainConfig:
                 raise ConfigError(msg)
         for name, spec in ru.extra.items():
             plugin_target(name, spec)
+        overlong_buffer(ru, s.max_new_tokens)
         if grpo:  # the warm-up is SFT: it has no rewards
             weights = check_weights(ru.weights, ru.tolerance, ru.extra)
             unweighted = [name for name in ru.extra if name not in weights]
@@ -755,7 +833,9 @@ def _resolve_key(cfg: TrainConfig, key: str) -> tuple[Any, str]:
         if len(owners) > 1:
             raise ConfigError(f"--{key} is ambiguous: write one of " + ", ".join(f"--{s}.{key}" for s in owners))
     known = sorted(f"{s}.{n}" for s in sections for n in _fields(getattr(cfg, s)))
-    raise ConfigError(f"unknown config key --{key}; known keys: {', '.join(known)}")
+    near = difflib.get_close_matches(key, known, n=3, cutoff=0.7)
+    hint = f"did you mean {' or '.join('--' + k for k in near)}? " if near else ""
+    raise ConfigError(f"unknown config key --{key}; {hint}known keys: {', '.join(known)}")
 
 
 def _parse_value(text: str, typ: Any, key: str) -> Any:

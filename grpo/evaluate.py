@@ -36,6 +36,7 @@ import grpo.model.load
 import grpo.model.policy
 import grpo.state.registry
 from data.holdout import shared_pids
+from data.rows import MAX_IMAGES
 from data.signals import StopNow, exit_code, signal_name, signals_held, stops_at_once
 from eval.inputs import load_examples, read_completions
 from eval.report import control_summary, write_report
@@ -106,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-prompt-tokens", type=int, default=0,
                    help="skip prompts longer than this (visual tokens included; counted as sampler_skipped); "
                         "0 = the model's own")
+    p.add_argument("--max-images", type=int, default=MAX_IMAGES,
+                   help="a dataset directory: the most images one row's `images` list may show (the trainer's "
+                        "--data.max_images); a row with more is skipped and counted as too_many_images")
     p.add_argument("--completions", action="append", default=[], metavar="NAME=FILE",
                    help="score pre-generated completions (JSONL) instead of sampling; repeatable")
     p.add_argument("--samples", type=int, default=1, help="completions per prompt")
@@ -237,6 +241,8 @@ def _prepare(args: argparse.Namespace) -> tuple:
     if 0 < args.max_pixels < 28 * 28 or (args.max_pixels and args.min_pixels > args.max_pixels):
         raise ValueError(f"--max-pixels {args.max_pixels}: must be >= 784 (one 28x28 visual token) and >= "
                          f"--min-pixels {args.min_pixels}")
+    if args.max_images < 1:
+        raise ValueError(f"--max-images {args.max_images}: must be >= 1 (the most images one row may show)")
     if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
         raise ValueError(f"--device {args.device!r}: use cpu, cuda or cuda:N")
     if args.selectors and "base" in args.selectors:

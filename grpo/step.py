@@ -18,8 +18,8 @@ parallelism each *rank* holds its share of every rollout batch.
 GRPO in one paragraph: for each prompt, sample a group of G answers, score each with the
 reward, and use the reward's z-score within the group as every token's advantage (no value
 model: the group mean is the baseline). Then take a PPO-style clipped policy-gradient step
-on the LoRA parameters, optionally with a k3 KL penalty to the reference policy (the base
-model with LoRA switched off).
+on the LoRA parameters, optionally with a KL penalty to the reference policy (the base
+model with LoRA switched off) and an entropy bonus.
 
 The fast paths plug in behind named seams, not as branches here:
 
@@ -51,7 +51,7 @@ from grpo.rollout.dynamic_sampling import FillStats
 from grpo.rollout.sampler import Rollout, content_tokens, sample
 from grpo.run.schedule import lr_at
 from kernels.grpo_advantages import Advantages, AdvantageSource, group_advantages
-from kernels.grpo_loss import GRPOStats, LossOptions, grpo_loss
+from kernels.grpo_loss import GRPOStats, LossOptions, aggregate, grpo_loss
 from lora import disable_adapters
 
 
@@ -200,17 +200,17 @@ def loss_options(cfg: TrainConfig) -> LossOptions:
     o = cfg.optim
     return LossOptions(beta=o.beta, eps_low=o.eps_low, eps_high=o.eps_high, loss_type=o.loss_type,
                        importance=o.importance, max_len=cfg.sampling.max_new_tokens,
-                       kl_bias_correction=o.kl_bias_correction, correction=o.rollout_correction,
+                       kl_bias_correction=o.kl_bias_correction, kl_estimator=o.kl_estimator, correction=o.rollout_correction,
                        correction_mode=o.rollout_correction_mode, correction_cap=o.rollout_correction_cap)
 
 
 def grpo_step(learner: Learner, draw: Callable[[int], Rollout], step: int, temperature: float,
               hooks: Hooks = Hooks()) -> StepResult:
-    """optim.accumulation rollout batches sampled, scored and given advantages once; then mu updates,
-    each a pass over every micro-batch of every rollout batch. draw(n): the next n prompts, sampled and scored."""
+    """Rollout batches (draw(n): n prompts, sampled and scored) get advantages once; mu passes over the micro-batches."""
     cfg, model, params, G, mu, opts = (learner.cfg, learner.bundle.model, learner.params, learner.cfg.sampling.G,
                                        learner.cfg.optim.updates_per_batch, loss_options(learner.cfg))
     passes = dict(temperature=temperature, chunk_tokens=cfg.optim.logits_chunk_tokens, shared_prefix=cfg.optim.shared_prefix)
+    entropy = "grad" if cfg.optim.entropy_coef > 0 else True  # the entropy bonus needs the entropies' gradient
 
     # ---- 1-2. sample B prompts x G completions and score them, every rollout batch first
     # (dapo divides by the whole step's token count; dynamic sampling needs the rewards)
@@ -245,19 +245,20 @@ def grpo_step(learner: Learner, draw: Callable[[int], Rollout], step: int, tempe
             logps = []
             for mb in parts[k]:  # a training micro-batch: forward then backward
                 with hooks.timed("logprobs"):
-                    logp, ent = completion_logprobs(model, mb.prompts, mb.ids, mb.seen, G, entropy=True, **passes)
+                    logp, ent = completion_logprobs(model, mb.prompts, mb.ids, mb.seen, G, entropy=entropy, **passes)
 
-                # ---- 5. loss: ratio to old, clipped; + beta * k3 KL to the reference; aggregated;
-                # times its share of the step's loss (grpo/batches.py); backward.
+                # ---- 5. loss: ratio to old, clipped; + beta * KL to the reference; aggregated (- the
+                # entropy bonus, aggregated alike); times its share of the step's loss (grpo/batches.py); backward.
                 with hooks.timed("backward"):
                     loss, stats = grpo_loss(logp, mb.mask.float(), mb.adv, old_logp=mb.old_logp, ref_logp=mb.ref_logp,
                                             num_active_tokens=active_tokens, sampler_logp=mb.sampler_logp,
                                             options=opts, backend=learner.backend)
-                    loss = loss * mb.share
+                    bonus = aggregate(ent, mb.mask, opts, active_tokens) if entropy == "grad" else 0.0
+                    loss = (loss - cfg.optim.entropy_coef * bonus) * mb.share  # coef 0: loss - 0.0, the same bits
                     if torch.isfinite(loss):  # a host sync per micro-batch: the price of the NaN guard
                         loss.backward()
                     loss_sum += float(loss.detach())
-                logps.append((logp.detach(), ent))
+                logps.append((logp.detach(), ent.detach()))
             if len(parts[k]) > 1:  # the diagnostics of the whole rollout batch, as one pass reports them
                 stats = batch_stats(learner, parts[k], r, masks[k], adv[k], torch.cat([lp for lp, _ in logps]),
                                     active_tokens, opts)

@@ -94,7 +94,8 @@ from grpo.model.policy import build_policy
 from grpo.model.prompts import NoPromptsLeft, PromptCounts
 from grpo.model.vision import VISUAL, optimizer_groups
 from grpo.rewards import RewardModel
-from grpo.rollout.dynamic_sampling import NoSpread, dynamic_batches, groups_with_spread, no_spread_message
+from grpo.rollout.dynamic_sampling import NoSpread, dynamic_batches, groups_in_band, groups_with_spread, \
+    no_spread_message
 from grpo.rollout.merged import MergedRollout
 from grpo.rollout.noisy import NoisyRollout
 from grpo.rollout.sampler import sample
@@ -204,11 +205,12 @@ def run_grpo_phase(cfg: TrainConfig, files: RunFiles, device: str, dp: DataParal
     # GPU, the compute dtype on a CPU) refreshed after every batch (grpo/rollout/merged.py: no
     # NF4 dequantisation and no separate LoRA matmuls per decode step).
     merged = MergedRollout(model) if cfg.sampling.rollout == "merged" else None
-    # On CUDA: the predicted peak of a step, and one line instead of an OOM mid-step when it cannot fit
-    check_fits(model, cfg, device, world=dp.world)
 
     # ---- data, rewards, controller; then a resume puts back everything a straight run holds
     train, val = load_training_data(cfg)
+    # On CUDA: the predicted peak of a step (prompts of the data's most images), and one line
+    # instead of an OOM mid-step when it cannot fit
+    check_fits(model, cfg, device, world=dp.world, images=max(len(ex.prompt_images) for s in train for ex in train[s]))
     stream = MixtureStream(train, cfg.phase.mixture, cfg.run.seed)
     eval_examples = eval_subset(cfg, val)
     rewards = RewardModel(cfg.rewards, cfg.sampling.max_new_tokens, tokenizer=bundle.tokenizer)
@@ -228,7 +230,11 @@ def run_grpo_phase(cfg: TrainConfig, files: RunFiles, device: str, dp: DataParal
         def spread(r):
             src = advantage_source(r.scores, cfg)
             return groups_with_spread(src.columns, G, valid=src.valid)
-        gather = dynamic_batches(spread, cfg.sampling.max_refills, bundle.pad_token_id)
+        band, bounds = None, cfg.sampling.accuracy_band()
+        if bounds is not None:  # and its mean correctness in [low, high] (config.validate: correctness is scored)
+            def band(r):
+                return groups_in_band(r.scores.components["correctness"], G, *bounds)
+        gather = dynamic_batches(spread, cfg.sampling.max_refills, bundle.pad_token_id, band)
     rollout = merged.sample if merged is not None else sample
     noisy = None
     if cfg.sampling.noisy_fraction > 0:  # NoisyRollout: part of each group from a noisy image (grpo/rollout/noisy.py)
@@ -252,6 +258,7 @@ def run_grpo_phase(cfg: TrainConfig, files: RunFiles, device: str, dp: DataParal
             raise Stopped(stop_message(f"{phase} step {done} (its evaluation abandoned)"), STOP.signum) from None
         print_eval(phase, done, result)
         files.write_log(dict(event="eval", phase=phase, step=done, metrics=result.flat(), skipped=dict(result.skipped)))
+        files.write_samples(phase, done, result.records, eval_examples)
         if cfg.phase.controller:
             metrics = dict(result.metrics, zero_spread=float(np.mean(state.zero_spread_since_eval)))
             for d in controller.update(metrics, result.overall.intervals, n=result.overall.n_prompts):
@@ -310,7 +317,7 @@ def run_grpo_phase(cfg: TrainConfig, files: RunFiles, device: str, dp: DataParal
                              dict(hooks.timing, step=time.time() - hooks.t0), dp, cfg, prompts)
         # with dynamic sampling the trained batch has no zero-spread group: the gate reads what was sampled
         fill = result.fill
-        state.zero_spread_since_eval.append(fill.dropped_frac if fill is not None else record["zero_spread"])
+        state.zero_spread_since_eval.append(fill.zero_spread_frac if fill is not None else record["zero_spread"])
         record = dp.mean_over_ranks(record)  # rank 0 logs the means over ranks
         files.write_log(record)
         bar.update(step + 1, f"reward {record['reward']:.2f} len {record['completion_len']:.0f}")

@@ -1,4 +1,4 @@
-"""Fused GRPO loss: clipped ratio, k3 KL, aggregation and d loss / d logp in one pass.
+"""Fused GRPO loss: clipped ratio, KL (k1 / k2 / k3), aggregation and d loss / d logp in one pass.
 
 Why a kernel. Once the rollouts exist, GRPO's loss is a handful of element-wise ops over
 [N, T] token tensors (N = B*G completions, T tokens), plus a few reductions. Written in
@@ -29,8 +29,8 @@ its default aggregation is now "dapo", ours "grpo"):
     ratio_t    = exp(logp_t - old_t)                   importance="token"
     ratio_t    = exp(mean_t'(logp_t' - old_t'))        importance="sequence" (GSPO), every token
     pg_t       = -min(ratio_t * A_t, clip(ratio_t, 1 - eps_low, 1 + eps_high) * A_t)
-    kl_t       = exp(ref_t - logp_t) - (ref_t - logp_t) - 1                        (k3 estimator)
-    kl_t       = ratio_t * k3_t                        kl_bias_correction=True (see below)
+    kl_t       = k3: exp(d_t) - d_t - 1 (default), k1: -d_t, k2: d_t^2 / 2      d_t = ref_t - logp_t
+    kl_t       = ratio_t * k_t                         kl_bias_correction=True (see below)
     loss       = aggregate(pg_t + beta * kl_t) over active tokens (mask != 0)
 
 KL convention. The plain k3 term is DeepSeekMath's; its value estimates KL(pi || pi_ref)
@@ -45,6 +45,11 @@ is unchanged but the gradient is not: the plain term pushes with 1 - exp(ref - l
 (the DeepSeekMath form this project has always used; the TRL grpo_config.py we could read
 also documents it as off by default, but defaults move between TRL releases: check yours
 before comparing runs). kl_mean reports the KL term as it enters the loss (corrected or not).
+
+KL estimators (``kl_estimator``; verl's kl / mse / low_var_kl), on tokens from pi: k1 = -d, value
+unbiased, gradient 0 in expectation; k2 = d^2/2, value biased, gradient = grad KL(pi || pi_ref);
+k3, value unbiased and >= 0, gradient = grad KL(pi_ref || pi). kl_bias_correction: ratio_t * k_t
+for each, gradient ratio_t (k_t + dk_t/dlogp_t): importance-weighted grad KL(pi || pi_ref) for k1, k3.
 
 Aggregation ("loss_type"), with n_i active tokens in row i and M = sum_i n_i:
     grpo     mean_i( sum_t loss_it / n_i )      per-sequence mean, then mean over the N rows
@@ -138,6 +143,7 @@ LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")  # the one list: grpo/config.py
 IMPORTANCE = ("token", "sequence")
 CORRECTIONS = ("off", "token", "sequence")  # rollout correction level (sampler vs trainer)
 CORRECTION_MODES = ("truncate", "mask")
+KL_ESTIMATORS = ("k1", "k2", "k3")  # Schulman's estimators of KL(pi || pi_ref); grpo/config.py reads it
 
 
 @dataclass(frozen=True)
@@ -151,7 +157,8 @@ class LossOptions:
     loss_type: str = "grpo"  # aggregation: grpo | bnpo | dr_grpo | dapo
     importance: str = "token"  # importance ratio per token, or per sequence (GSPO)
     max_len: int | None = None  # dr_grpo divides by N * max_len (None: T)
-    kl_bias_correction: bool = False  # kl_t = ratio_t * k3_t (TRL's use_bias_correction_kl)
+    kl_bias_correction: bool = False  # kl_t = ratio_t * k_t (TRL's use_bias_correction_kl)
+    kl_estimator: str = "k3"  # k1 | k2 | k3: the per-token KL estimate against ref_logp
     correction: str = "off"  # rollout correction level: off | token | sequence
     correction_mode: str = "mask"  # above the cap: truncate (TIS) or mask (MIS)
     correction_cap: float = 3.0  # C > 1, the largest rollout ratio kept
@@ -165,6 +172,8 @@ class LossOptions:
             raise ValueError(f"beta, eps_low, eps_high must be >= 0, got {self.beta}, {self.eps_low}, {self.eps_high}")
         if self.max_len is not None and (not isinstance(self.max_len, int) or self.max_len < 1):
             raise ValueError(f"max_len must be a positive int (max completion length), got {self.max_len!r}")
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {self.kl_estimator!r}")
         if self.correction not in CORRECTIONS:
             raise ValueError(f"correction must be one of {CORRECTIONS}, got {self.correction!r}")
         if self.correction_mode not in CORRECTION_MODES:
@@ -178,7 +187,7 @@ class LossOptions:
 class GRPOStats:
     """Diagnostics from the same pass, detached 0-d fp32 tensors (no host sync)."""
 
-    kl_mean: torch.Tensor  # mean KL term vs ref over active tokens (k3, or ratio * k3; 0 without ref_logp)
+    kl_mean: torch.Tensor  # mean KL term vs ref over active tokens (k, or ratio * k; 0 without ref_logp)
     clip_low_frac: torch.Tensor  # active tokens with ratio < 1 - eps_low and A < 0
     clip_high_frac: torch.Tensor  # active tokens with ratio > 1 + eps_high and A > 0
     zero_spread_frac: torch.Tensor  # groups with constant rewards (all their advantages 0)
@@ -199,6 +208,32 @@ class GRPOStats:
 # ---------------------------------------------------------------------------------------
 
 
+def kl_estimate(d: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from d = ref_logp - logp (k1, k2 or k3)."""
+    if estimator == "k1":
+        return -d
+    if estimator == "k2":
+        return d * d / 2
+    return torch.exp(d) - d - 1
+
+
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, options: LossOptions,
+              num_active_tokens: float | torch.Tensor | None = None) -> torch.Tensor:
+    """per_token [N, T] summed over active tokens, normalised as options.loss_type says (above)."""
+    N, T = per_token.shape
+    mf = (mask != 0).float()
+    total = (per_token * mf).sum()
+    if options.loss_type == "grpo":
+        return ((per_token * mf).sum(-1) / mf.sum(-1).clamp(min=1)).mean()
+    if options.loss_type == "bnpo" or (options.loss_type == "dapo" and num_active_tokens is None):
+        return total / mf.sum().clamp(min=1)
+    if options.loss_type == "dr_grpo":
+        return total / (N * (T if options.max_len is None else options.max_len))
+    if isinstance(num_active_tokens, torch.Tensor):  # [] or [1], maybe an int count
+        return total / num_active_tokens.reshape(()).float()
+    return total / num_active_tokens
+
+
 def grpo_loss_reference(
     logp: torch.Tensor, mask: torch.Tensor, adv: torch.Tensor, *,
     old_logp: torch.Tensor | None = None, ref_logp: torch.Tensor | None = None,
@@ -207,7 +242,7 @@ def grpo_loss_reference(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Loss from given advantages adv [N] or [N, T]; stats without zero_spread_frac."""
     o = options
-    beta, eps_low, eps_high, loss_type, importance = o.beta, o.eps_low, o.eps_high, o.loss_type, o.importance
+    beta, eps_low, eps_high, importance = o.beta, o.eps_low, o.eps_high, o.importance
     correction, correction_mode = o.correction, o.correction_mode
     N, T = logp.shape
     m = mask != 0
@@ -247,26 +282,14 @@ def grpo_loss_reference(
     kl = torch.zeros_like(lp)
     if ref_logp is not None:
         d = torch.where(m, ref_logp.float(), 0.0) - lp
-        kl = torch.exp(d) - d - 1
+        kl = kl_estimate(d, o.kl_estimator)
         if o.kl_bias_correction:  # TRL's use_bias_correction_kl: the ratio carries gradient too
             kl = ratio * kl
         if beta != 0.0:
             per_token = per_token + beta * kl
 
     M = mf.sum().clamp(min=1)
-    total = (per_token * mf).sum()
-    if loss_type == "grpo":
-        loss = ((per_token * mf).sum(-1) / n).mean()
-    elif loss_type == "bnpo":
-        loss = total / M
-    elif loss_type == "dr_grpo":
-        loss = total / (N * (T if o.max_len is None else o.max_len))
-    elif num_active_tokens is None:
-        loss = total / M
-    elif isinstance(num_active_tokens, torch.Tensor):  # [] or [1], maybe an int count
-        loss = total / num_active_tokens.reshape(()).float()
-    else:
-        loss = total / num_active_tokens
+    loss = aggregate(per_token, mask, o, num_active_tokens)
 
     with torch.no_grad():
         stats = {
@@ -379,6 +402,11 @@ CORR_OFF = tl.constexpr(0)
 CORR_TOKEN = tl.constexpr(1)
 CORR_SEQ = tl.constexpr(2)
 _CORR_CODE = {"off": CORR_OFF, "token": CORR_TOKEN, "sequence": CORR_SEQ}
+# The forward kernel's KL_EST codes, one per name of KL_ESTIMATORS.
+KL_K1 = tl.constexpr(1)
+KL_K2 = tl.constexpr(2)
+KL_K3 = tl.constexpr(3)
+_KL_CODE = {"k1": KL_K1, "k2": KL_K2, "k3": KL_K3}
 # dapo's divisor (NORM_MODE): this micro-batch's active tokens, a number, or a 1-element tensor.
 NORM_BATCH_TOKENS = tl.constexpr(0)
 NORM_VALUE = tl.constexpr(1)  # also dr_grpo's N * max_len
@@ -435,6 +463,7 @@ def _grpo_loss_fwd_kernel(
     HAS_SAMP: tl.constexpr,  # sampler log-probs given: rollout ratios and the mismatch stats
     CORR: tl.constexpr,  # rollout correction: CORR_OFF | CORR_TOKEN | CORR_SEQ
     CORR_MASK: tl.constexpr,  # mask (weight 0) above the cap instead of truncating to it
+    KL_EST: tl.constexpr,  # KL_K1 | KL_K2 | KL_K3: the per-token KL estimator
 ):
     """One program per completion row i. Writes grad[i, :] and the row's N_SLOTS partials."""
     i = tl.program_id(0).to(tl.int64)
@@ -555,8 +584,16 @@ def _grpo_loss_fwd_kernel(
         if HAS_REF:
             ref = tl.where(m, tl.load(ref_ptr + i * stride_ref + t, mask=inb, other=0.0).to(tl.float32), 0.0)
             d = ref - lp
-            e = tl.exp(d)
-            kl = e - d - 1.0
+            if KL_EST == KL_K3:
+                e = tl.exp(d)
+                kl = e - d - 1.0
+                dk = 1.0 - e  # d kl / d logp
+            elif KL_EST == KL_K2:
+                kl = 0.5 * d * d
+                dk = -d
+            else:  # KL_K1
+                kl = -d
+                dk = tl.zeros([BLOCK_T], dtype=tl.float32) + 1.0
             if BIAS_KL:
                 acc_kl += tl.sum(tl.where(m, ratio * kl, 0.0))
             else:
@@ -565,13 +602,15 @@ def _grpo_loss_fwd_kernel(
                 if BIAS_KL:
                     per_token += beta * ratio * kl
                     if SEQ:  # the direct part; the ratio's part goes through pass 3
-                        dkl = beta * ratio * (1.0 - e)
+                        dkl = beta * ratio * dk
                         dkl_dratio = beta * kl
-                    else:  # d(r k3)/d logp = r k3 + r (1 - e) = r (logp - ref)
+                    elif KL_EST == KL_K3:  # d(r k3)/d logp = r k3 + r (1 - e) = r (logp - ref)
                         dkl = beta * ratio * (lp - ref)
+                    else:  # d(r k)/d logp = r (k + dk)
+                        dkl = beta * ratio * (kl + dk)
                 else:
                     per_token += beta * kl
-                    dkl = beta * (1.0 - e)  # d(beta * kl) / d logp
+                    dkl = beta * dk  # d(beta * kl) / d logp
         if HAS_OLD:  # approximate KL of the current policy against the sampling one
             lr_tok = lp - old
             acc_kl_old += tl.sum(tl.where(m, tl.exp(lr_tok) - 1.0 - lr_tok, 0.0))
@@ -759,7 +798,8 @@ def _grpo_loss_fwd_triton(
         KL_IN_LOSS=o.beta != 0.0, SEQ=o.importance == "sequence", ROW_MEAN=loss_type == "grpo",
         BLOCK_T=BLOCK_T, C_PAD=next_pow2(C), BIAS_KL=bool(o.kl_bias_correction) and ref_logp is not None,
         HAS_SAMP=sampler_logp is not None, CORR=_CORR_CODE[o.correction].value,
-        CORR_MASK=o.correction_mode == "mask", num_warps=max(4, min(16, BLOCK_T // 256)),
+        CORR_MASK=o.correction_mode == "mask", KL_EST=_KL_CODE[o.kl_estimator].value,
+        num_warps=max(4, min(16, BLOCK_T // 256)),
     )
     norm_is_tensor = isinstance(num_active_tokens, torch.Tensor)
     if loss_type == "dr_grpo":

@@ -326,3 +326,27 @@ def test_gpu_kit_trims_a_wheel_and_rewrites_its_record(tmp_path):
                           cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
     assert "no libbitsandbytes_cuda999 in the wheel; it has ['cpu', 'cuda118', 'cuda130']" in proc.stderr
+
+
+def test_decode_counts():
+    """bench.decode counts the operators of one decoded token on the three paths; the counts are
+    deterministic, so the smoke test holds their structure: every path dispatches some decoder work
+    per layer, the merged copy has no LoRA branch, and our two paths sync once per token."""
+    out = cli("bench.decode", "--quick")
+    rows = {m.group(1): m.group(2) for m in re.finditer(r"^\s*(plain|merged|generate)\s+per layer\s+([\d,]+)\s", out, re.M)}
+    assert set(rows) == {"plain", "merged", "generate"} and all(int(v.replace(",", "")) > 0 for v in rows.values())
+    assert re.search(r"^# merged: host syncs per token: _local_scalar_dense 1;", out, re.M)
+    lora = re.search(r"^\s*merged\s+per layer(?:\s+[\d,.]+){3}\s+([\d,.]+)\s", out, re.M)  # ops, attention, MLP, LoRA
+    assert lora and lora.group(1) == "0"
+    assert re.search(r"^summary: operators per decoded token: tiny plain [\d,]+, merged [\d,]+, generate [\d,]+$",
+                     out, re.M)
+
+
+def test_decode_counts_one_grpo_step():
+    out = cli("bench.decode", "--step", "--step-B", "1", "--step-tokens", "3")
+    stages = re.findall(r"^\s*(prompts|sampling|rewards|logp \(grad\)|loss|backward|optimizer|step)\s+([\d,]+)\s", out, re.M)
+    assert sorted(s for s, _ in stages) == sorted(["prompts", "sampling", "rewards", "logp (grad)", "loss", "backward",
+                                                   "optimizer", "step"])
+    counts = {s: int(n.replace(",", "")) for s, n in stages}
+    assert counts["backward"] > 0 and counts["step"] == sum(v for k, v in counts.items() if k != "step")
+    assert re.search(r"^summary: operators in one GRPO step of the embedded default: sampling [\d,]+, ", out, re.M)

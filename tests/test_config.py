@@ -39,7 +39,8 @@ def test_overrides_parse_by_field_type():
 @pytest.mark.parametrize(
     "argv,match",
     [
-        (["--nonsense", "1"], "unknown config key --nonsense"),
+        (["--nonsense", "1"], "unknown config key --nonsense; known keys: data.columns"),
+        (["--run.dir", "x"], r"unknown config key --run.dir; did you mean --run.run_dir\? known keys"),
         (["--G", "four"], "expected an integer"),
         (["--load_in_4bit", "maybe"], "expected true or false"),
         (["--G"], "needs a value"),
@@ -70,12 +71,36 @@ def test_bad_overrides_name_the_problem(argv, match):
         ("max_pixels", 783, r"model.max_pixels=783: must be >= 784 \(one 28x28 visual token\), or 0"),
         ("min_pixels", -1, r"model.min_pixels=-1: must be >= 0 \(0 = the processor's own\)"),
         ("max_prompt_tokens", -1, r"model.max_prompt_tokens=-1: must be >= 0 \(0 = no cap\)"),
+        ("accuracy_low", -0.1, r"sampling.accuracy_low=-0.1, sampling.accuracy_high=1.0: the accuracy band needs "
+                               r"0 <= low <= high <= 1"),
+        ("accuracy_high", 1.5, r"sampling.accuracy_high=1.5: the accuracy band needs 0 <= low <= high <= 1"),
+        ("accuracy_low", 0.01, r"sampling.accuracy_low=0.01, .* filter the groups of dynamic sampling, which is off"),
+        ("overlong_buffer", 49, r"rewards.overlong_buffer=49: .* an int in 1..48"),
+        ("overlong_penalty", -1.0, r"rewards.overlong_penalty=-1.0: give a finite number > 0"),
+        ("entropy_coef", -0.01, r"optim.entropy_coef=-0.01: must be a number in \[0, 1\]"),
+        ("entropy_coef", float("nan"), r"optim.entropy_coef=nan: must be a finite number"),
+        ("entropy_coef", 2.0, r"optim.entropy_coef=2.0: must be a number in \[0, 1\]"),
+        ("kl_estimator", "low_var_kl", r"optim.kl_estimator='low_var_kl': use k1, k2 or k3"),
+        ("kl_estimator", "k2", r"optim.kl_estimator='k2' picks the KL term, which optim.beta=0 switches off"),
     ],
 )
 def test_impossible_values_are_refused(key, value, match):
     cfg = apply_overrides(TrainConfig(), {key: value})
     with pytest.raises(ConfigError, match=match):
         cfg.validate()
+
+
+def test_the_accuracy_band_needs_an_ordered_range_and_the_correctness_component():
+    cfg = apply_overrides(TrainConfig(), {"dynamic_sampling": True, "accuracy_low": 0.8, "accuracy_high": 0.2})
+    with pytest.raises(ConfigError, match=r"sampling.accuracy_low=0.8, sampling.accuracy_high=0.2: .* low <= high"):
+        cfg.validate()
+    cfg = apply_overrides(TrainConfig(), {"dynamic_sampling": True, "accuracy_low": 0.01, "accuracy_high": 0.99,
+                                          "weights": {"format": 1.0}})
+    with pytest.raises(ConfigError, match="filter on the correctness component, which rewards.weights does not name"):
+        cfg.validate()
+    cfg.rewards.weights["correctness"] = 0.0  # scored, unpaid: enough for the band
+    assert cfg.validate().sampling.accuracy_band() == (0.01, 0.99)
+    assert TrainConfig().sampling.accuracy_band() is None  # the default: no band, the spread test alone
 
 
 def test_image_bounds_must_form_a_range():

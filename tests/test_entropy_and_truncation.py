@@ -122,6 +122,52 @@ def test_entropy_with_grad_is_the_same_and_carries_none(tiny, monkeypatch):
         assert (a is None and b is None) or torch.equal(a, b)
 
 
+# ----------------------------------------------------------------------------- the entropy bonus's gradient
+
+
+def _grads(loss, params):
+    return [g if g is not None else torch.zeros_like(p)
+            for g, p in zip(torch.autograd.grad(loss, params, allow_unused=True), params)]
+
+
+@pytest.mark.parametrize("chunk_tokens,temperature,shared", [(6, 1.0, True), (12, 0.7, False), (1, 1.3, True),
+                                                             (10_000, 1.0, False)])
+def test_entropy_gradient_equals_autograd_through_categorical(tiny, monkeypatch, chunk_tokens, temperature, shared):
+    """entropy="grad": the entropies' gradient through the chunked pass (each chunk checkpointed,
+    its entropy's backward recomputed a block at a time) equals autograd through
+    torch.distributions.Categorical(logits=...).entropy() on the whole [N, T, V] logits of
+    transformers' own forward, weighted per token; either pass; each chunk's entropies computed
+    once (the recompute in backward reuses them) on that chunk's rows only."""
+    import grpo.model.logprobs as lp
+
+    bundle, prompts, ids, mask = tiny
+    # the language model's parameters: the pass reuses the prompt's visual tokens (no vision tower rerun)
+    params = [p for name, p in bundle.model.named_parameters() if p.requires_grad and "visual" not in name]
+    w = torch.rand(ids.shape, generator=torch.Generator().manual_seed(1)) * mask  # any per-token weights
+    gold_logits = full_row_logits(bundle, prompts, ids, mask, G)
+    gold_H = torch.distributions.Categorical(logits=gold_logits / temperature).entropy()
+    gold = _grads((gold_H * w).sum(), params)
+    calls, real = [], lp._EntropyWithGrad.forward
+    monkeypatch.setattr(lp._EntropyWithGrad, "forward",
+                        staticmethod(lambda c, z, *a: calls.append((z.shape[0], a[-1] is None)) or real(c, z, *a)))
+    ctx = build_prompt_context(bundle.model, prompts)
+    logp, ent = completion_logprobs(bundle.model, ctx, ids, mask, G, temperature=temperature,
+                                    chunk_tokens=chunk_tokens, shared_prefix=shared, entropy="grad")
+    assert ent.requires_grad
+    ours = _grads((ent * w).sum(), params)
+    rows = max(1, chunk_tokens // ids.shape[1])
+    first = [r for r, fresh in calls if fresh]
+    assert len(first) == -(-2 * G // rows) and all(r <= rows for r, _ in calls)  # once per chunk, chunk-sized
+    with torch.no_grad():  # the values: those of the detached entropies, bit for bit
+        _, plain = completion_logprobs(bundle.model, ctx, ids, mask, G, temperature=temperature,
+                                       chunk_tokens=chunk_tokens, shared_prefix=shared, entropy=True)
+    assert torch.equal(ent.detach(), plain)
+    scale = max(float(g.abs().max()) for g in gold)
+    assert scale > 0
+    for a, b in zip(ours, gold):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5 * scale)
+
+
 # ----------------------------------------------------------------------------- a real step
 
 
@@ -192,6 +238,34 @@ def test_step_entropy_is_the_same_in_micro_batches_and_either_pass(rollouts):
         other, _, _ = _step(rollouts, cfg)
         torch.testing.assert_close(other.logs[0].entropy, gold.logs[0].entropy, rtol=0, atol=tol)
         assert abs(_token_mean_entropy(other, cfg) - H) <= tol, (rows, shared)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_the_entropy_bonus_adds_minus_coef_times_the_aggregated_entropys_gradient(rollouts, loss_type):
+    """optim.entropy_coef = c: the step's gradient is the one without the bonus minus c times
+    the gradient of the policy's entropy aggregated as the loss type aggregates its tokens
+    (kernels.grpo_loss.aggregate), the entropy taken here by Categorical on the whole logits
+    of the full-row pass in one piece, while the step runs two micro-batches (each its share)
+    through the chunked shared-prefix pass. The logged entropy does not change."""
+    from kernels.grpo_loss import LossOptions, aggregate
+
+    c = 0.05
+    cfg = _config(loss_type=loss_type)
+    cfg.optim.grad_clip = 0.0  # the raw gradients are compared
+    plain, _, ln0 = _step(rollouts, cfg)
+    cfg.optim.entropy_coef, cfg.optim.micro_batch_rows = c, G
+    bonus, _, ln1 = _step(rollouts, cfg)
+    r, ln = rollouts[0], _learner(cfg, rollouts[1])
+    mask = r.out.completion_mask
+    hidden = completion_hidden_states(ln.bundle.model, r.out.context, r.out.completion_ids, mask, G)
+    H = torch.distributions.Categorical(logits=ln.bundle.model.get_output_embeddings()(hidden).float()).entropy()
+    opts = LossOptions(loss_type=loss_type, max_len=cfg.sampling.max_new_tokens)
+    gold = torch.autograd.grad(aggregate(H, mask, opts, float(mask.sum())), ln.params)
+    scale = max(float(g.abs().max()) for g in gold)
+    assert scale > 0
+    for p0, p1, g in zip(ln0.params, ln1.params, gold):
+        torch.testing.assert_close(p1.grad - p0.grad, -c * g, rtol=1e-3, atol=1e-4 * c * scale)
+    torch.testing.assert_close(bonus.logs[0].entropy, plain.logs[0].entropy, rtol=0, atol=1e-5)
 
 
 # ----------------------------------------------------------------------------- optim.mask_truncated

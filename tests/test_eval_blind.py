@@ -40,6 +40,16 @@ def test_shuffle_is_a_derangement_within_each_family_and_deterministic():
     assert sorted(e.image.info["shows"] for e in out) == [str(i) for i in range(7)]  # a permutation
 
 
+def test_a_prompt_of_several_images_takes_all_of_another_prompts_images():
+    exs = [example(str(i), str(i), "a") for i in range(3)]
+    exs[1].images = [exs[1].image, picture("1b")]  # a two-image prompt between one-image ones
+    out = shuffle_images(exs)
+    for orig, sh in zip(exs, out):
+        donor = next(e for e in exs if e.image is sh.image)
+        assert donor is not orig and sh.prompt_images == donor.prompt_images
+    assert sorted(len(e.prompt_images) for e in out) == [1, 1, 2] and exs[1].images[1].info["shows"] == "1b"
+
+
 def test_shuffle_pools_singletons_and_refuses_fewer_than_two():
     exs = [example("0", "0", "a"), example("1", "1", "a"), example("2", "2", "lonely")]
     out = shuffle_images(exs)

@@ -340,6 +340,95 @@ def test_bias_corrected_kl_at_ratio_one_keeps_the_value_and_changes_the_gradient
     assert delta.abs().max() > 1e-4  # 1000x the gradient tolerance: the two gradients do differ
 
 
+# (N, T, G, loss_type, importance, beta, use_old, kl_estimator, kl_bias_correction)
+KL_ESTIMATOR_CASES = [
+    (6, 37, 3, "grpo", "token", 0.1, True, "k1", False),
+    (9, 20, 3, "bnpo", "sequence", 0.04, True, "k2", False),
+    (8, 13, 2, "dapo", "token", 0.3, False, "k2", True),
+    (10, 19, 2, "dr_grpo", "sequence", 0.1, False, "k1", True),
+    (12, 29, 3, "grpo", "token", 0.2, True, "k2", True),
+    (5, 70, 1, "grpo", "sequence", 0.05, True, "k1", True),
+    (6, 11, 3, "bnpo", "token", 0.0, True, "k1", False),  # beta 0: the estimator only changes kl_mean
+]
+
+
+@pytest.mark.parametrize("case", KL_ESTIMATOR_CASES, ids=lambda c: f"N{c[0]}T{c[1]}-{c[3]}-{c[4]}-{c[7]}"
+                                                                  f"-bias{int(c[8])}-beta{c[5]}")
+def test_kernel_matches_reference_with_each_kl_estimator(case):
+    """k1 / k2 (k3 is every other case here): kernel == reference, loss, d loss / d logp and stats."""
+    N, T, G, loss_type, importance, beta, use_old, est, bias = case
+    inp = make_inputs(N, T, G, seed=N * T + 5)
+    kw = dict(G=G, rewards=inp["rewards"], old_logp=inp["old"] if use_old else None, ref_logp=inp["ref"],
+              beta=beta, eps_high=0.28, loss_type=loss_type, importance=importance, kl_estimator=est,
+              kl_bias_correction=bias)
+    kernel, gold = run_both(inp, **kw)
+    assert_match(kernel, gold)
+    k3 = run_both(inp, **dict(kw, kl_estimator="k3"))[1]
+    assert not torch.allclose(k3[2]["kl_mean"], gold[2]["kl_mean"])  # the estimate did change
+    if beta:
+        assert not torch.allclose(k3[1], gold[1])  # and so did the gradient
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("importance", ["token", "sequence"])
+@pytest.mark.parametrize("est", ["k1", "k2", "k3"])
+def test_kl_estimators_against_autograd_of_the_formulas(est, importance, bias):
+    """Each estimator written from Schulman's definitions with r = pi_ref / pi, d = log r:
+    k1 = -log r, k2 = (log r)^2 / 2, k3 = (r - 1) - log r; kl_bias_correction multiplies it
+    by the importance ratio (gradient through the ratio). On rows whose advantages are 0 only
+    the KL term is left: loss, gradient and kl_mean equal autograd through that formula, and
+    the gradient without the correction has the closed forms 1, logp - ref, 1 - r."""
+    N, T, G, beta = 6, 13, 3, 0.3
+    inp = make_inputs(N, T, G, seed=41)
+    m = inp["mask"].cpu()
+    mf = m.float()
+    n = mf.sum(1, keepdim=True).clamp(min=1)
+    lp = torch.where(m, inp["logp"].cpu(), 0.0).clone().requires_grad_()
+    old = torch.where(m, inp["old"].cpu(), 0.0)
+    ref = torch.where(m, inp["ref"].cpu(), 0.0)
+    log_r = ref - lp
+    k = {"k1": -log_r, "k2": log_r ** 2 / 2, "k3": torch.exp(log_r) - 1 - log_r}[est]
+    lr = lp - old
+    if importance == "sequence":
+        lr = ((lr * mf).sum(1, keepdim=True) / n).expand(N, T)
+    kl = torch.exp(lr) * k if bias else k
+    expect = ((beta * kl * mf).sum(1, keepdim=True) / n).mean()  # loss_type grpo
+    expect.backward()
+    closed = {"k1": torch.ones_like(lp), "k2": lp - ref, "k3": 1 - torch.exp(ref - lp)}[est].detach()
+    if not bias:
+        torch.testing.assert_close(lp.grad, beta * closed * mf / (N * n), atol=1e-7, rtol=1e-5)
+    for backend in ("torch", "triton"):
+        logp = inp["logp"].clone().requires_grad_()
+        loss, st = loss_of(gl, logp, m.to(DEVICE), torch.ones(N, device=DEVICE), G=G, old_logp=inp["old"],
+                           ref_logp=inp["ref"], beta=beta, importance=importance, kl_estimator=est,
+                           kl_bias_correction=bias, backend=backend)
+        loss.backward()
+        torch.testing.assert_close(loss.detach().cpu(), expect.detach(), atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(logp.grad.cpu(), lp.grad * mf, atol=1e-7, rtol=1e-5)
+        torch.testing.assert_close(st.kl_mean.cpu(), (kl * mf).sum().detach() / mf.sum())
+
+
+def test_k2_and_k3_agree_near_the_reference_and_k2_has_the_corrected_gradient():
+    """Near pi_ref, k3 = d^2/2 + O(d^3) = k2 + O(d^3) (float64: fp32 loses exp(d) - d - 1 to
+    cancellation), and k2's gradient equals k3's with the bias correction at ratio 1 (both
+    beta (logp - ref)): the identities the module docstring's table rests on."""
+    g = torch.Generator().manual_seed(5)
+    lp = -2 * torch.rand(4, 9, generator=g)
+    ref = lp + 1e-2 * torch.randn(4, 9, generator=g)
+    d = (ref - lp).double()
+    gap = gl.kl_estimate(d, "k3") - gl.kl_estimate(d, "k2")
+    assert (gap.abs() <= d.abs() ** 3).all()  # |d^3 / 6 + ...| <= |d|^3 for |d| << 1
+    mask = torch.ones(4, 9, dtype=torch.bool, device=DEVICE)
+    grads = {}
+    for est, bias in (("k2", False), ("k3", True)):
+        logp = lp.clone().to(DEVICE).requires_grad_()
+        loss, _ = loss_of(gl, logp, mask, torch.ones(4, device=DEVICE), G=2, ref_logp=ref.to(DEVICE), beta=1.0,
+                          kl_estimator=est, kl_bias_correction=bias, backend="triton")
+        loss.backward()
+        grads[est] = logp.grad
+    torch.testing.assert_close(grads["k2"], grads["k3"], atol=1e-9, rtol=1e-5)
+
+
 def test_kl_old_mean_is_k3_of_the_token_ratios():
     inp = make_inputs(6, 10, 3, seed=6)
     m = inp["mask"]
@@ -386,6 +475,8 @@ def test_lever_inputs_are_refused_with_clear_errors():
         loss_of(gl, logp, mask, r, G=3, adv_std_floor=0.5, scale="none")
     with pytest.raises(ValueError, match="kl_bias_correction=True weights the KL term, which needs ref_logp"):
         loss_of(gl, logp, mask, r, G=3, kl_bias_correction=True)
+    with pytest.raises(ValueError, match="kl_estimator must be one of"):
+        loss_of(gl, logp, mask, r, G=3, kl_estimator="low_var_kl")
 
 
 @pytest.mark.parametrize("loss_type,importance", [("grpo", "token"), ("dapo", "sequence")])

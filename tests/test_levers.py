@@ -39,7 +39,7 @@ from grpo.state.checkpoint import load_checkpoint
 from grpo.state.registry import resolve
 from grpo.config import TrainConfig
 from grpo.rollout.sampler import Rollout
-from grpo.rollout.dynamic_sampling import (FillStats, concat_rollouts, fill_batch, groups_with_spread,
+from grpo.rollout.dynamic_sampling import (FillStats, concat_rollouts, fill_batch, groups_in_band, groups_with_spread,
                                    no_spread_message, select_groups)
 from grpo.model.prompt_context import PromptContext, group_rows
 from grpo.rewards.compose import RewardBatch
@@ -304,6 +304,47 @@ def test_fill_stats_of_an_empty_sample():
     assert FillStats(target=4).dropped_frac == 0.0 and FillStats(target=0).fill == 0.0
 
 
+def easyr1_band(correct: list[float], G: int, low: float, high: float) -> list[int]:
+    """EasyR1's online filtering, written from its rule: a group is kept iff low <= the mean of
+    its accuracy scores <= high (Python floats, one group at a time)."""
+    groups = [correct[i:i + G] for i in range(0, len(correct), G)]
+    return [g for g, acc in enumerate(groups) if low <= sum(acc) / len(acc) <= high]
+
+
+@pytest.mark.parametrize("G,low,high", [(4, 0.01, 0.99), (3, 1 / 3, 2 / 3), (5, 0.0, 0.0), (8, 0.5, 1.0)])
+def test_accuracy_band_is_easyr1s_rule(G, low, high):
+    gen = torch.Generator().manual_seed(G)
+    correct = (torch.rand(40 * G, generator=gen) < torch.rand(40, generator=gen).repeat_interleave(G)).float()
+    correct[:G], correct[G:2 * G] = 1.0, 0.0  # an all-right and an all-wrong group
+    want = easyr1_band(correct.tolist(), G, low, high)
+    assert groups_in_band(correct, G, low, high) == want
+    assert 0 < len(want) < 40 or (low, high) == (0.0, 0.0)  # the band kept some and dropped some
+
+
+def band_of(r: Rollout) -> list[int]:
+    """A stand-in band for the fake stream: even prompt ids are in it."""
+    return [b for b, e in enumerate(r.examples) if int(e[2:]) % 2 == 0]
+
+
+def test_the_band_drops_groups_with_spread_and_the_gate_still_counts_zero_spread():
+    stream = Stream(lambda p: p % 3 != 0)  # prompts 0, 3, 6, ... tie
+    micro, stats = fill_batch([stream.draw(4)], stream.draw, spread_of, 4, max_refills=8, pad_id=0, band=band_of)
+    pids = [p for r in micro for p in check_aligned(r)]
+    assert pids == [p for p in range(stream.next) if p % 3 != 0 and p % 2 == 0]  # spread and in the band
+    ties = sum(p % 3 == 0 for p in range(stream.next))
+    outside = sum(p % 3 != 0 and p % 2 == 1 for p in range(stream.next))
+    assert stats.out_of_band == outside > 0 and stats.kept_groups == 4 == stats.target
+    assert stats.zero_spread_frac == pytest.approx(ties / stream.next)  # what the controller's gate reads
+    assert stats.dropped_frac == pytest.approx((ties + outside) / stream.next)
+    assert stats.to_dict()["out_of_band"] == outside
+    stream = Stream(lambda p: p % 2 == 1)  # spread only outside the band: nothing kept
+    micro, stats = fill_batch([stream.draw(2)], stream.draw, spread_of, 2, max_refills=1, pad_id=0, band=band_of)
+    msg = no_spread_message("B", 3, stats, 2, 1.0, 1)
+    assert micro == [] and stats.out_of_band == 2 and "\n" not in msg
+    assert msg.startswith("phase B step 3: dynamic sampling kept no group after 1 refills (4 groups of G=2 sampled; "
+                          "2 had reward spread but a mean correctness outside the accuracy band")
+
+
 # ----------------------------------------------------------------------------- advantage inputs
 
 
@@ -491,6 +532,32 @@ def test_dynamic_sampling_trains_only_on_groups_with_spread(tmp_path, monkeypatc
     assert all(d["fill"] == 1.0 and d["kept_groups"] == 4 for d in dyn)
     assert all(r["zero_spread"] == 0 for r in recs.values())  # the trained batches
     assert any(d["dropped_frac"] > 0 for d in dyn)  # what the controller's gate reads
+
+
+def test_the_accuracy_band_filters_the_trainers_groups_on_correctness(tmp_path, monkeypatch):
+    """--sampling.accuracy_low/high reach the refill loop: the band is read off each rollout's
+    correctness component, and groups with spread outside it are dropped and counted."""
+    mod, seen = importlib.import_module("grpo.train"), []
+    real = mod.groups_in_band
+
+    def spy(correct, G, low, high):
+        seen.append((correct.clone(), G, low, high))
+        return real(correct, G, low, high)
+
+    monkeypatch.setattr(mod, "groups_in_band", spy)
+    with reward_spread(component="correctness"):  # a text-dependent bonus on correctness: every group has spread
+        rc, out, err = train(tmp_path / "run", "--phase.steps", "2", "--sampling.dynamic_sampling", "true",
+                             "--sampling.max_refills", "8", "--sampling.accuracy_low", "0.25",
+                             "--sampling.accuracy_high", "0.75")
+    assert rc == 0, err
+    assert seen and all(G == 3 and (low, high) == (0.25, 0.75) for _, G, low, high in seen)
+    inside = [set(easyr1_band(c.tolist(), 3, 0.25, 0.75)) for c, *_ in seen]
+    # groups whose correctness (so their reward) differs, outside the band: what out_of_band counts
+    dropped = sum(g not in keep and len(set(c[3 * g:3 * g + 3].tolist())) > 1
+                  for (c, *_), keep in zip(seen, inside) for g in range(len(c) // 3))
+    dyn = [r["dynamic"] for r in steps(tmp_path / "run").values()]
+    assert sum(d["out_of_band"] for d in dyn) == dropped > 0, "nothing left the band: the test proved little"
+    assert all(d["fill"] == 1.0 for d in dyn)
 
 
 def test_dynamic_sampling_bound_stops_with_one_line(tmp_path):

@@ -278,3 +278,34 @@ def test_other_bad_configs():
         inject_lora(model, verbose=False)
     with pytest.raises(TypeError, match="Conv2d"):
         LoRALinear(nn.Conv2d(3, 3, 1), r=2, alpha=2)
+
+
+def test_frozen_adapter_casts_give_the_same_numbers_with_one_cast_per_module():
+    """Inside frozen_adapter_casts a no-grad call reuses one bf16 cast of A and B (the decode loop:
+    the adapter is fixed for a rollout); the output is the per-call cast's bit for bit; with grad
+    on, or after the context, every call casts again (gradients reach the fp32 masters)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from lora import frozen_adapter_casts
+
+    class Casts(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Casts.n += func.overloadpacket.__name__ == "_to_copy"
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    layer = LoRALinear(nn.Linear(16, 8).to(torch.bfloat16), r=4, alpha=8.0)  # scaling 2: the multiply stays
+    nn.init.normal_(layer.lora_B)
+    x = torch.randn(3, 16, dtype=torch.bfloat16)
+    with torch.no_grad():
+        plain = layer(x)
+        with frozen_adapter_casts():
+            with Casts():
+                outs = [layer(x) for _ in range(3)]
+        assert Casts.n == 2  # A and B, once
+    assert all(torch.equal(o, plain) for o in outs)
+    with frozen_adapter_casts():
+        layer(x).float().sum().backward()  # grad on: cast per call, gradient flows
+    assert layer.lora_A.grad is not None and layer.lora_A.grad.abs().sum() > 0

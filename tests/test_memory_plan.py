@@ -75,8 +75,11 @@ def test_the_vision_tower_with_lora_saves_what_the_plan_counts(dtype, vision, me
     assert seen["bytes"] > 0 and abs(planned - seen["bytes"]) <= 0.01 * seen["bytes"], (seen["bytes"], planned)
 
 
-def test_a_whole_step_allocates_what_the_plan_predicts(tiny):
+@pytest.mark.parametrize("entropy_coef", [0.0, 0.01])
+def test_a_whole_step_allocates_what_the_plan_predicts(tiny, entropy_coef):
     cfg, bundle = tiny
+    cfg = copy.deepcopy(cfg)
+    cfg.optim.entropy_coef = entropy_coef  # the bonus's gradient through the logits chunk, counted
     examples = generate("train", 1, 6, seed=1, image_size=cfg.model.image_size)
     got = measured_step(bundle, cfg, examples)
     want = planned_phases(plan_step(shapes_of_model(bundle.model, cfg), cfg, device="cpu",
@@ -85,6 +88,26 @@ def test_a_whole_step_allocates_what_the_plan_predicts(tiny):
     for phase in ("resident", "sampling", "policy"):
         assert abs(want[phase] - got[phase]) <= 0.1 * got[phase], (phase, got, want)
     assert got["policy"] > 1.2 * got["resident"]  # the step's own activations are a real part of what is compared
+
+
+def test_the_entropy_bonus_is_counted_in_the_logits_chunks_backward():
+    """At the 7B's vocabulary, long rows and a 16384-token chunk, the logits part is the policy
+    backward's peak: the bonus adds its own gradient of that chunk in bf16 (b V per token) and
+    the fp32 block temporaries, nothing to the other phases."""
+    from bench.memory import qwen7b_on_meta
+
+    cfg = phase_config("A", "qwen7b", {"optim.logits_chunk_tokens": "16384"}, "A")
+    sh = shapes_of_model(qwen7b_on_meta(cfg), cfg)
+    off = plan_step(sh, cfg)
+    cfg.optim.entropy_coef = 0.01
+    on = plan_step(sh, cfg)
+    T = on.completion_tokens
+    chunk = min(on.micro_batch_rows, max(1, 16384 // T)) * T  # completion tokens per LM-head chunk
+    grew = {p.name: q.bytes - p.bytes for p, q in zip(off.parts, on.parts) if q.bytes != p.bytes}
+    assert list(grew) == ["policy backward: final norm + one logits chunk recomputed + its gradient"], grew
+    assert list(grew.values())[0] == memory_plan.entropy_bonus_bytes(sh, chunk) >= chunk * sh.vocab * 2
+    for phase in ("resident", "sampling", "reference"):
+        assert on.phase_bytes(phase) == off.phase_bytes(phase)
 
 
 # ----------------------------------------------------------------------------- the trainer's decision
@@ -139,6 +162,22 @@ def test_on_cuda_nothing_fits_says_what_else_to_lower(monkeypatch, qwen7b_preset
         check_fits(model, cfg, "cuda", log=lambda *a, **k: None)
 
 
+def test_the_plan_counts_the_visual_tokens_of_every_image_of_a_prompt(monkeypatch, qwen7b_preset):
+    """max_pixels bounds each image, so a prompt of k images is k x 256 visual tokens at the
+    preset's 448^2 (plus the text); a prompt cap, when set, is the bound instead."""
+    cfg, model = qwen7b_preset
+    one, three = memory_plan.prompt_tokens(cfg), memory_plan.prompt_tokens(cfg, images=3)
+    assert one == 256 + memory_plan.TEXT_TOKENS and three == 3 * 256 + memory_plan.TEXT_TOKENS
+    fake_cuda(monkeypatch, free_gib=200.0, total_gib=200.0)
+    lines = []
+    plan = check_fits(model, cfg, "cuda", images=3, log=lambda *a, **k: lines.append(a[0]))
+    assert plan.prompt_tokens == three and f"prompt ~{three} tokens" in lines[0]
+    assert plan.peak > plan_step(shapes_of_model(model, cfg), cfg).peak
+    capped = copy.deepcopy(cfg)
+    capped.model.max_prompt_tokens = 600
+    assert memory_plan.prompt_tokens(capped, images=3) == 600
+
+
 def test_on_a_cpu_the_plan_prints_nothing_and_never_stops(monkeypatch, qwen7b_preset, capsys):
     cfg, model = qwen7b_preset
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (0, 0))  # would stop any CUDA run
@@ -147,16 +186,17 @@ def test_on_a_cpu_the_plan_prints_nothing_and_never_stops(monkeypatch, qwen7b_pr
 
 
 def test_the_trainer_stops_with_one_line_and_exit_2_before_any_step(monkeypatch, tmp_path, capsys):
-    """grpo.train's GRPO phase asks the plan right after building the policy; on a (faked)
+    """grpo.train's GRPO phase asks the plan once the policy is built and the data read; on a (faked)
     CUDA device without room it ends with one line and exit 2, no step taken."""
     import grpo.train as train
 
     real = train.check_fits
 
-    def on_a_full_gpu(model, cfg, device, world=1):  # CUDA faked for the check alone (bitsandbytes asks too)
+    def on_a_full_gpu(model, cfg, device, world=1, images=1):  # CUDA faked for the check alone (bitsandbytes asks too)
+        assert images == 1  # the synthetic curriculum: one image a prompt
         with monkeypatch.context() as patch:
             fake_cuda(patch, free_gib=0.0)
-            return real(model, cfg, "cuda", world)
+            return real(model, cfg, "cuda", world, images)
 
     monkeypatch.setattr(train, "check_fits", on_a_full_gpu)
     rc = train.main(["--phase", "A", "--init", "base", "--run.run_dir", str(tmp_path / "run"), "--phase.steps", "1",

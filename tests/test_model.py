@@ -119,6 +119,33 @@ def test_encode_matches_transformers_processor(bundle):
     assert (lo[mask] - l1d[mask]).abs().max() > 1e-4
 
 
+def test_several_images_a_prompt_match_transformers_processor(bundle):
+    """One placeholder per image, every image's patches in order, one grid row per IMAGE: what
+    the processor gives for nested images, and the model reads them so (logits equal)."""
+    images = [[_image(0), _image(1, (90, 60))], [_image(2, (140, 100))], [_image(3, (56, 84)), _image(4), _image(5)]]
+    questions = ["Which is larger?", "Count the shapes.", "Sum over the three?"]
+    ours = encode_prompts(bundle, (images, questions))
+    texts = [prompt_text(bundle, q, len(im)) for q, im in zip(questions, images)]
+    assert [t.count("<|vision_start|><|image_pad|><|vision_end|>") for t in texts] == [2, 1, 3]
+    ref = _processor(bundle)(images=images, text=texts, return_tensors="pt", padding=True)
+    for k in ("input_ids", "attention_mask", "mm_token_type_ids", "image_grid_thw"):
+        assert torch.equal(ours.model_inputs()[k], ref[k]), k
+    assert torch.equal(ours.pixel_values, ref["pixel_values"])
+    assert ours.images_per_prompt == [2, 1, 3] and ours.image_grid_thw.shape == (6, 3)
+    assert ours.n_image_tokens.tolist() == [16 + 6, 12, 6 + 16 + 16]  # each image resized on its own
+    assert ours.counts.visual_tokens_max == 38 and ours.counts.resized_down == 1  # the 140x100 image
+    with torch.no_grad():
+        lo = bundle.model(**ours.model_inputs()).logits
+        lr = bundle.model(**{k: ref[k] for k in ref}).logits
+    mask = ours.attention_mask.bool()
+    torch.testing.assert_close(lo[mask], lr[mask], rtol=0, atol=0)
+    # repeated(G): each copy of a prompt brings all of its images, in order
+    rep = ours.repeated(2)
+    assert rep["image_grid_thw"].tolist() == [g for b, k in ((0, 2), (2, 1), (3, 3))
+                                              for _ in range(2) for g in ours.image_grid_thw[b:b + k].tolist()]
+    assert rep["pixel_values"].shape[0] == 2 * ours.pixel_values.shape[0]
+
+
 def test_examples_input_and_bad_images(bundle):
     from data.schema import Example
 

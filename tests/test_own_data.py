@@ -159,6 +159,118 @@ def test_datasets_directory_with_other_columns_trains_with_the_map(tmp_path):
     assert "has no column 'answer_text'; its columns: id, img, label, query" in err
 
 
+# ----------------------------------------------------------------------------- several images a prompt
+
+
+def several_image_rows(n=24):
+    """n rows, every third of one image, the rest of two (TRL's ``images`` list): (row, images)."""
+    pics = [ex.image for ex in generate("train", 1, 2 * n, seed=1)]
+    out = []
+    for i, (row, image) in enumerate(minimal_rows(n)):
+        images = [image] if i % 3 == 0 else [image, pics[i]]
+        out.append(({k: v for k, v in row.items() if k != "image"}, images))
+    return out
+
+
+def write_images_jsonl(root: Path, rows) -> None:
+    (root / "img").mkdir(parents=True)
+    lines = []
+    for row, images in rows:
+        names = [f"img/{row['pid']}-{k}.png" for k in range(len(images))]
+        for name, image in zip(names, images):
+            image.save(root / name)
+        lines.append(json.dumps(dict(row, images=names)))
+    (root / "data.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def test_an_images_list_reads_in_every_format_and_its_bad_lengths_are_counted(tmp_path):
+    rows = several_image_rows(6)
+    rows.append(({"pid": "none", "question": "q", "answer": "1"}, []))
+    rows.append(({"pid": "five", "question": "q", "answer": "1"}, rows[0][1] * 5))
+    write_images_jsonl(tmp_path / "jsonl", rows)
+    examples, skipped = load_source(tmp_path / "jsonl")
+    assert skipped == {"empty_images": 1, "too_many_images": 1}
+    assert [len(ex.prompt_images) for ex in examples] == [1, 2, 2, 1, 2, 2]
+    assert examples[1].image is examples[1].images[0] and examples[0].images is None  # a list of one: one image
+    assert examples[1].images[1].tobytes() == rows[1][1][1].tobytes()
+    _, skipped = load_source(tmp_path / "jsonl", max_images=6)
+    assert skipped == {"empty_images": 1}
+    # parquet: a list column of {bytes, path} structs (what datasets writes for a Sequence of Image)
+    table = []
+    for row, images in rows:
+        structs = []
+        for k, image in enumerate(images):
+            image.save(tmp_path / "x.png")
+            structs.append({"bytes": (tmp_path / "x.png").read_bytes(), "path": f"{k}.png"})
+        table.append(dict(row, images=structs))
+    pq.write_table(pa.Table.from_pylist(table), tmp_path / "own.parquet")
+    from_parquet, skipped = load_source(tmp_path / "own.parquet")
+    assert skipped == {"empty_images": 1, "too_many_images": 1}
+    assert [len(ex.prompt_images) for ex in from_parquet] == [1, 2, 2, 1, 2, 2]
+    # save_jsonl writes a several-image example as an images list and reads back the same
+    from data.jsonl import save_jsonl
+
+    save_jsonl(examples, tmp_path / "again")
+    back, skipped = load_source(tmp_path / "again")
+    assert not skipped and [len(ex.prompt_images) for ex in back] == [1, 2, 2, 1, 2, 2]
+    assert back[4].images[1].tobytes() == examples[4].images[1].tobytes()
+    datasets = pytest.importorskip("datasets")
+    hf = datasets.Dataset.from_dict({"question": [r["question"] for r, _ in rows[:6]],
+                                     "answer": [r["answer"] for r, _ in rows[:6]], "images": [im for _, im in rows[:6]]},
+                                    features=datasets.Features({"question": datasets.Value("string"),
+                                                                "answer": datasets.Value("string"),
+                                                                "images": datasets.Sequence(datasets.Image())}))
+    hf.save_to_disk(str(tmp_path / "hf"))
+    from_hf, skipped = load_source(tmp_path / "hf")
+    assert not skipped and [len(ex.prompt_images) for ex in from_hf] == [1, 2, 2, 1, 2, 2]
+
+
+def test_rows_of_two_images_beside_rows_of_one_train_with_one_command(tmp_path):
+    """Mixed prompts in every draw, the checkpoint evaluation and its shuffled-image control,
+    and the report; a row over --data.max_images is skipped and counted, and data whose
+    every row is over it is one line naming the option."""
+    rows = several_image_rows()
+    rows.append(({"pid": "three", "question": "q", "answer": "1"}, rows[0][1] + rows[1][1]))  # 3 images
+    write_images_jsonl(tmp_path / "data", rows)
+    run = tmp_path / "run"
+    rc, out, err = run_main(run, *QUICK, "--run.data", str(tmp_path / "data"), "--data.max_images", "2")
+    assert rc == 0, err
+    assert "data: 1 rows of" in out and "(too_many_images 1; a row may show --data.max_images=2 images" in out
+    steps = [r for r in log_lines(run) if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2] and any(r["prompts"]["visual_tokens_max"] == 32 for r in steps)
+    assert "[test] base" in out and (run / "report" / "report.json").is_file()
+    from grpo.config import ConfigError, apply_overrides, phase_preset
+    from grpo.run.phase_data import load_own_data
+
+    write_images_jsonl(tmp_path / "pairs", [r for r in rows if len(r[1]) == 2])
+    cfg = apply_overrides(phase_preset("A"), {"run.data": str(tmp_path / "pairs"), "data.max_images": "1"}).validate()
+    with pytest.raises(ConfigError, match=r"has no usable rows: 16 skipped \(too_many_images 16; a row may show "
+                                          r"--data.max_images=1 images: raise it to train on more\)$"):
+        load_own_data(cfg)
+    rc, _, err = run_main(tmp_path / "run3", *QUICK, "--run.data", str(tmp_path / "data"), "--data.max_images", "0")
+    one_line_error(rc, err, "data.max_images=0: must be >= 1")
+
+
+def test_evaluate_reads_a_set_of_several_images_under_its_own_bound(tmp_path, capsys):
+    """python -m grpo.evaluate --data DIR: --max-images as the trainer's --data.max_images
+    (a row over it skipped and counted); below 1 it is one line."""
+    from eval.inputs import load_examples
+    from grpo.evaluate import build_parser, main
+
+    rows = several_image_rows(6)
+    rows.append(({"pid": "three", "question": "q", "answer": "1"}, rows[0][1] + rows[1][1]))  # 3 images
+    write_images_jsonl(tmp_path / "data", rows)
+    args = build_parser().parse_args(["--data", str(tmp_path / "data"), "--subset", "all"])
+    examples, _, skipped = load_examples(args)
+    assert not skipped and [len(ex.prompt_images) for ex in examples] == [1, 2, 2, 1, 2, 2, 3]
+    args.max_images = 2
+    examples, _, skipped = load_examples(args)
+    assert skipped == {"too_many_images": 1} and len(examples) == 6
+    assert main(["--data", str(tmp_path / "data"), "--max-images", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--max-images 0: must be >= 1" in err
+
+
 # ----------------------------------------------------------------------------- bad inputs
 
 
@@ -306,3 +418,19 @@ def test_stage_all_parses_and_a_datasets_directory_without_the_package_is_one_li
     with pytest.raises(ValueError, match=r"was written by datasets' save_to_disk, and reading it needs the datasets "
                                          r"package: pip install 'datasets>=3'"):
         load_source(tmp_path)
+
+
+@pytest.mark.parametrize("n,extra,text", [
+    (1, [], "has 1 usable rows, too few for the end-of-run report"),
+    (1, ["--run.test_per_stage", "0"], "has 1 training rows, too few for the checkpoint evaluation"),
+])
+def test_too_few_rows_for_the_held_out_rows_is_one_line(tmp_path, n, extra, text):
+    root = tmp_path / "few"
+    (root / "img").mkdir(parents=True)
+    lines = []
+    for row, image in minimal_rows(n):
+        image.save(root / row["image"])
+        lines.append(json.dumps(row))
+    (root / "data.jsonl").write_text("\n".join(lines) + "\n")
+    rc, _, err = run_main(tmp_path / "run", *QUICK, "--run.data", str(root), *extra)
+    one_line_error(rc, err, text)

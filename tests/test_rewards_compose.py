@@ -232,6 +232,47 @@ def test_arithmetic_pays_right_equations_only():
     assert rm([ex] * 5, texts, [10] * 5).components["arithmetic"].tolist() == [1.0, 0.0, 0.0, 0.0, 1.0]
 
 
+def dapo_overlong(n, L_max, L_cache):
+    """DAPO's R_length (section 3.4), written from the paper's cases."""
+    if n <= L_max - L_cache:
+        return 0.0
+    if n <= L_max:
+        return ((L_max - L_cache) - n) / L_cache
+    return -1.0
+
+
+@pytest.mark.parametrize("L,buffer,penalty", [(10, 4, 1.0), (10, 10, 1.0), (48, 0, 1.0), (7, 1, 2.5)])
+def test_overlong_is_dapos_soft_punishment(L, buffer, penalty):
+    """Every length 0..L+2 against the paper's formula, times the penalty factor, weighted into
+    the total; buffer 0 = a fifth of the budget (48 // 5 = 9)."""
+    rm = RewardModel(RewardConfig(weights={"overlong": 2.0, "format": 0.0}, overlong_buffer=buffer,
+                                  overlong_penalty=penalty), max_new_tokens=L)
+    cache = buffer or L // 5
+    n = list(range(L + 3))
+    b = rm([full_example()] * len(n), ["x"] * len(n), n)
+    want = [penalty * dapo_overlong(k, L, cache) for k in n]
+    assert b.components["overlong"].tolist() == pytest.approx(want)
+    assert b.total.tolist() == pytest.approx([2.0 * w for w in want])
+    assert want[L - cache] == 0.0 and want[L] == -penalty and min(want) == -penalty  # 0 up to the buffer, -p at L
+
+
+def test_overlong_is_off_unless_named_and_its_bad_values():
+    ex = full_example()
+    assert "overlong" not in model(dict(format=1.0))([ex], ["x"], [64]).components
+    for kw, match in [(dict(overlong_buffer=65), r"rewards.overlong_buffer=65: .* an int in 1..64"),
+                      (dict(overlong_buffer=-1), r"rewards.overlong_buffer=-1"),
+                      (dict(overlong_penalty=0.0), r"rewards.overlong_penalty=0.0: give a finite number > 0"),
+                      (dict(overlong_penalty=float("inf")), r"rewards.overlong_penalty=inf")]:
+        with pytest.raises(ConfigError, match=match):  # refused even while no weight names it
+            model(dict(format=1.0), **kw)
+        cfg = phase_preset("B")
+        for k, v in kw.items():
+            setattr(cfg.rewards, k, v)
+        cfg.sampling.max_new_tokens = 64
+        with pytest.raises(ConfigError, match=match):  # and by the run's config check, before anything loads
+            cfg.validate()
+
+
 # ----------------------------------------------------------------------------- never raises
 
 PIECES = ["<REASONING>", "</REASONING>", "<SOLUTION>", "</SOLUTION>", "3", "3.5", "7", "-", "1,000", "\\frac{7}{2}",

@@ -201,3 +201,38 @@ def test_cuda_merged_greedy_equals_plain_in_fp32():
     fast = MergedRollout(b.model).sample(b, pb, G=2, max_new_tokens=12, temperature=0)
     plain = sample(b, pb, G=2, max_new_tokens=12, temperature=0)
     assert torch.equal(fast.completion_ids, plain.completion_ids)
+
+
+def test_stacked_weights_hold_each_projection_and_refresh_in_place(bundle):
+    """The copy stacks q/k/v and gate/up into one weight each (one matmul, not three or two):
+    its rows are exactly each projection's merged weight, before and after a refresh (which
+    writes into the same storage: a captured graph keeps reading it), and the stacked matmul
+    gives each projection's output."""
+    from grpo.rollout.merged import FUSED, _merged_fp32
+    from lora import lora_parameters
+
+    b = _sharp_lora(lora_seed=2)
+    rollout = MergedRollout(b.model)
+    layer, w = b.model.model.language_model.layers[1], rollout.weights[1]
+    assert set(w) == set(FUSED)
+
+    def rows_equal_each_projection():
+        for fused, names in FUSED.items():
+            mods = [getattr(layer.self_attn if n in ("q_proj", "k_proj", "v_proj", "o_proj") else layer.mlp, n)
+                    for n in names]
+            parts = [_merged_fp32(m) for m in mods]
+            assert torch.equal(w[fused][0], torch.cat([W for W, _ in parts]))
+            if parts[0][1] is not None:
+                assert torch.equal(w[fused][1], torch.cat([bias for _, bias in parts]))
+        h = torch.randn(5, 1, layer.self_attn.q_proj.in_features)
+        q, k, v = (torch.nn.functional.linear(h, *_merged_fp32(getattr(layer.self_attn, n))) for n in FUSED["qkv"])
+        torch.testing.assert_close(torch.nn.functional.linear(h, *w["qkv"]), torch.cat([q, k, v], -1))
+
+    rows_equal_each_projection()
+    ptr = w["qkv"][0].data_ptr()
+    with torch.no_grad():
+        for p in lora_parameters(b.model):
+            p.mul_(-2.0)
+    rollout.refresh()
+    assert w["qkv"][0].data_ptr() == ptr
+    rows_equal_each_projection()

@@ -42,18 +42,10 @@ def prompts(sharp):
     return encode_prompts(sharp, ([_image(0), _image(1, (90, 60)), _image(2, (56, 112))], QUESTIONS))
 
 
-def _repeated_inputs(prompts, G: int) -> dict:
-    """transformers' inputs with every prompt (and its pixels) repeated G times: the TRL way."""
-    inputs = {k: v.repeat_interleave(G, 0) for k, v in prompts.model_inputs().items() if k != "pixel_values"}
-    per_image = prompts.pixel_values.split(prompts.image_grid_thw.prod(-1).tolist())
-    inputs["pixel_values"] = torch.cat([p for p in per_image for _ in range(G)])
-    return inputs
-
-
 def _full_forward(bundle, prompts, out, G: int) -> tuple[torch.Tensor, torch.Tensor]:
     """transformers' own forward over prompts + completions (repeated prompts, pixels, no cache):
     (logits [N, T, V], last hidden state [N, T, d]) at the positions that predict the completion."""
-    inputs = _repeated_inputs(prompts, G)
+    inputs = prompts.repeated(G)
     L = prompts.input_ids.shape[1]
     inputs["input_ids"] = torch.cat([inputs["input_ids"], out.completion_ids], 1)
     inputs["attention_mask"] = torch.cat([inputs["attention_mask"], out.completion_mask], 1)
@@ -85,7 +77,7 @@ def logprob_tol(bundle, prompts, out, G: int, temperature: float = 1.0) -> float
 
 
 def _generate_greedy(bundle, prompts, G: int, max_new_tokens: int) -> torch.Tensor:
-    out = bundle.model.generate(**_repeated_inputs(prompts, G), do_sample=False, max_new_tokens=max_new_tokens,
+    out = bundle.model.generate(**prompts.repeated(G), do_sample=False, max_new_tokens=max_new_tokens,
                                 eos_token_id=stop_token_ids(bundle), pad_token_id=bundle.pad_token_id)
     return out[:, prompts.input_ids.shape[1]:]
 
@@ -127,6 +119,34 @@ def test_greedy_batched_different_lengths_equals_generate(sharp, prompts, decode
     assert torch.equal(rows[:, 0], rows[:, 1])
     assert not torch.equal(rows[0, 0], rows[1, 0]) and not torch.equal(rows[1, 0], rows[2, 0])
     assert ours.prompt_index.tolist() == [0, 0, 1, 1, 2, 2]
+
+
+@DECODE
+def test_several_images_a_prompt_equal_generate(sharp, decode):
+    """A two-image prompt alone, and in a batch with one-image prompts: generate's tokens, each
+    image of a prompt through the vision tower once for its whole group, and the second image
+    read (another one changes the completion)."""
+    two = [_image(6), _image(7, (84, 56))]
+    alone = encode_prompts(sharp, ([two], ["Which picture has more red?"]))
+    assert alone.images_per_prompt == [2] and alone.n_image_tokens.tolist() == [16 + 6]
+    ours = sample(sharp, alone, G=1, max_new_tokens=12, temperature=0, decode=decode)
+    assert torch.equal(ours.completion_ids, _generate_greedy(sharp, alone, 1, 12))
+    other = encode_prompts(sharp, ([[two[0], _image(8, (84, 56))]], ["Which picture has more red?"]))
+    assert not torch.equal(sample(sharp, other, G=1, max_new_tokens=12, temperature=0, decode=decode).completion_ids,
+                           ours.completion_ids)
+
+    mixed = encode_prompts(sharp, ([_image(0), two, _image(2, (56, 112))], QUESTIONS))
+    assert mixed.images_per_prompt == [1, 2, 1]
+    patches = []
+    handle = sharp.model.model.visual.register_forward_hook(lambda m, args, out: patches.append(args[0].shape[0]))
+    try:
+        ours = sample(sharp, mixed, G=3, max_new_tokens=12, temperature=0, decode=decode)
+    finally:
+        handle.remove()
+    assert patches == [mixed.pixel_values.shape[0]]  # one vision pass over the 4 images, not G = 3 of them
+    assert torch.equal(ours.completion_ids, _generate_greedy(sharp, mixed, 3, 12))
+    rows = ours.completion_ids.view(3, 3, -1)
+    assert torch.equal(rows[:, 0], rows[:, 2]) and not torch.equal(rows[1, 0], rows[0, 0])
 
 
 @DECODE
@@ -289,3 +309,25 @@ def test_static_decode_with_lora_equals_hf(sharp, prompts):
     assert torch.equal(static.completion_ids, hf.completion_ids)
     torch.testing.assert_close(static.logprobs, hf.logprobs, rtol=0, atol=logprob_tol(bundle, prompts, static, 2))
     assert not torch.equal(static.completion_ids, plain.completion_ids)  # the adapters did act
+
+
+def test_static_step_helpers_compute_the_same_numbers():
+    """The static decode step rotates q and k concatenated along the heads in one pass, and gives
+    SDPA a float key mask built once per step: both are the same numbers as rotating each alone
+    and passing the bool mask (which SDPA converts to that float mask inside every call)."""
+    import torch.nn.functional as F
+
+    from grpo.rollout import static_cache
+
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(3, 4, 1, 8, generator=g), torch.randn(3, 2, 1, 8, generator=g)
+    cos, sin = torch.randn(3, 1, 1, 8, generator=g), torch.randn(3, 1, 1, 8, generator=g)
+    qk = static_cache.apply_rope(torch.cat([q, k], 1), cos, sin)
+    assert torch.equal(qk[:, :4], q * cos + static_cache._rotate_half(q) * sin)
+    assert torch.equal(qk[:, 4:], k * cos + static_cache._rotate_half(k) * sin)
+    K, V = torch.randn(3, 2, 6, 8, generator=g), torch.randn(3, 2, 6, 8, generator=g)
+    keys = torch.tensor([[0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1]], dtype=torch.bool)
+    as_bool = F.scaled_dot_product_attention(q, K, V, attn_mask=keys[:, None, None], enable_gqa=True)
+    as_float = F.scaled_dot_product_attention(q, K, V, attn_mask=static_cache.additive_mask(keys, q.dtype)[:, None, None],
+                                              enable_gqa=True)
+    assert torch.equal(as_bool, as_float)

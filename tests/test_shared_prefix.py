@@ -155,7 +155,28 @@ def _grads(params, fn):
 
 @pytest.mark.parametrize("G,checkpointing", [(1, False), (3, False), (3, True)])
 def test_pass_equals_the_full_row_pass(tiny, G, checkpointing):
-    model, ctx = tiny
+    _check_pass(*tiny, G, checkpointing)
+
+
+def test_pass_equals_the_full_row_pass_with_several_images(tiny):
+    """A two-image prompt beside a one-image one (and a three-image one): the visual tokens of
+    all of a prompt's images in its stream, its rope delta summed over them; a micro-batch's
+    slice of the context is that prompt's own."""
+    model, _ = tiny
+    bundle = load_bundle("tiny")
+    images = [[_image(3), _image(4, (84, 56))], [_image(5, (56, 112))], [_image(6, (56, 56)), _image(7), _image(8)]]
+    prompts = encode_prompts(bundle, (images, ["Which is larger?", "How many circles?", "Sum the three?"]))
+    ctx = build_prompt_context(model, prompts)
+    assert prompts.images_per_prompt == [2, 1, 3] and ctx.image_mask.sum(1).tolist() == [22, 8, 36]
+    alone = build_prompt_context(model, encode_prompts(bundle, ([images[2]], ["Sum the three?"])))
+    part = ctx.prompts(2, 3)
+    torch.testing.assert_close(part.image_embeds, alone.image_embeds)
+    assert part.next_position.tolist() == alone.next_position.tolist()
+    _check_pass(model, ctx, 3, False)
+
+
+def _check_pass(model, ctx, G, checkpointing):
+    """Shared-prefix against full-row on ``ctx``: hidden states, log-probs and LoRA gradients, the reference pass."""
     model = copy.deepcopy(model)
     if checkpointing:
         enable_gradient_checkpointing(model)

@@ -176,9 +176,7 @@ def full_row_logits(bundle, prompts, ids: torch.Tensor, mask: torch.Tensor, G: i
     """transformers' own forward with the prompt (and its pixels) repeated in each of its G rows:
     fp32 logits [N, T, V] at the positions that predict the completion tokens ``ids`` [N, T],
     under the caller's grad mode."""
-    inputs = {k: v.repeat_interleave(G, 0) for k, v in prompts.model_inputs().items() if k != "pixel_values"}
-    per_image = prompts.pixel_values.split(prompts.image_grid_thw.prod(-1).tolist())
-    inputs["pixel_values"] = torch.cat([p for p in per_image for _ in range(G)])
+    inputs = prompts.repeated(G)
     P = prompts.input_ids.shape[1]
     inputs["input_ids"] = torch.cat([inputs["input_ids"], ids], 1)
     inputs["attention_mask"] = torch.cat([inputs["attention_mask"], mask], 1)

@@ -32,8 +32,8 @@ prompt + completion gives all T of them. What this file does to make that cheap:
   on a bare weight; here the head stays the model's own module, whatever it is.)
 - The log-softmax goes through ``kernels.logprob.token_logprobs`` (Triton on CUDA, the
   PyTorch reference on CPU): log p(target) without an fp32 [N, T, V] copy on the GPU.
-- The policy's entropy (``entropy=True``, for the log line) from the same chunk's logits:
-  H_t = -sum_v p_v log p_v at the log-probs' temperature, no grad (``token_entropy``).
+- The policy's entropy H_t = -sum_v p_v log p_v at the log-probs' temperature, from the same
+  chunk's logits: ``entropy=True`` the log line's, no grad; ``"grad"`` the bonus's, with grad.
 - The pass with grad runs the language model in training mode: transformers' activation
   checkpointing (``model.gradient_checkpointing``) recomputes a decoder layer in backward
   only when the layer is training, and an eval-mode pass would silently keep every
@@ -91,6 +91,39 @@ def token_entropy(logits: torch.Tensor, temperature: float, block_tokens: int = 
     return out.reshape(logits.shape[:-1])
 
 
+class _EntropyWithGrad(torch.autograd.Function):
+    """``token_entropy`` with its gradient, for the entropy bonus (optim.entropy_coef):
+
+        dH/dz_v = -p_v (log p_v + H) / temperature,      p = softmax(z / temperature)
+
+    Backward recomputes p from the logits ``block_tokens`` tokens at a time in fp32, like the
+    forward: autograd through the formula would keep fp32 p and log p of the whole chunk
+    (two fp32 [rows, T, V] copies) until backward. What it keeps is the logits tensor the
+    log-prob pass keeps anyway; what it adds in backward is its gradient (the logits' size in
+    their dtype, summed by autograd into the log-probs' one) and a few fp32 [block_tokens, V]
+    temporaries. ``known``: the entropies already computed (a checkpointed chunk's recompute
+    in backward needs the saved logits, not the values again)."""
+
+    @staticmethod
+    def forward(ctx, logits, temperature: float, block_tokens: int, known):
+        ctx.save_for_backward(logits)
+        ctx.temperature, ctx.block_tokens = temperature, block_tokens
+        return known.clone() if known is not None else token_entropy(logits, temperature, block_tokens)
+
+    @staticmethod
+    def backward(ctx, g):
+        (logits,) = ctx.saved_tensors
+        flat, t, k = logits.reshape(-1, logits.shape[-1]), ctx.temperature, ctx.block_tokens
+        g = g.reshape(-1, 1).float() / t
+        out = torch.empty_like(flat)
+        for s in range(0, flat.shape[0], k):
+            logp = torch.log_softmax(flat[s : s + k].float() / t, -1)
+            p = logp.exp()
+            H = -(p * logp).sum(-1, keepdim=True)
+            out[s : s + k] = -(p * (logp + H)) * g[s : s + k]
+        return out.view(logits.shape), None, None, None
+
+
 def completion_hidden_states(
     model, ctx: PromptContext, completion_ids: torch.Tensor, completion_mask: torch.Tensor, G: int,
 ) -> torch.Tensor:
@@ -112,11 +145,15 @@ def completion_hidden_states(
 
 
 def _chunk_logprobs(lm_head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor,
-                    temperature: float, backend: str, entropy: list | None = None) -> torch.Tensor:
+                    temperature: float, backend: str, entropy: list | None = None, grad: bool = False):
     """One chunk: hidden [rows, T, d] -> logits [rows, T, V] (the only place they exist) -> [rows, T].
     ``entropy``: a list that receives the chunk's token entropies [rows, T] (once: the recompute
-    of a checkpointed chunk in backward finds them there and does not pay for them again)."""
+    of a checkpointed chunk in backward finds them there); ``grad``: also returned, with grad."""
     logits = lm_head(hidden)
+    if grad:
+        ent = _EntropyWithGrad.apply(logits, temperature, 128, entropy[0] if entropy else None)
+        entropy[:] = [ent.detach()]
+        return token_logprobs(logits, targets, temperature=temperature, backend=backend), ent
     if entropy is not None and not entropy:
         entropy.append(token_entropy(logits, temperature))
     return token_logprobs(logits, targets, temperature=temperature, backend=backend)
@@ -133,13 +170,14 @@ def completion_logprobs(
     chunk_tokens: int = 1024,
     backend: str = "auto",
     shared_prefix: bool = True,
-    entropy: bool = False,
+    entropy: bool | str = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """log softmax(lm_head(h) / temperature)[o_t] for B*G completions: [N, T] fp32, 0 where masked.
 
     Runs under the caller's grad mode and adapter state: call it plainly for the policy, or use
     ``reference_logprobs`` for the reference. ``chunk_tokens``: completion tokens per LM-head chunk
-    (whole rows, at least one). ``entropy``: return (log-probs, token entropies [N, T] fp32, no grad).
+    (whole rows, at least one). ``entropy``: return (log-probs, token entropies [N, T] fp32, no grad
+    or, "grad", with grad: the same values).
     """
     _check_shapes(ctx, completion_ids, completion_mask, G)
     if not isinstance(chunk_tokens, int) or chunk_tokens < 1:
@@ -155,7 +193,10 @@ def completion_logprobs(
         # expanded lm_head weight (the reference pass: ~50 s per chunk at the 7B on a CPU)
         h, y = hidden[start : start + rows].contiguous(), completion_ids[start : start + rows]
         box = [] if entropy else None  # the chunk's entropies land here
-        if h.requires_grad:  # keep h only; backward recomputes this chunk's logits
+        if h.requires_grad and entropy == "grad":  # the entropies as a second output, with their gradient
+            lp, ent = checkpoint(_chunk_logprobs, lm_head, h, y, temperature, backend, box, True, use_reentrant=False)
+            out, box = out + [lp], [ent]
+        elif h.requires_grad:  # keep h only; backward recomputes this chunk's logits
             out.append(checkpoint(_chunk_logprobs, lm_head, h, y, temperature, backend, box, use_reentrant=False))
         else:
             out.append(_chunk_logprobs(lm_head, h, y, temperature, backend, box))

@@ -25,7 +25,12 @@ Text tokens have t = h = w = running index; the n visual tokens of an image get 
 max(h, w) grid cells, not by n. So a prompt of n_real tokens ends at position
 n_real - 1 + delta with delta = max(h, w) - n <= 0 (``rope delta``), and a token k
 steps after the prompt sits at ``next_position + k`` with next_position = n_real + delta,
-on all three axes.
+on all three axes. A prompt of several images: each image in turn, so its delta is the sum
+of its images' max(h, w) - n_k (transformers' get_rope_index takes the grids in order).
+
+Several images a prompt change nothing below but counts: the vision tower runs over every
+image of the batch at once, ``image_embeds`` holds prompt 0's images' tokens, then prompt
+1's, ..., and a prompt's share is the number of its ``image_mask`` positions.
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ class PromptContext:
     attention_mask: torch.Tensor  # [B, P] long
     position_ids: torch.Tensor  # [3, B, P] long, M-RoPE (t, h, w); 0 on padding
     next_position: torch.Tensor  # [B] long, position of the first completion token
-    image_embeds: torch.Tensor  # [n_vis_total, d] merged visual tokens, rows in prompt order, no grad
+    image_embeds: torch.Tensor  # [n_vis_total, d] merged visual tokens of every image, in prompt order, no grad
     image_mask: torch.Tensor  # [B, P] bool, where image_embeds go
     vision: VisionInputs | None = None  # the images, kept only when the tower carries LoRA (grpo/model/vision.py)
 
@@ -63,7 +68,7 @@ class PromptContext:
         """The context of prompts start..stop-1 alone (a training micro-batch of whole groups).
 
         The visual tokens are stored concatenated in prompt order, so prompt b's rows of
-        ``image_embeds`` start after the visual tokens of prompts 0..b-1. The padded length P
+        ``image_embeds`` (all its images') start after the visual tokens of prompts 0..b-1. The padded length P
         is kept: every position id is explicit, so a shorter slice would be equally right,
         but equal shapes keep a micro-batch's numbers those of the whole batch."""
         if not 0 <= start < stop <= self.B:
@@ -104,7 +109,7 @@ def mrope_positions(model, prompts: PromptBatch) -> tuple[torch.Tensor, torch.Te
 
 @torch.no_grad()
 def vision_features(model, prompts: PromptBatch) -> torch.Tensor:
-    """Run the vision tower once (with its adapters, if any): [sum_i n_vis_i, d] merged visual tokens."""
+    """Run the vision tower once over every image (with its adapters, if any): [sum_i n_vis_i, d] merged visual tokens."""
     return image_features(model, prompts.pixel_values, prompts.image_grid_thw)
 
 

@@ -1,5 +1,5 @@
-"""Prompt encoding: the chat text around one image and a question, and B prompts as one
-left-padded batch with their image patches (what ``Qwen2_5_VLProcessor`` would produce).
+"""Prompt encoding: the chat text around a prompt's images and its question, and B prompts as
+one left-padded batch with their image patches (what ``Qwen2_5_VLProcessor`` would produce).
 
 Images go through transformers' Qwen2-VL image processor with its PIL backend
 (``Qwen2VLImageProcessorPil``): resize to multiples of 28 px, normalise, cut into 14x14x2
@@ -10,15 +10,21 @@ tokens in ``mm_token_type_ids`` -- and a test checks the result equals the proce
 ``mm_token_type_ids`` matters: without it Qwen2.5-VL silently falls back to 1-D positions.
 
 Bounds (grpo/model/load.py ``set_input_bounds``): the processor resizes every image into
-[min_pixels, max_pixels] (Qwen's smart resize), and a prompt longer than the bundle's
-``max_prompt_tokens`` (visual tokens included) does not enter the model: skipped like a bad
-image, or one ValueError naming it. ``PromptBatch.counts`` says what entered and what did
-not (the training log line's "prompts" entry).
+[min_pixels, max_pixels] (Qwen's smart resize; each image of a prompt on its own), and a
+prompt longer than the bundle's ``max_prompt_tokens`` (the visual tokens of all its images
+included) does not enter the model: skipped like a bad image, or one ValueError naming it.
+``PromptBatch.counts`` says what entered and what did not (the training log line's "prompts"
+entry).
 
-Chat format: one user turn ``<|vision_start|><|image_pad|>*n<|vision_end|>`` + the contract
-prompt (data.contract.format_prompt), then the assistant header. The tiny model uses no
-system prompt (its template adds none); a real Qwen model keeps its own template, which
-adds Qwen's default system prompt.
+Chat format: one user turn ``<|vision_start|><|image_pad|>*n_k<|vision_end|>`` for each image
+k of the prompt, in order, + the contract prompt (data.contract.format_prompt), then the
+assistant header. The tiny model uses no system prompt (its template adds none); a real Qwen
+model keeps its own template, which adds Qwen's default system prompt.
+
+Several images a prompt, as Qwen2.5-VL takes them: ``pixel_values`` concatenates every
+image's patches (prompt 0's images, then prompt 1's, ...) and ``image_grid_thw`` has one row
+per IMAGE, not per prompt; ``images_per_prompt`` says which rows are whose. The model pairs
+them by order: the k-th run of ``<|image_pad|>`` tokens in the batch takes the k-th grid.
 """
 
 from __future__ import annotations
@@ -44,14 +50,14 @@ class PromptCounts:
     """
 
     prompts: int = 0  # prompts that entered the model
-    visual_tokens: int = 0  # their visual tokens (one per 28x28 px of the resized image), summed
+    visual_tokens: int = 0  # their visual tokens (one per 28x28 px of each resized image, all its images), summed
     visual_tokens_max: int = 0  # the most of one prompt
     tokens: int = 0  # their prompt tokens (visual included), summed
     tokens_max: int = 0
     resized_down: int = 0  # their images max_pixels shrank (fewer visual tokens than their size gives)
     resized_up: int = 0  # their images min_pixels enlarged
     skipped_long: int = 0  # prompts over max_prompt_tokens: skipped
-    skipped_image: int = 0  # prompts whose image failed to preprocess: skipped
+    skipped_image: int = 0  # prompts an image of which failed to preprocess: skipped
 
     MAXIMA = ("visual_tokens_max", "tokens_max")  # combined by max; every other field by sum
 
@@ -92,7 +98,8 @@ class PromptBatch:
     attention_mask: torch.Tensor  # [B, P] long, 0 on left padding
     mm_token_type_ids: torch.Tensor  # [B, P] int, 1 on <|image_pad|> tokens (what turns M-RoPE on)
     pixel_values: torch.Tensor  # [sum_i patches_i, 3*2*14*14] float, images concatenated in row order
-    image_grid_thw: torch.Tensor  # [B, 3] long, (t, h, w) patch grid per image
+    image_grid_thw: torch.Tensor  # [n_images, 3] long, (t, h, w) patch grid per image (row b's after rows < b's)
+    images_per_prompt: list[int] = field(default_factory=list)  # [B] images of each row (1 for most data)
     kept: list[int] = field(default_factory=list)  # input index of each row
     skipped: list[tuple[int, str]] = field(default_factory=list)  # (input index, reason) of dropped inputs
     counts: PromptCounts = field(default_factory=PromptCounts)  # what entered the model and what did not
@@ -105,7 +112,21 @@ class PromptBatch:
 
     def to(self, device: str | torch.device) -> PromptBatch:
         moved = {k: v.to(device) for k, v in self.model_inputs().items()}
-        return PromptBatch(**moved, kept=list(self.kept), skipped=list(self.skipped), counts=self.counts)
+        return PromptBatch(**moved, images_per_prompt=list(self.images_per_prompt), kept=list(self.kept),
+                           skipped=list(self.skipped), counts=self.counts)
+
+    def repeated(self, G: int) -> dict[str, torch.Tensor]:
+        """``model_inputs()`` with every prompt repeated G times, its images with it: what
+        transformers' ``generate`` needs to sample G completions a prompt (the TRL way; the
+        references the sampler and the log-prob passes are tested against). Rows b*G ..
+        b*G+G-1 are prompt b, and each copy brings all of prompt b's images, in order."""
+        inputs = {k: v.repeat_interleave(G, 0) for k, v in self.model_inputs().items()
+                  if k not in ("pixel_values", "image_grid_thw")}
+        grids = self.image_grid_thw.split(self.images_per_prompt)  # per prompt: [k_b, 3]
+        patches = self.pixel_values.split([int(g.prod(-1).sum()) for g in grids])
+        inputs["pixel_values"] = torch.cat([p for p in patches for _ in range(G)])
+        inputs["image_grid_thw"] = torch.cat([g for g in grids for _ in range(G)])
+        return inputs
 
     @property
     def n_image_tokens(self) -> torch.Tensor:
@@ -113,41 +134,45 @@ class PromptBatch:
         return self.mm_token_type_ids.sum(1)
 
 
-def prompt_text(bundle: ModelBundle, question: str | None) -> str:
-    """The chat-formatted prompt with ONE <|image_pad|> placeholder (expanded later).
+def prompt_text(bundle: ModelBundle, question: str | None, n_images: int = 1) -> str:
+    """The chat-formatted prompt with ONE <|image_pad|> placeholder per image (expanded later).
 
+    The images come first, then the question (Qwen's own examples put them in this order).
     ``question=None``: a user turn that is only the image, the prompt of the warm-up's
     perception stage (the answer describes the picture; grpo/warmup/sft.py).
     """
     messages = []
     if bundle.system_prompt is not None:
         messages.append({"role": "system", "content": bundle.system_prompt})
-    content = [{"type": "image"}]
+    content = [{"type": "image"} for _ in range(n_images)]
     if question is not None:
         content.append({"type": "text", "text": format_prompt(question)})
     messages.append({"role": "user", "content": content})
     return bundle.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
-def _as_pairs(items) -> list[tuple[Any, str]]:
-    """Examples (with .image, .question) or an (images, questions) pair -> [(image, question)]."""
+def _as_pairs(items) -> list[tuple[list[Any], str]]:
+    """Examples (``.prompt_images``, ``.question``) or an (images, questions) pair, an entry of
+    images one image or a list of a prompt's images -> [(the prompt's images, question)]."""
     if isinstance(items, tuple) and len(items) == 2 and isinstance(items[1], (list, tuple)):
         images, questions = items
         if len(images) != len(questions):
             raise ValueError(f"encode_prompts: {len(images)} images but {len(questions)} questions")
-        return list(zip(images, questions))
-    return [(getattr(ex, "image", None), getattr(ex, "question", None)) for ex in items]
+        return [(list(im) if isinstance(im, (list, tuple)) else [im], q) for im, q in zip(images, questions)]
+    return [(ex.prompt_images if hasattr(ex, "prompt_images") else [getattr(ex, "image", None)],
+             getattr(ex, "question", None)) for ex in items]
 
 
-def _preprocess_image(bundle: ModelBundle, image) -> tuple[torch.Tensor, torch.Tensor]:
-    """One image -> (patches [n, 1176], grid_thw [3]). Raises ValueError with the reason."""
-    if image is None:
+def _preprocess_images(bundle: ModelBundle, images: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """A prompt's images -> (patches [sum_k n_k, 1176], grid_thw [k, 3]), each image resized on
+    its own (the pixel bounds apply per image). Raises ValueError with the reason."""
+    if not images or any(image is None for image in images):
         raise ValueError("no image (Example.image is None: decode it before encoding)")
     try:
-        out = bundle.image_processor(images=[image], return_tensors="pt")
+        out = bundle.image_processor(images=images, return_tensors="pt")
     except Exception as e:  # PIL and numpy errors vary; the caller needs one reason string
         raise ValueError(f"image preprocessing failed ({first_line(e)})") from None
-    return out["pixel_values"], out["image_grid_thw"][0]
+    return out["pixel_values"], out["image_grid_thw"]
 
 
 def _image_hw(image) -> tuple[int, int] | None:
@@ -187,12 +212,13 @@ def encode_prompts(
     image_only: bool = False,
     max_prompt_tokens: int | None = None,
 ) -> PromptBatch:
-    """Tokenise B (image, question) prompts into one left-padded batch.
+    """Tokenise B (images, question) prompts into one left-padded batch.
 
-    ``items``: a sequence of Examples (``.image`` a PIL image, ``.question``) or a tuple
-    ``(images, questions)``. A prompt that cannot enter the model -- its image fails to
-    preprocess, or it is longer than ``max_prompt_tokens`` (None: the bundle's cap; 0: no
-    cap; visual tokens included) -- is, with ``on_bad_image="skip"``, dropped and recorded
+    ``items``: a sequence of Examples (``.prompt_images`` PIL images, ``.question``) or a tuple
+    ``(images, questions)``, an entry of ``images`` one image or a list of them. A prompt that
+    cannot enter the model -- an image of it fails to preprocess, or it is longer than
+    ``max_prompt_tokens`` (None: the bundle's cap; 0: no cap; the visual tokens of all its
+    images included) -- is, with ``on_bad_image="skip"``, dropped and recorded
     in ``.skipped`` and ``.counts`` (training goes on); with "raise" (default) it is one
     ValueError naming the example. Every prompt skipped: ``NoPromptsLeft``. ``image_only``:
     prompts without the question (the warm-up's perception stage).
@@ -206,20 +232,27 @@ def encode_prompts(
     tok, merge2 = bundle.tokenizer, bundle.merge_size**2
     image_pad = "<|image_pad|>"
     rows, pixels, grids, kept, skipped, counts = [], [], [], [], [], PromptCounts()
-    for i, (image, question) in enumerate(pairs):
+    for i, (images, question) in enumerate(pairs):
         if not image_only and (not isinstance(question, str) or not question.strip()):
             raise ValueError(f"encode_prompts: item {i} has no question text (got {question!r})")
         try:
-            patches, grid = _preprocess_image(bundle, image)
+            patches, grid = _preprocess_images(bundle, images)  # grid [k, 3]: one row per image
         except ValueError as e:
             if on_bad_image == "raise":
                 raise ValueError(f"encode_prompts: item {i}: {e}; fix the image or pass on_bad_image='skip'") from None
             skipped.append((i, str(e)))
             counts.skipped_image += 1
             continue
-        text = prompt_text(bundle, None if image_only else question)
-        n_vis = int(grid.prod()) // merge2  # one LM token per 2x2 group of patches
-        text = text.replace(image_pad, image_pad * n_vis, 1)
+        text = prompt_text(bundle, None if image_only else question, len(images))
+        per_image = (grid.prod(-1) // merge2).tolist()  # one LM token per 2x2 group of patches
+        n_vis = sum(per_image)
+        # The k-th placeholder becomes image k's tokens (splitting first: a replaced run would
+        # be found again by the next replace).
+        parts = text.split(image_pad)
+        if len(parts) != len(images) + 1:
+            raise ValueError(f"encode_prompts: item {i}: the chat template wrote {len(parts) - 1} image placeholders "
+                             f"for {len(images)} images")
+        text = parts[0] + "".join(image_pad * n + part for n, part in zip(per_image, parts[1:]))
         row = tok(text, add_special_tokens=False)["input_ids"]
         if cap and len(row) > cap:  # the memory bound: a longer prompt never reaches the model
             why = f"prompt of {len(row)} tokens ({n_vis} visual) > max_prompt_tokens={cap}"
@@ -233,9 +266,10 @@ def encode_prompts(
         pixels.append(patches)
         grids.append(grid)
         kept.append(i)
-        direction = resize_direction(bundle, image, grid)
+        directions = [resize_direction(bundle, image, g) for image, g in zip(images, grid)]
         counts.add(PromptCounts(prompts=1, visual_tokens=n_vis, visual_tokens_max=n_vis, tokens=len(row),
-                                tokens_max=len(row), resized_down=int(direction < 0), resized_up=int(direction > 0)))
+                                tokens_max=len(row), resized_down=sum(d < 0 for d in directions),
+                                resized_up=sum(d > 0 for d in directions)))
     if not rows:
         what = "every image failed to preprocess" if not counts.skipped_long else "no prompt could enter the model"
         raise NoPromptsLeft(f"encode_prompts: {what}: {skipped}", skipped, counts)
@@ -256,7 +290,8 @@ def encode_prompts(
         attention_mask=attention_mask,
         mm_token_type_ids=mm_token_type_ids,
         pixel_values=torch.cat(pixels, 0).to(bundle.model.dtype),
-        image_grid_thw=torch.stack(grids, 0),
+        image_grid_thw=torch.cat(grids, 0),
+        images_per_prompt=[g.shape[0] for g in grids],
         kept=kept,
         skipped=skipped,
         counts=counts,

@@ -5,6 +5,7 @@ V-Rubrics, composed by name and weight (compose.RewardModel is the one entry poi
     steps.py     StepRAR, StepRVR and the soft matcher (case, spacing, LaTeX, number formats)
     detail.py    RewardMap's difficulty-weighted partial credit over intermediates
     rubrics.py   V-Rubrics: judge interface, rule judge, sentence location, prefix inputs
+    overlong.py  DAPO's soft overlong punishment (the ``overlong`` component)
     compose.py   RewardModel: components by name, weights read at call time, per-component logs
     plugins.py   your own components: --rewards.extra NAME=module:function, imported and checked
 """

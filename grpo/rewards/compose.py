@@ -32,13 +32,16 @@ controller can edit ``cfg.weights`` in place (or call ``set_weights``) while tra
     detail       [0, 2]         RewardMap W * detail (detail.py)     intermediates, difficulty
     rubric       [-1, 1]        V-Rubrics (rubrics.py)               rubrics (+ evidence for RuleJudge)
     arithmetic   {0, 1}         this project (eval/reasoning.py)     -
+    overlong     [-p, 0]        DAPO soft overlong (overlong.py)     -
     NAME         any finite     your plug-in (plugins.py)            whatever it reads
 
 ``arithmetic`` is none of the four papers' terms: 1 when the REASONING writes at least one
 "expression = number" and every one of them is right (eval.reasoning.arithmetic_right, the
 metric every report carries), else 0. It was added to test one lever against the error the
 reports count most after misreads: a wrong sum written in the reasoning and copied faithfully
-into the SOLUTION (bench/EXPERIMENTS.md has the measurement).
+into the SOLUTION (bench/EXPERIMENTS.md has the measurement). ``overlong`` is DAPO's soft
+overlong punishment: 0 up to L - L_cache tokens, then a line down to -p at L (p =
+``cfg.overlong_penalty``, L_cache = ``cfg.overlong_buffer``); off until a weight names it.
 
 Plug-ins (``RewardConfig.extra``, ``--rewards.extra NAME=module:function``): a function
 ``(examples, completions) -> list[float]`` called once per batch with the same ``examples``
@@ -74,7 +77,9 @@ from data.contract import normalize_number, parse_response
 from data.schema import Example
 from eval.reasoning import arithmetic_right
 from grpo.config import KNOWN_COMPONENTS, ConfigError, RewardConfig, check_weights  # noqa: F401 (re-exported)
+from grpo.config import overlong_buffer
 from grpo.rewards.detail import DETAIL_MAX, W_LEVEL, detail_reward
+from grpo.rewards.overlong import soft_overlong
 from grpo.rewards.plugins import load_plugins, score_plugin
 from grpo.rewards.rubrics import Judge, PrefixInputs, RubricScore, RuleJudge, TokenLocator, build_prefix_inputs, \
     check_rubrics, coerce_verdicts, encodable, score_rubrics
@@ -88,6 +93,7 @@ COMPONENT_BOUNDS: dict[str, tuple[float, float]] = {
     "format": (-0.5, 2.0), "parseable": (0.0, 1.0), "finished": (-1.0, 1.0), "correctness": (0.0, 1.0),
     "tolerance": (0.0, 1.0), "brevity": (-1.0, 1.0), "step_rar": (0.0, 1.0 + STEP_ALPHA),
     "step_rvr": (0.0, 1.0), "detail": (0.0, DETAIL_MAX), "rubric": (-1.0, 1.0), "arithmetic": (0.0, 1.0),
+    "overlong": (-1.0, 0.0),  # at rewards.overlong_penalty 1 (the default): the range scales with it
 }
 VETOED_COMPONENTS = ("correctness", "tolerance")  # the "answer reward" a committed PITFALL zeroes
 RUBRIC_RELEASE_WEIGHTS = {
@@ -141,6 +147,7 @@ class RewardModel:
         if not 0.0 <= cfg.prefix_answer_weight <= 1.0:
             raise ConfigError(f"rewards.prefix_answer_weight={cfg.prefix_answer_weight}: 'a' must be in [0, 1]")
         weights = check_weights(cfg.weights, cfg.tolerance, cfg.extra)
+        self.overlong_buffer = overlong_buffer(cfg, max_new_tokens)  # L_cache, checked even while unweighted
         if cfg.rubric_mode == "prefix" and "rubric" in weights and tokenizer is None:
             raise ConfigError("rewards.rubric_mode='prefix' needs the model's tokenizer to map supporting "
                               "sentences to token positions: pass tokenizer=... to RewardModel")
@@ -214,6 +221,8 @@ class RewardModel:
                 comps["detail"][i] = detail_reward(text, p, ex.intermediates, ex.answer, ex.difficulty, ex.hops)
             if "arithmetic" in comps:  # None (no equation to check) earns nothing
                 comps["arithmetic"][i] = 1.0 if arithmetic_right(text) else 0.0
+            if "overlong" in comps:
+                comps["overlong"][i] = soft_overlong(tok[i], self.L, self.overlong_buffer, self.cfg.overlong_penalty)
         for name, fn in self.plugins.items():
             if name in comps:
                 comps[name] = score_plugin(name, fn, examples, completions)

@@ -13,6 +13,9 @@ What is implemented
     round 0   the step's usual sampling: accumulation x B prompts, G completions each, rewards
     filter    a group is kept iff its advantage inputs are not all constant
               (``groups_with_spread``: the same test as the loss kernel's zero_spread_frac)
+              and, with an accuracy band [low, high] set, its mean correctness (the
+              fraction of its G completions with correctness 1) lies in the band
+              (``groups_in_band``)
     refill    while fewer than B x accumulation groups are kept and fewer than
               ``sampling.max_refills`` refills were made: sample the missing number of
               prompts (the deficit, in sampler calls of at most B prompts) from the phase's
@@ -32,10 +35,16 @@ Design choices and what they cost:
   full it was (``fill``).
 - Prompts whose image fails to preprocess are dropped by the sampler as before; with
   dynamic sampling their places are refilled too.
+- The accuracy band (``sampling.accuracy_low`` / ``accuracy_high``; EasyR1's online_filtering
+  keeps 0.01..0.99, OpenRLHF's dynamic_filtering_reward_range) filters on correctness, not on
+  the weighted reward: a group that ties on correctness but differs in brevity has spread,
+  and the band can drop it (with [0.01, 0.99], every group that is all right or all wrong
+  goes, whatever its format terms do). The default [0, 1] is no band: the spread test alone.
 - With nothing dropped, the batch is the round-0 rollouts themselves: a run where every
   group has spread is bit-identical to a run with dynamic sampling off.
 - The controller's vanishing-advantage gate reads the zero-spread fraction of what was
-  *sampled* (dropped / sampled groups): the trained batch has none by construction.
+  *sampled* (zero-spread / sampled groups; ``zero_spread_frac``): the trained batch has
+  none by construction. Groups the band dropped had spread and are not counted in it.
 - Resume: refills draw from the same seeded stream and the same sampler generator, whose
   positions are checkpointed at step boundaries, so a resumed run refills exactly as a
   straight run does.
@@ -71,7 +80,8 @@ class FillStats:
     target: int  # groups wanted: B x accumulation
     rounds: int = 0  # sampling rounds, round 0 included (refills = rounds - 1)
     sampled_groups: int = 0  # groups sampled over all rounds
-    kept_groups: int = 0  # groups with spread that went into the batch
+    kept_groups: int = 0  # groups with spread (and in the band) that went into the batch
+    out_of_band: int | None = None  # groups with spread that the accuracy band dropped (None: no band)
 
     @property
     def refills(self) -> int:
@@ -79,16 +89,26 @@ class FillStats:
 
     @property
     def dropped_frac(self) -> float:
-        """Zero-spread groups / sampled groups: the rate the controller gates on."""
+        """Dropped groups / sampled groups (zero spread, or outside the accuracy band)."""
         return (self.sampled_groups - self.kept_groups) / self.sampled_groups if self.sampled_groups else 0.0
+
+    @property
+    def zero_spread_frac(self) -> float:
+        """Zero-spread groups / sampled groups: the rate the controller gates on (= dropped_frac without a band)."""
+        if not self.sampled_groups:
+            return 0.0
+        return (self.sampled_groups - self.kept_groups - (self.out_of_band or 0)) / self.sampled_groups
 
     @property
     def fill(self) -> float:
         return self.kept_groups / self.target if self.target else 0.0
 
     def to_dict(self) -> dict[str, float | int]:
-        return dict(refills=self.refills, sampled_groups=self.sampled_groups, kept_groups=self.kept_groups,
-                    dropped_frac=self.dropped_frac, fill=self.fill)
+        out = dict(refills=self.refills, sampled_groups=self.sampled_groups, kept_groups=self.kept_groups,
+                   dropped_frac=self.dropped_frac, fill=self.fill)
+        if self.out_of_band is not None:
+            out["out_of_band"] = self.out_of_band
+        return out
 
 
 # ----------------------------------------------------------------------------- the filter (pure)
@@ -109,6 +129,18 @@ def groups_with_spread(values: torch.Tensor, G: int, valid: torch.Tensor | None 
         return []
     _, constant = group_zscore_reference(cols.float(), G, valid=valid)
     return (~constant.all(1)).nonzero().flatten().tolist()
+
+
+def groups_in_band(correct: torch.Tensor, G: int, low: float, high: float) -> list[int]:
+    """Indices of the groups whose mean correctness lies in [low, high].
+
+    correct [N]: the correctness component (1 right, 0 not), G contiguous rows a group. The
+    mean is k / G with k counted exactly (float64), so a bound written as a fraction (1/3 of
+    G = 3) compares as the same float.
+    """
+    check_groups(correct.shape[0], G)
+    acc = correct.double().view(-1, G).sum(1) / G
+    return ((acc >= low) & (acc <= high)).nonzero().flatten().tolist()
 
 
 # ----------------------------------------------------------------------------- merging rollouts
@@ -233,20 +265,25 @@ def concat_rollouts(rs: Sequence[Rollout], pad_id: int) -> Rollout:
 
 def fill_batch(
     first: Sequence[Rollout], draw: Callable[[int], Rollout], spread: Callable[[Rollout], list[int]],
-    B: int, max_refills: int, pad_id: int,
+    B: int, max_refills: int, pad_id: int, band: Callable[[Rollout], list[int]] | None = None,
 ) -> tuple[list[Rollout], FillStats]:
     """Keep the groups with spread of ``first`` (the step's round-0 rollout batches), refill.
 
-    draw(n): sample and score the stream's next n prompts. spread(rollout): its kept group
-    indices. Returns (rollout batches of at most B groups, stats); no rollout batch at all when
-    no group had spread by the bound (the caller stops the run with ``no_spread_message``).
+    draw(n): sample and score the stream's next n prompts. spread(rollout): its group indices
+    with spread; band(rollout), if given: its group indices inside the accuracy band (a group
+    is kept if in both). Returns (rollout batches of at most B groups, stats); no rollout batch
+    at all when none was kept by the bound (the caller stops the run with ``no_spread_message``).
     """
-    stats = FillStats(target=B * len(first), rounds=1)
+    stats = FillStats(target=B * len(first), rounds=1, out_of_band=None if band is None else 0)
     pool: list[tuple[Rollout, list[int]]] = []
 
     def take(rollouts: Sequence[Rollout]) -> None:
         for r in rollouts:
             keep = spread(r)
+            if band is not None:
+                inside = set(band(r))
+                stats.out_of_band += sum(g not in inside for g in keep)
+                keep = [g for g in keep if g in inside]
             stats.sampled_groups += r.n_groups
             stats.kept_groups += len(keep)
             pool.append((r, keep))
@@ -272,7 +309,13 @@ def fill_batch(
 
 
 def no_spread_message(phase: str, step: int, stats: FillStats, G: int, temperature: float, max_refills: int) -> str:
-    """The one line the trainer stops with when no group had spread by the bound."""
+    """The one line the trainer stops with when no group was kept by the bound."""
+    if stats.out_of_band:  # some had spread: the band dropped them
+        return (f"phase {phase} step {step}: dynamic sampling kept no group after {stats.refills} refills "
+                f"({stats.sampled_groups} groups of G={G} sampled; {stats.out_of_band} had reward spread but a "
+                f"mean correctness outside the accuracy band, the rest none); widen --sampling.accuracy_low / "
+                f"--sampling.accuracy_high, raise --sampling.max_refills (now {max_refills}) or --sampling.G, "
+                f"or set --sampling.dynamic_sampling false")
     return (f"phase {phase} step {step}: dynamic sampling found no group with reward spread after "
             f"{stats.refills} refills ({stats.sampled_groups} groups of G={G} sampled, every completion of "
             f"each prompt got the same reward); raise --sampling.temperature (now {temperature:g}), "
@@ -288,13 +331,15 @@ class NoSpread(Exception):
         self.fill = fill
 
 
-def dynamic_batches(spread: Callable[[Rollout], list[int]], max_refills: int, pad_id: int) -> Callable:
+def dynamic_batches(spread: Callable[[Rollout], list[int]], max_refills: int, pad_id: int,
+                    band: Callable[[Rollout], list[int]] | None = None) -> Callable:
     """A ``grpo.step.Learner.gather`` for DAPO's dynamic sampling: the step's rollout batches,
-    kept to the groups with spread and refilled from the stream (``fill_batch``); raises
-    NoSpread when none is left to train on."""
+    kept to the groups with spread (and in the accuracy band, if ``band``) and refilled from
+    the stream (``fill_batch``); raises NoSpread when none is left to train on."""
 
     def gather(draw: Callable[[int], Rollout], B: int, batches: int) -> tuple[list[Rollout], FillStats]:
-        batch, fill = fill_batch([draw(B) for _ in range(batches)], draw, spread, B, max_refills, pad_id)
+        batch, fill = fill_batch([draw(B) for _ in range(batches)], draw, spread, B, max_refills, pad_id,
+                                 band)
         if not batch:
             raise NoSpread(fill)
         return batch, fill

@@ -18,7 +18,9 @@ and ``refresh()`` recomputes them *in place* after every optimiser step (cost: o
 dequantisation of the base, ~0.1 s for the 7B on a GPU; the addresses stay fixed, which is
 what a captured CUDA graph needs). Everything else -- embeddings, norms, rotary tables,
 lm_head, the vision tower -- is the policy's own module, shared, not copied. For the 7B
-the copy is the 28 x 7 projections, 6.5B parameters = 13 GB of bf16.
+the copy is the 28 x 7 projections, 6.5B parameters = 13 GB of bf16. Projections that read the
+same input are stored stacked (q/k/v as one [out_q + 2 out_kv, in] weight, gate/up as one), so a
+layer runs 4 matmuls, not 7.
 
 ``MergedRollout.sample`` is ``grpo.rollout.sampler.sample`` -- the same checks, prefill, decode loop
 and output -- with this class as its DecodeHook, which swaps the per-token model call:
@@ -30,9 +32,10 @@ and output -- with this class as its DecodeHook, which swaps the per-token model
     decode      ``_decode_step``: the decoder layer written with F.linear over the merged
                 weights; every tensor has a fixed shape (the new K/V go in with
                 index_copy_ at a column held in a device tensor, attention reads all S
-                columns under a key mask), so on CUDA the whole step -- 28 layers, ~600
-                kernels -- is captured once per ``sample`` call into a CUDA graph and
-                replayed: one launch per token instead of ~600 (``graphs``)
+                columns under a float key mask), so on CUDA the whole step -- 28 layers,
+                ~900 operators (32 a layer: python -m bench.decode counts them) -- is
+                captured once per ``sample`` call into a CUDA graph and replayed: one
+                launch per token instead of ~900 (``graphs``)
     sampling    grpo.rollout.sampler.sample_token, eager, outside the graph (it owns the RNG)
 
 GQA without copies: the H_q / H_kv query heads that share one K/V head are laid out as that
@@ -75,6 +78,12 @@ from lora.quant import dequantize_weight
 
 PROJECTIONS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"), ("self_attn", "o_proj"),
                ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
+# The copy's weights, one per matmul of the step: projections that read the same input are stacked
+# along their outputs (q, k, v; gate, up), so the step runs 4 matmuls a layer instead of 7. Each
+# output element is the same dot product either way (checked bit for bit in tests/test_rollout_merged.py).
+FUSED = {"qkv": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
+         "down_proj": ("down_proj",)}
+BLOCK = {name: block for block, name in PROJECTIONS}
 S_ROUND = 64  # KV cache length rounded up to this (aligned key masks for the fused attention kernels)
 
 
@@ -107,14 +116,18 @@ class MergedRollout:
         self.graphs = (self.device.type == "cuda") if graphs == "auto" else bool(graphs)
         if self.graphs and self.device.type != "cuda":
             raise ValueError("graphs=True needs the model on a CUDA device; use graphs='auto' or False on a CPU")
-        # One [out, in] weight (and bias) per projection per layer, allocated once, refreshed in place.
+        # One [out, in] weight (and bias) per matmul (FUSED) per layer, allocated once, refreshed in place.
         self.weights: list[dict[str, tuple[torch.Tensor, torch.Tensor | None]]] = []
         for layer in self.lm.layers:
             per_layer = {}
-            for block, name in PROJECTIONS:
-                module = getattr(getattr(layer, block), name)
-                W, b = _merged_fp32(module)
-                per_layer[name] = (W.to(self.dtype), None if b is None else b.detach().to(self.dtype).clone())
+            for fused, names in FUSED.items():
+                parts = [_merged_fp32(getattr(getattr(layer, BLOCK[n]), n)) for n in names]
+                biases = [b for _, b in parts if b is not None]
+                if biases and len(biases) != len(parts):
+                    raise ValueError(f"{', '.join(names)}: some with a bias and some without; MergedRollout stacks "
+                                     f"them into one matmul and needs all or none (set sampling.rollout=plain)")
+                W = torch.cat([W for W, _ in parts]).to(self.dtype)
+                per_layer[fused] = (W, torch.cat(biases).detach().to(self.dtype) if biases else None)
             self.weights.append(per_layer)
         head = model.lm_head
         self.lm_head = _merged_fp32(head)[0].to(self.dtype) if _needs_copy(head) else head.weight
@@ -130,57 +143,64 @@ class MergedRollout:
     def refresh(self) -> None:
         """Re-merge the current adapter into the copy, in place (call after every optimiser step)."""
         for layer, per_layer in zip(self.lm.layers, self.weights):
-            for block, name in PROJECTIONS:
-                W, _ = per_layer[name]
-                W.copy_(_merged_fp32(getattr(getattr(layer, block), name))[0])
+            for fused, names in FUSED.items():
+                W, row = per_layer[fused][0], 0
+                for n in names:  # each projection into its rows of the stacked weight
+                    merged = _merged_fp32(getattr(getattr(layer, BLOCK[n]), n))[0]
+                    W[row : row + merged.shape[0]].copy_(merged)
+                    row += merged.shape[0]
         if _needs_copy(self.model.lm_head):
             self.lm_head.copy_(_merged_fp32(self.model.lm_head)[0])
 
     # ------------------------------------------------------------------ the decode step
 
     def _decode_step(self, token: torch.Tensor, position: torch.Tensor, col: torch.Tensor,
-                     key_mask: torch.Tensor) -> torch.Tensor:
-        """token [N] at position [N], written to cache column col [1]; key_mask [N, S] bool -> logits [N, V] fp32.
+                     mask: torch.Tensor) -> torch.Tensor:
+        """token [N] at position [N], written to cache column col [1]; mask [N, S] float (0 on the
+        keys to attend to, -inf elsewhere: SDPA's own form of a key mask) -> logits [N, V] fp32.
 
         Fixed shapes, no host syncs, no Python branches on tensor values: capturable.
         """
-        N = token.shape[0]
         x = self.lm.embed_tokens(token[:, None])  # [N, 1, d]
         cos, sin = static_cache.rotary_cos_sin(self.model, position, x.dtype)  # [N, 1, 1, D]
-        mask = key_mask[:, None, None, :]  # [N, 1, 1, S]: broadcast over heads and grouped query rows
+        cos, sin = cos[:, 0], sin[:, 0]  # [N, 1, D]: against [N, heads, D]
+        mask = mask[:, None, None, :]  # [N, 1, 1, S]: broadcast over heads and grouped query rows
         for i, layer in enumerate(self.lm.layers):
-            w = self.weights[i]
-            attn = layer.self_attn
-            D = attn.head_dim
-            h = layer.input_layernorm(x)
-            q = F.linear(h, *w["q_proj"]).view(N, 1, -1, D).transpose(1, 2)  # [N, H_q, 1, D]
-            k = F.linear(h, *w["k_proj"]).view(N, 1, -1, D).transpose(1, 2)  # [N, H_kv, 1, D]
-            v = F.linear(h, *w["v_proj"]).view(N, 1, -1, D).transpose(1, 2)
-            q = q * cos + static_cache._rotate_half(q) * sin
-            k = k * cos + static_cache._rotate_half(k) * sin
-            K, V = self.cache.keys[i], self.cache.values[i]
-            K.index_copy_(2, col, k)  # the new column, in place, at a device-side index
-            V.index_copy_(2, col, v)
-            H_kv = K.shape[1]
-            q = q.reshape(N, H_kv, -1, D)  # query heads j*g .. j*g+g-1 share K/V head j
-            out = F.scaled_dot_product_attention(q, K, V, attn_mask=mask, scale=attn.scaling)  # [N, H_kv, g, D]
-            x = x + F.linear(out.reshape(N, 1, -1), *w["o_proj"])
-            h = layer.post_attention_layernorm(x)
-            gate = layer.mlp.act_fn(F.linear(h, *w["gate_proj"]))
-            x = x + F.linear(gate * F.linear(h, *w["up_proj"]), *w["down_proj"])
+            x = x + self._attention_block(i, layer, layer.input_layernorm(x), cos, sin, col, mask)
+            x = x + self._mlp_block(i, layer, layer.post_attention_layernorm(x))
         return F.linear(self.lm.norm(x), self.lm_head)[:, -1].float()
 
-    def _capture(self, token, position, col, key_mask):
+    def _attention_block(self, i: int, layer, h: torch.Tensor, cos, sin, col, mask) -> torch.Tensor:
+        """h [N, 1, d] -> attention output [N, 1, d]: one q/k/v matmul, one rotation, two cache writes."""
+        w, N, D = self.weights[i], h.shape[0], layer.self_attn.head_dim
+        K, V = self.cache.keys[i], self.cache.values[i]
+        H_kv = K.shape[1]
+        qkv = F.linear(h, *w["qkv"]).view(N, -1, D)  # [N, H_q + 2 H_kv, D]: q's heads, then k's, then v's
+        H_qk = qkv.shape[1] - H_kv
+        qk = static_cache.apply_rope(qkv[:, :H_qk], cos, sin)  # q and k rotated together
+        q, k, v = qk[:, : H_qk - H_kv], qk[:, H_qk - H_kv :], qkv[:, H_qk:]
+        self.cache.write_at(i, col, k[:, :, None], v[:, :, None])  # the new column, in place
+        q = q.reshape(N, H_kv, -1, D)  # query heads j*g .. j*g+g-1 share K/V head j
+        out = F.scaled_dot_product_attention(q, K, V, attn_mask=mask, scale=layer.self_attn.scaling)  # [N, H_kv, g, D]
+        return F.linear(out.reshape(N, 1, -1), *w["o_proj"])
+
+    def _mlp_block(self, i: int, layer, h: torch.Tensor) -> torch.Tensor:
+        """h [N, 1, d] -> SwiGLU output [N, 1, d]: one gate/up matmul, then down."""
+        w = self.weights[i]
+        gate, up = F.linear(h, *w["gate_up"]).chunk(2, -1)
+        return F.linear(layer.mlp.act_fn(gate) * up, *w["down_proj"])
+
+    def _capture(self, token, position, col, mask):
         """A replay function for _decode_step on these static input tensors (CUDA graph)."""
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up off the capture: cuBLAS workspaces, allocator pools
             for _ in range(2):
-                self._decode_step(token, position, col, key_mask)
+                self._decode_step(token, position, col, mask)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            logits = self._decode_step(token, position, col, key_mask)
+            logits = self._decode_step(token, position, col, mask)
         # The warm-up wrote garbage into column `col` (= the first decode column); the first
         # real step overwrites it before any row attends to it.
 
@@ -210,19 +230,20 @@ class MergedRollout:
         N, S = rows.shape[0], self.cache.keys[0].shape[2]
         key_mask = torch.zeros(N, S, dtype=torch.bool, device=device)
         key_mask[:, :P] = ctx.attention_mask[rows].bool()
+        mask = static_cache.additive_mask(key_mask, self.dtype)  # the step's float key mask, opened a column per token
         # Static inputs of the step: a replay reads them where they are.
         token_in = torch.zeros(N, dtype=torch.long, device=device)
         position_in = ctx.next_position[rows].clone()
         col = torch.full((1,), P, dtype=torch.long, device=device)
-        run = (self._capture(token_in, position_in, col, key_mask) if self.graphs
-               else lambda: self._decode_step(token_in, position_in, col, key_mask))
+        run = (self._capture(token_in, position_in, col, mask) if self.graphs
+               else lambda: self._decode_step(token_in, position_in, col, mask))
 
         def step(token: torch.Tensor, position: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
             new = attention_mask.shape[1] - 1  # the new token's cache column: P + tokens decoded so far
             token_in.copy_(token)
             position_in.copy_(position)
             col.fill_(new)
-            key_mask[:, new] = True
+            mask[:, new] = 0.0
             return run()
 
         return step

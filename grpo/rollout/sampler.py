@@ -58,6 +58,7 @@ from grpo.model.load import ModelBundle
 from grpo.model.prompt_context import PromptContext, build_prompt_context, group_rows, prompt_embeds
 from grpo.model.prompts import PromptBatch
 from grpo.rollout import static_cache
+from lora import frozen_adapter_casts
 
 
 @dataclass
@@ -201,6 +202,7 @@ def sample_token(
 # ----------------------------------------------------------------------------- the loop
 
 
+@frozen_adapter_casts()  # the adapters are fixed for the loop: LoRA's A and B cast once, not per token
 def decode_n_tokens(
     model,
     cache,

@@ -13,6 +13,9 @@ than the matmuls themselves. This file is the gpt-fast alternative:
 - ``decode_step``: the decoder layer written out -- RMSNorm, q/k/v projections, rotary,
   attention over the cache, o_proj, residual, RMSNorm, SwiGLU MLP, residual -- calling
   the model's own modules (so LoRA and 4-bit linears swapped in by lora/ run unchanged).
+  Per token it dispatches what the math needs and little else (python -m bench.decode counts
+  it): q and k rotated in one pass, the key mask turned into SDPA's float form once per step
+  rather than inside every layer's SDPA call, the KV cache written in place.
 
 Why plain 1-D rotary is exact here: a text token has the same M-RoPE position p on the
 t, h and w axes, and M-RoPE only chooses, per frequency band, which axis's position to
@@ -72,6 +75,19 @@ class StaticKVCache:
             values.append(vb.view(B * G, H, S, D))
         return cls(keys, values, P)
 
+    def write(self, i: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Layer i's new K and V [N, H_kv, 1, D] into column ``length``, in place: no per-step
+        concatenation (the column is a Python int: one copy each, no index tensor)."""
+        s = self.length
+        self.keys[i][:, :, s : s + 1] = k
+        self.values[i][:, :, s : s + 1] = v
+
+    def write_at(self, i: int, col: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Layer i's new K and V [N, H_kv, 1, D] into column ``col`` [1] (a device tensor, so a
+        captured CUDA graph writes wherever col says at replay)."""
+        self.keys[i].index_copy_(2, col, k)
+        self.values[i].index_copy_(2, col, v)
+
     def batch_select_indices(self, rows: torch.Tensor) -> None:
         """Keep only ``rows`` (batch compaction when completions finish): one gather per layer."""
         self.keys = [k.index_select(0, rows) for k in self.keys]
@@ -92,22 +108,34 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-x2, x1], dim=-1)
 
 
-def _attention(layer, h: torch.Tensor, cos, sin, cache: StaticKVCache, i: int, key_mask: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on the last dim of x [..., D]; cos, sin broadcast against it. Elementwise, so q and k
+    concatenated along the heads are rotated in one pass with the very same numbers."""
+    return x * cos + _rotate_half(x) * sin
+
+
+def additive_mask(key_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool key mask as SDPA's float mask: 0 where True, -inf where False. SDPA converts a bool
+    mask to exactly this inside every call (three operators per layer per token); done once per
+    step instead, the attention computes the same numbers."""
+    return torch.zeros(key_mask.shape, dtype=dtype, device=key_mask.device).masked_fill_(~key_mask, float("-inf"))
+
+
+def _attention(layer, h: torch.Tensor, cos, sin, cache: StaticKVCache, i: int, mask: torch.Tensor) -> torch.Tensor:
     """One attention block for one new token per row: h [N, 1, d] -> [N, 1, d]."""
     attn = layer.self_attn
     N, D = h.shape[0], attn.head_dim
     q = attn.q_proj(h).view(N, 1, -1, D).transpose(1, 2)  # [N, H_q, 1, D]
     k = attn.k_proj(h).view(N, 1, -1, D).transpose(1, 2)  # [N, H_kv, 1, D]
     v = attn.v_proj(h).view(N, 1, -1, D).transpose(1, 2)
-    q = q * cos + _rotate_half(q) * sin
-    k = k * cos + _rotate_half(k) * sin
+    H_q = q.shape[1]
+    q, k = apply_rope(torch.cat([q, k], 1), cos, sin).split([H_q, k.shape[1]], 1)  # one rotation for both
+    cache.write(i, k, v)
     s = cache.length
-    cache.keys[i][:, :, s : s + 1] = k  # in-place write: no per-step concatenation
-    cache.values[i][:, :, s : s + 1] = v
     K, V = cache.keys[i][:, :, : s + 1], cache.values[i][:, :, : s + 1]  # views, [N, H_kv, s+1, D]
-    # key_mask [N, 1, 1, s+1] bool: False on the prompt's left padding. GQA: each K/V head
+    # mask [N, 1, 1, s+1] float: -inf on the prompt's left padding. GQA: each K/V head
     # serves H_q / H_kv query heads (enable_gqa avoids materialising repeated K/V).
-    out = F.scaled_dot_product_attention(q, K, V, attn_mask=key_mask, scale=attn.scaling,
+    out = F.scaled_dot_product_attention(q, K, V, attn_mask=mask, scale=attn.scaling,
                                          enable_gqa=attn.num_key_value_groups > 1)
     return attn.o_proj(out.transpose(1, 2).reshape(N, 1, -1))
 
@@ -122,7 +150,7 @@ def decode_step(model, cache: StaticKVCache, token: torch.Tensor, position: torc
     lm = model.model.language_model
     x = lm.embed_tokens(token[:, None])  # [N, 1, d]
     cos, sin = rotary_cos_sin(model, position, x.dtype)
-    mask = key_mask[:, None, None, :]
+    mask = additive_mask(key_mask, x.dtype)[:, None, None, :]
     for i, layer in enumerate(lm.layers):
         x = x + _attention(layer, layer.input_layernorm(x), cos, sin, cache, i, mask)
         x = x + layer.mlp(layer.post_attention_layernorm(x))

@@ -1,4 +1,4 @@
-"""Where a run writes: its log (JSON lines, and optionally TensorBoard events) beside the checkpoints."""
+"""Where a run writes: its log (JSON lines, and the trackers of run.report_to) beside the checkpoints."""
 
 from __future__ import annotations
 
@@ -8,57 +8,74 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from grpo.run.trackers import TRACKERS, sample_rows
+
 
 @dataclass
 class RunFiles:
     """Where a run writes: <run_dir>/config_<phase>.json, train_log.jsonl, <phase>/step_N,
-    and with run.tensorboard the log's numbers as TensorBoard events in tensorboard/<phase>/."""
+    and the trackers of run.report_to (grpo/run/trackers.py: TensorBoard events in
+    tensorboard/<phase>/, a wandb run, an MLflow run), each fed what the log holds."""
 
     root: Path
     writer: bool = True  # False on ranks > 0 of a data-parallel run: rank 0 writes the log
-    tensorboard: bool = False  # run.tensorboard of the phase being run
-    _events: dict = field(default_factory=dict, repr=False)  # phase -> SummaryWriter, opened at its first numbers
+    report_to: tuple[str, ...] = ()  # the trackers of the phase being run (config.reported_to)
+    hparams: dict = field(default_factory=dict, repr=False)  # its resolved config, the trackers' hyperparameters
+    _trackers: dict = field(default_factory=dict, repr=False)  # (phase, name) -> tracker, opened at its first numbers
 
     @property
     def log(self) -> Path:
         return self.root / "train_log.jsonl"
+
+    def track(self, report_to: tuple[str, ...], config: dict) -> None:
+        """The trackers and resolved config of the phase about to run (the last phase's are done)."""
+        self.close()
+        self.report_to, self.hparams = report_to, config
 
     def write_log(self, record: dict) -> None:
         if not self.writer:
             return
         with self.log.open("a") as f:
             f.write(json.dumps(record) + "\n")
-        if self.tensorboard:
-            self._write_events(record)
+        if self.report_to:
+            self._write_trackers(record)
 
-    def _write_events(self, record: dict) -> None:
-        """Every number of the record as a scalar at its step, one TensorBoard run per phase
-        (each phase counts its steps from 1); tags from record_scalars.
+    def write_samples(self, phase: str, step: int, records: list[dict], examples: list) -> None:
+        """An evaluation's first completions, with their images, as each tracker's table."""
+        if not self.writer or not self.report_to:
+            return
+        rows = sample_rows(records, examples)
+        for tracker in self._open(phase, step):
+            tracker.samples(step, rows)
+
+    def _write_trackers(self, record: dict) -> None:
+        """Every number of the record at its step, one tracker run per phase (each phase counts
+        its steps from 1); tags from record_scalars.
 
         The first numbers of a phase in this process come from the step it starts at: 1, or
-        the one after the checkpoint it resumes. The writer purges from that step on
-        (purge_step), so the steps an interrupted run logged after its last checkpoint, which
-        this run logs again, are not shown twice."""
+        the one after the checkpoint it resumes (TensorBoard purges from there: the steps an
+        interrupted run logged after its last checkpoint, logged again, are not shown twice)."""
         scalars = list(record_scalars(record))
         if not scalars:
             return
         phase, step = str(record.get("phase", "run")), int(record.get("step", 0))
-        events = self._events.get(phase)
-        if events is None:
-            from torch.utils.tensorboard import (
-                SummaryWriter,  # optional package: imported only when asked for
-            )
+        for tracker in self._open(phase, step):
+            tracker.log(step, scalars)
 
-            events = self._events[phase] = SummaryWriter(str(self.root / "tensorboard" / phase), purge_step=step)
-        for tag, value in scalars:
-            events.add_scalar(tag, value, global_step=step)
-        # one flush per record (a step takes seconds): a killed run's events are as complete as its JSONL
-        events.flush()
+    def _open(self, phase: str, step: int) -> list:
+        """This phase's trackers, each opened the first time the phase logs."""
+        out = []
+        for name in self.report_to:
+            tracker = self._trackers.get((phase, name))
+            if tracker is None:
+                tracker = self._trackers[(phase, name)] = TRACKERS[name](self.root, phase, step, self.hparams)
+            out.append(tracker)
+        return out
 
     def close(self) -> None:
-        for events in self._events.values():
-            events.close()
-        self._events.clear()
+        for tracker in self._trackers.values():
+            tracker.close()
+        self._trackers.clear()
 
 
 NAME_KEYS = ("phase", "event", "rule")  # what names a record rather than measures it

@@ -20,7 +20,8 @@ what stays resident:
                 (L x m x S x d), and in backward the larger of one layer recomputed
                 (everything autograd saves in a layer, plus the gradients of its backward)
                 and the logits chunks' part (the final norm's saved tensors and one chunk
-                recomputed with its gradient), which is freed before the layers' backward
+                recomputed with its gradient, and with optim.entropy_coef > 0 the entropy
+                bonus's gradient of it too), which is freed before the layers' backward
 
 The peak of the step is the largest of the three. Each term is a formula of the widths
 (hidden d, MLP width I, heads, KV heads, vocabulary V, layers L, compute-dtype bytes b),
@@ -47,7 +48,8 @@ Assumptions (what a CUDA run differs in from the CPU where the terms were measur
   workspaces and CUDA-graph pools (``CUDA_OVERHEAD``) are not in that count: ``need_bytes``
   adds both when comparing with a GPU's memory;
 - completions run to the full budget (T = sampling.max_new_tokens), and a prompt is
-  ``prompt_tokens(cfg)`` long: its visual tokens plus ``TEXT_TOKENS`` of text, or
+  ``prompt_tokens(cfg, images)`` long: the visual tokens of its images (the data's largest
+  count a prompt, data.max_images at most) plus ``TEXT_TOKENS`` of text, or
   model.max_prompt_tokens when that cap is set.
 
 Cheap by design (a few hundred multiplications): the trainer calls it at the start of every
@@ -65,7 +67,7 @@ from grpo.batches import groups_per_micro_batch, micro_batch_choices as fitting_
 from grpo.config import ConfigError, TrainConfig
 
 GiB = 2**30
-TEXT_TOKENS = 128  # text tokens of a prompt besides its image (the synthetic curriculum's: 45-61, tiny tokenizer)
+TEXT_TOKENS = 128  # text tokens of a prompt besides its images (the synthetic curriculum's: 45-61, tiny tokenizer)
 ALLOCATOR_SLACK = 0.10  # reserved / allocated of the CUDA caching allocator at a training peak (fragmentation)
 CUDA_OVERHEAD = int(1.0 * GiB)  # CUDA context + cuBLAS workspaces + graph pools, outside max_memory_allocated
 # NF4 storage per weight (lora/quant.py: blocks of 64, double quantisation): 4-bit codes, one
@@ -173,20 +175,21 @@ def _quantizable(name: str, p: torch.Tensor) -> bool:
 
 
 def visual_tokens(cfg: TrainConfig) -> int:
-    """Visual tokens of one prompt's image: one per 28 x 28 px (max_pixels for real images when
-    set, the synthetic image's side otherwise); the tower sees 4 patches of 14 x 14 px per token."""
+    """Visual tokens of one image: one per 28 x 28 px (max_pixels for real images when set --
+    the bound applies to each image --, the synthetic image's side otherwise); the tower sees
+    4 patches of 14 x 14 px per token."""
     m = cfg.model
     return m.max_pixels // (28 * 28) if (cfg.run.data != "synthetic" and m.max_pixels) else (m.image_size // 28) ** 2
 
 
-def prompt_tokens(cfg: TrainConfig) -> int:
-    """Tokens of one prompt: model.max_prompt_tokens when set (the trainer skips longer
-    prompts); else one visual token per 28 x 28 px of the image (max_pixels for real
-    images when set, the synthetic image's side otherwise) plus TEXT_TOKENS of text."""
+def prompt_tokens(cfg: TrainConfig, images: int = 1) -> int:
+    """Tokens of one prompt of ``images`` images: model.max_prompt_tokens when set (the trainer
+    skips longer prompts); else the visual tokens of each image (``visual_tokens``) plus
+    TEXT_TOKENS of text."""
     m = cfg.model
     if m.max_prompt_tokens > 0:
         return m.max_prompt_tokens
-    return visual_tokens(cfg) + TEXT_TOKENS
+    return images * visual_tokens(cfg) + TEXT_TOKENS
 
 
 # ----------------------------------------------------------------------------- per-token terms
@@ -314,6 +317,15 @@ def logits_bytes_per_token(sh: Shapes, device: str, backward: bool) -> int:
     return (b + 3 * 4 + (2 * 4 if backward else 0)) * V
 
 
+def entropy_bonus_bytes(sh: Shapes, chunk: int, block_tokens: int = 128) -> int:
+    """The entropy bonus in one chunk's backward (optim.entropy_coef > 0;
+    grpo/model/logprobs.py ``_EntropyWithGrad``): the chunk's logits gradient once more, in
+    the logits' dtype (autograd then sums the two into one), and the fp32 temporaries of one
+    block of ``block_tokens`` tokens: log p, p, and two [V] products in flight. Its forward
+    keeps nothing new (the logits it saves are the log-prob pass's own)."""
+    return chunk * sh.compute_bytes * sh.vocab + 4 * 4 * min(chunk, block_tokens) * sh.vocab
+
+
 def decode_bytes_per_row(sh: Shapes) -> int:
     """The sampler's per-step logits transients per row (grpo/rollout/sampler.py
     sample_token): the LM head's output, its fp32 copy, the scaled logits, the log-softmax
@@ -434,6 +446,8 @@ def plan_step(sh: Shapes, cfg: TrainConfig, *, device: str = "cuda", micro_batch
     final_tokens = m * T if o.shared_prefix else tokens  # the shared pass norms only the T predicting positions
     final = final_tokens * ((4 * d if b < 4 else 0) + b * d) + m * T * b * d
     logits = final + chunk * logits_bytes_per_token(sh, device, True) + chunk * b * d
+    if o.entropy_coef > 0:
+        logits += entropy_bonus_bytes(sh, chunk)
     recompute = saved + mask_elems * b if cfg.model.gradient_checkpointing else 0
     layer_bwd = recompute + tokens * b * (BACKWARD_EXTRA_I * sh.intermediate + BACKWARD_EXTRA_H * d) + dequant_bwd
     if layer_bwd >= logits:
@@ -469,20 +483,23 @@ def largest_fitting(sh: Shapes, cfg: TrainConfig, budget: int, device: str = "cu
     return None
 
 
-def check_fits(model: torch.nn.Module, cfg: TrainConfig, device: str, world: int = 1, log=print) -> Plan | None:
+def check_fits(model: torch.nn.Module, cfg: TrainConfig, device: str, world: int = 1, images: int = 1,
+               log=print) -> Plan | None:
     """On CUDA: print the predicted peak of one step and stop (ConfigError: one line, exit 2)
     when it cannot fit in the memory the device has free now. The model is loaded already,
     so its resident bytes are part of both the prediction and ``memory_allocated``: the step
     needs the rest. With ``world`` data-parallel processes each plans its own share of the
-    rollout batch (phase.prompts_per_step / world prompts). Elsewhere (a CPU run): nothing,
-    None -- a CPU has no fixed memory to plan against and no OOM to prevent mid-step."""
+    rollout batch (phase.prompts_per_step / world prompts); ``images``: the most images one
+    of the phase's prompts shows. Elsewhere (a CPU run): nothing, None -- a CPU has no fixed
+    memory to plan against and no OOM to prevent mid-step."""
     if not str(device).startswith("cuda") or not torch.cuda.is_available():
         return None
     if world > 1:
         cfg = copy.deepcopy(cfg)
         cfg.phase.prompts_per_step = max(1, cfg.phase.prompts_per_step // world)
     sh = shapes_of_model(model, cfg)
-    plan = plan_step(sh, cfg)
+    P = prompt_tokens(cfg, images)
+    plan = plan_step(sh, cfg, prompt_len=P)
     dev = torch.device(device)
     free, total = torch.cuda.mem_get_info(dev)
     held = torch.cuda.memory_allocated(dev)
@@ -492,7 +509,7 @@ def check_fits(model: torch.nn.Module, cfg: TrainConfig, device: str, world: int
         f"{free / GiB:.1f} of {total / GiB:.1f} GiB free with the model loaded", flush=True)
     if more <= free:
         return plan
-    fit = largest_fitting(sh, cfg, free + held + CUDA_OVERHEAD)
+    fit = largest_fitting(sh, cfg, free + held + CUDA_OVERHEAD, prompt_len=P)
     fix = (f"use --optim.micro_batch_rows {fit[0]} (predicted peak {fit[1].peak / GiB:.1f} GiB)"
            if fit is not None and fit[0] < plan.micro_batch_rows else
            "no training micro-batch fits: lower --sampling.max_new_tokens, --phase.prompts_per_step or "

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from data.holdout import split_test
+from data.holdout import TEST_EVERY, split_test
 from data.jsonl import DATA_FILE
 from data.mathvista import require_gold_answers
 from data.schema import Example
@@ -26,6 +26,8 @@ from data.stages import ALL, has_stage_metadata, is_numeric_free_form, select_st
 from data.synthetic import generate
 from grpo.config import PHASE_DEFAULTS, ConfigError, TrainConfig
 
+VAL_EVERY = 5  # own data: one training row of a stage in five is held out for the checkpoint eval
+
 
 def load_own_data(cfg: TrainConfig, say: bool = False) -> tuple[list[Example], list[Example]]:
     """(usable rows to train on, test rows) of ``--run.data``; ConfigError with one line when
@@ -33,7 +35,7 @@ def load_own_data(cfg: TrainConfig, say: bool = False) -> tuple[list[Example], l
     skipped rows by reason (once per command: this runs for every phase)."""
     data = cfg.run.data
     try:
-        rows, skipped = load_source(data, cfg.data.columns)
+        rows, skipped = load_source(data, cfg.data.columns, cfg.data.max_images)
         # The numeric filter below drops rows with an empty answer, so MathVista `test` (all
         # such rows) would vanish without a word: name them.
         if any(not str(ex.answer).strip() for ex in rows):
@@ -41,6 +43,8 @@ def load_own_data(cfg: TrainConfig, say: bool = False) -> tuple[list[Example], l
     except (OSError, ValueError) as err:
         raise ConfigError(f"--run.data: {err}") from None
     lost = ", ".join(f"{k} {v}" for k, v in sorted(skipped.items()))
+    if "too_many_images" in skipped:
+        lost += f"; a row may show --data.max_images={cfg.data.max_images} images: raise it to train on more"
     usable = [ex for ex in rows if is_numeric_free_form(ex)]
     if not usable:
         msg = f"--run.data: {data} has no usable rows"
@@ -93,7 +97,7 @@ def load_training_data(cfg: TrainConfig) -> tuple[dict, dict]:
         # every stage's training rows: a table row is in stages 1 and 2 alike.
         val = {}
         for s in stages:
-            k = min(len(train[s]) // 5, cfg.run.eval_size)
+            k = min(len(train[s]) // VAL_EVERY, cfg.run.eval_size)
             val[s] = train[s][len(train[s]) - k:]
         held = {id(ex) for s in stages for ex in val[s]}
         train = {s: [ex for ex in train[s] if id(ex) not in held] for s in stages}
@@ -107,6 +111,26 @@ def load_training_data(cfg: TrainConfig) -> tuple[dict, dict]:
         # correctness reward was silently 0 on every step. Refuse, loudly.
         require_gold_answers(train[s], f"{cfg.run.data} stage {s}")
     return train, val
+
+
+def require_held_out_rows(cfg: TrainConfig, train: dict, val: dict) -> None:
+    """ConfigError with one line when own data is too small for the rows a run holds out
+    (load_training_data's (train, val) of it, whose stages are known to be non-empty): the
+    end-of-run report's tenth (data/holdout.py) and each stage's fifth for the checkpoint
+    evaluation. Run by the preflight, not by the loader: a few rows still load (and a
+    run with --run.test_per_stage 0 needs no report rows)."""
+    if cfg.run.data == "synthetic":
+        return
+    rows, test = load_own_data(cfg)
+    if not test and cfg.run.test_per_stage > 0:
+        raise ConfigError(f"--run.data: {cfg.run.data} has {len(rows)} usable rows, too few for the end-of-run "
+                          f"report, which tests on a held-out tenth of them: give at least {TEST_EVERY} usable "
+                          "rows, or --run.test_per_stage 0 to skip the report")
+    for s in val:
+        if not val[s]:  # an empty eval has no metrics, and the controller's gates read them
+            raise ConfigError(f"--run.data: stage {s} of {cfg.run.data} has {len(train[s])} training rows, too few "
+                              f"for the checkpoint evaluation, which holds out a fifth of them: give at least "
+                              f"{VAL_EVERY} usable rows for it (after the report's tenth), or other data")
 
 
 def report_examples(cfg: TrainConfig) -> tuple[list[Example], str]:

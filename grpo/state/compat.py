@@ -110,11 +110,11 @@ def check_init_compatible(path: str | Path, config: TrainConfig) -> None:
 RESUME_FIXED_FIELDS = ("sampling.G", "sampling.max_new_tokens", "phase.prompts_per_step", "optim.accumulation",
                        "optim.updates_per_batch", "sampling.dynamic_sampling",
                        "phase.mixture", "run.seed", "run.data", "run.train_per_stage", "data.columns",
-                       "rewards.extra", *VISION_FIELDS, "sampling.noisy_fraction", "sampling.noise_std")
+                       "data.max_images", "rewards.extra", *VISION_FIELDS, "sampling.noisy_fraction", "sampling.noise_std")
 # The warm-up's step: B examples from its mixture, the caption stage first (its length moves
 # where the reasoning stage, and the style draws, begin).
 WARMUP_FIXED_FIELDS = ("phase.prompts_per_step", "phase.perception_steps", "phase.mixture", "run.seed", "run.data",
-                       "run.train_per_stage", "data.columns")
+                       "run.train_per_stage", "data.columns", "data.max_images")
 
 
 def check_resumable(run_dir: str | Path, config: TrainConfig) -> None:

@@ -102,6 +102,9 @@ def token_labels(examples: Sequence[Example], grid_thw: torch.Tensor, merge: int
     (h / merge) x (w / merge) merged tokens in raster order, so token k of an image
     covers the cell (k // cols, k % cols) of its picture in unit coordinates.
     """
+    if len(grid_thw) != len(examples):  # one grid row per IMAGE: a several-image prompt has no marks to label
+        raise ValueError(f"perception labels: {len(examples)} examples but {len(grid_thw)} images; the caption "
+                         "stage trains on one-image prompts (the synthetic curriculum)")
     objects, numbers, colours, rws, cls = [], [], [], [], []
     for ex, (_, h, w) in zip(examples, grid_thw.tolist()):
         rows, cols = h // merge, w // merge

@@ -333,13 +333,15 @@ def run_warmup(cfg: TrainConfig, files: RunFiles, device: str) -> None:
     model.eval()
     done = total  # the checkpoint's step counts every optimiser step, captions included
     try:
-        result = checkpoint_eval(bundle, eval_subset(cfg, val), cfg)
+        eval_examples = eval_subset(cfg, val)
+        result = checkpoint_eval(bundle, eval_examples, cfg)
     except EvalAbandoned:  # saved as a periodic checkpoint of the last step: a resume redoes the evaluation
         if not _latest_is_periodic_at(files, done):
             save_progress(done)
         raise Stopped(stop_message(f"warmup step {done} (its evaluation abandoned)"), STOP.signum) from None
     print_eval("warmup", done, result)
     files.write_log(dict(event="eval", phase="warmup", step=done, metrics=result.flat()))
+    files.write_samples("warmup", done, result.records, eval_examples)
     tensors = base_tensors(model) if tiny else adapter_tensors(lora_state_dict(model))
     save_checkpoint(files.root, "warmup", done, tensors=tensors, optimizer=None,
                     scheduler_state={"step": done}, controller_state={}, data_position=0,
