@@ -535,3 +535,14 @@ def test_resume_must_keep_what_a_step_is(tmp_path):
     other_phase = TrainConfig()
     other_phase.sampling.G = 4
     check_resumable(tmp_path, other_phase)  # phase B has nothing to resume
+
+
+def test_resume_must_keep_the_accuracy_band(tmp_path):
+    # The band decides which groups dynamic sampling refills, so how far the data stream runs.
+    cfg = TrainConfig()
+    cfg.phase.name, cfg.sampling.dynamic_sampling = "A", True
+    save(tmp_path, "A", 20, config=cfg)
+    check_resumable(tmp_path, cfg)
+    cfg.sampling.accuracy_low = 0.01
+    with pytest.raises(ConfigError, match=r"resuming it with sampling.accuracy_low: saved 0.0, now 0.01"):
+        check_resumable(tmp_path, cfg)
