@@ -359,6 +359,15 @@ _ADV_CODE = {"row": ADV_ROW, "prefix": ADV_PREFIX}
 
 
 @triton.jit
+def _load_column(val_ptr, valid_ptr, rows, in_range, c, stride_vn, stride_okn, HAS_VALID: tl.constexpr):
+    """Column c of values at these rows, as fp32 with 0 where not ok; ok = in range (and valid)."""
+    ok = in_range
+    if HAS_VALID:
+        ok = ok & (tl.load(valid_ptr + rows * stride_okn + c, mask=in_range, other=0) != 0)
+    return tl.load(val_ptr + rows * stride_vn + c, mask=ok, other=0.0).to(tl.float32), ok
+
+
+@triton.jit
 def _group_zscore_kernel(
     val_ptr, valid_ptr, w_ptr, coef_ptr, const_ptr,  # pointers
     N, B, G,  # dimensions
@@ -374,30 +383,21 @@ def _group_zscore_kernel(
         cnt = 0.0
         for start in range(0, N, BLOCK_N):
             rows = start + tl.arange(0, BLOCK_N)
-            ok = rows < N
-            if HAS_VALID:
-                ok = ok & (tl.load(valid_ptr + rows * stride_okn + c, mask=rows < N, other=0) != 0)
-            v = tl.load(val_ptr + rows * stride_vn + c, mask=ok, other=0.0).to(tl.float32)
+            v, ok = _load_column(val_ptr, valid_ptr, rows, rows < N, c, stride_vn, stride_okn, HAS_VALID)
             s += tl.sum(tl.where(ok, v, 0.0))
             cnt += tl.sum(ok.to(tl.float32))
         mean_all = s / tl.maximum(cnt, 1.0)
         sq = 0.0
         for start in range(0, N, BLOCK_N):
             rows = start + tl.arange(0, BLOCK_N)
-            ok = rows < N
-            if HAS_VALID:
-                ok = ok & (tl.load(valid_ptr + rows * stride_okn + c, mask=rows < N, other=0) != 0)
-            v = tl.load(val_ptr + rows * stride_vn + c, mask=ok, other=0.0).to(tl.float32)
+            v, ok = _load_column(val_ptr, valid_ptr, rows, rows < N, c, stride_vn, stride_okn, HAS_VALID)
             sq += tl.sum(tl.where(ok, (v - mean_all) * (v - mean_all), 0.0))
         std_all = tl.maximum(tl.sqrt_rn(sq / tl.maximum(cnt - 1.0, 1.0)), std_floor)  # floor 0: exact no-op
 
     g = tl.arange(0, G_PAD)
     for b in range(0, B):
         rows = b * G + g
-        ok = g < G
-        if HAS_VALID:
-            ok = ok & (tl.load(valid_ptr + rows * stride_okn + c, mask=g < G, other=0) != 0)
-        v = tl.load(val_ptr + rows * stride_vn + c, mask=ok, other=0.0).to(tl.float32)
+        v, ok = _load_column(val_ptr, valid_ptr, rows, g < G, c, stride_vn, stride_okn, HAS_VALID)
         v = tl.where(ok, v, 0.0)  # unscored rubric entries may hold NaN
         cnt = tl.sum(ok.to(tl.float32))
         mean = tl.sum(v) / tl.maximum(cnt, 1.0)
