@@ -95,18 +95,23 @@ def build_ours(B: int, G: int, max_new_tokens: int):
     return dict(bundle=bundle, cfg=cfg, merged=merged, opt=opt, examples=examples)
 
 
+PARTS = ("generation", "rewards", "logp+loss", "backward", "optimizer", "other")
+
+
 def ours_step(ours: dict) -> dict:
-    """One timed step of ours: seconds per part and the completion tokens."""
+    """One timed step of ours: seconds per part (PARTS), the step and the completion tokens."""
     from bench.step import Stages, run_step
 
     stages = Stages(torch.device("cpu"))
     rollout, _ = run_step(ours["bundle"], ours["cfg"], ours["examples"], stages, ours["opt"], merged=ours["merged"])
-    ms = {name: v[0] for name, v in stages.rows.items() if not name.startswith("  ")}
-    gen = ms.get("prompts", 0.0) + ms.get("sampling", 0.0)
-    total = sum(ms.values())
-    tokens = int(rollout.out.completion_mask.sum())
-    return dict(step=total / 1e3, generation=gen / 1e3, rewards=ms.get("rewards", 0.0) / 1e3,
-                rest=(total - gen - ms.get("rewards", 0.0)) / 1e3, tokens=tokens)
+    ms = {name: v[0] / 1e3 for name, v in stages.rows.items() if not name.startswith("  ")}
+    out = dict(generation=ms.pop("prompts", 0.0) + ms.pop("sampling", 0.0), rewards=ms.pop("rewards", 0.0),
+               **{"logp+loss": ms.pop("logp (grad)", 0.0) + ms.pop("loss", 0.0)},
+               backward=ms.pop("backward", 0.0), optimizer=ms.pop("optimizer", 0.0))
+    out["other"] = sum(ms.values())  # the reference pass when beta > 0
+    out["step"] = sum(out.values())
+    out["tokens"] = int(rollout.out.completion_mask.sum())
+    return out
 
 
 def reward_fn(ours: dict):
@@ -151,7 +156,7 @@ def build_trl(ours: dict, args, between_steps):
 
     bundle, cfg = ours["bundle"], ours["cfg"]
     quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                               bnb_4bit_compute_dtype=torch.float32, llm_int8_skip_modules=["visual", "lm_head"])
+                               bnb_4bit_compute_dtype=torch.float32, llm_int8_skip_modules=["model.visual", "lm_head"])
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(SHIPPED_DIR, dtype=torch.float32,
                                                                quantization_config=quant, device_map={"": "cpu"})
     class ImageOnlyProcessor(Qwen2_5_VLProcessor):  # no video processor: that one needs torchvision
@@ -179,30 +184,27 @@ def build_trl(ours: dict, args, between_steps):
         disable_tqdm=True, log_completions=False, dataloader_num_workers=0, seed=0)
     trainer = GRPOTrainer(model=model, reward_funcs=reward_fn(ours), args=targs,
                           train_dataset=Dataset.from_list(rows), processing_class=processor, peft_config=peft)
-    parts: dict[str, float] = {}
+    parts: dict[str, float] = {}  # seconds inside each wrapped method during the current step
+    tokens: list[int] = []
 
-    def timed(name):
-        fn = getattr(trainer, name)
+    def timed(name, obj=trainer):
+        fn = getattr(obj, name)
 
         @wraps(fn)
         def run(*a, **k):
             t0 = time.perf_counter()
             try:
-                return fn(*a, **k)
+                out = fn(*a, **k)
             finally:
                 parts[name] = parts.get(name, 0.0) + time.perf_counter() - t0
-        setattr(trainer, name, run)
+            if name == "_generate":
+                tokens.append(sum(len(c) for c in out[1]))  # (prompt_ids, completion_ids, ...)
+            return out
+        setattr(obj, name, run)
 
-    timed("_generate")
-    timed("_calculate_rewards")
-    tokens: list[int] = []
-    generate = trainer._generate
-
-    def counting(*a, **k):
-        out = generate(*a, **k)
-        tokens.append(sum(len(c) for c in out[1]))  # (prompt_ids, completion_ids, ...)
-        return out
-    trainer._generate = counting
+    for name in ("_generate", "_calculate_rewards", "_generate_and_score_completions", "_prepare_inputs",
+                 "compute_loss", "training_step", "_clip_grad_norm"):
+        timed(name)
 
     class Timer(TrainerCallback):
         def on_step_begin(self, *a, **k):
@@ -210,11 +212,21 @@ def build_trl(ours: dict, args, between_steps):
             tokens.clear()
             self.t0 = time.perf_counter()
 
+        def on_pre_optimizer_step(self, *a, **k):
+            self.t_opt = time.perf_counter()
+
+        def on_optimizer_step(self, *a, **k):
+            parts["optimizer"] = time.perf_counter() - self.t_opt
+
         def on_step_end(self, *a, **k):
-            step = time.perf_counter() - self.t0
-            gen, rew = parts.get("_generate", 0.0), parts.get("_calculate_rewards", 0.0)
-            between_steps(dict(step=step, generation=gen, rewards=rew, rest=step - gen - rew,
-                               tokens=sum(tokens) if tokens else None))
+            step, t = time.perf_counter() - self.t0, parts.get
+            out = {"generation": t("_generate", 0.0), "rewards": t("_calculate_rewards", 0.0),
+                   "logp+loss": t("compute_loss", 0.0), "optimizer": t("optimizer", 0.0),
+                   # training_step = _prepare_inputs (the rollouts) + compute_loss + backward
+                   "backward": t("training_step", 0.0) - t("_prepare_inputs", 0.0) - t("compute_loss", 0.0)
+                   + t("_clip_grad_norm", 0.0)}
+            out["other"] = step - sum(out.values())  # scoring bookkeeping, advantages, the trainer's loop
+            between_steps(dict(out, step=step, tokens=sum(tokens) if tokens else None))
 
     trainer.add_callback(Timer())
     return trainer, trl.__version__
@@ -233,10 +245,9 @@ def report(sides: dict[str, list[dict]]) -> None:
     for name, runs in sides.items():
         tok = [r["tokens"] for r in runs if r["tokens"] is not None]
         rows.append({"side": name, "steps": str(len(runs)), "step s": summary(runs, "step"),
-                     "generation s": summary(runs, "generation"), "rewards s": summary(runs, "rewards"),
-                     "rest s": summary(runs, "rest"),
+                     **{f"{p} s": f"{statistics.median(r[p] for r in runs):.3f}" for p in PARTS},
                      "completion tokens": f"{statistics.median(tok):.0f}" if tok else "-"})
-    print_table(rows, ["side", "steps", "step s", "generation s", "rewards s", "rest s", "completion tokens"])
+    print_table(rows, ["side", "steps", "step s", *[f"{p} s" for p in PARTS], "completion tokens"])
     if len(sides) == 2:
         ours, trl = (statistics.median(r["step"] for r in sides[k]) for k in ("ours", "trl"))
         per_round = [t["step"] / o["step"] for o, t in zip(sides["ours"], sides["trl"])]
