@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--warmup", type=int, default=1, help="untimed steps of each side first")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (0 = torch's default)")
     p.add_argument("--ours-only", action="store_true", help="our side alone (no TRL needed)")
-    p.add_argument("--trl-dir", default="/tmp/vs_trl", help="TRL's output_dir (it writes nothing else there)")
+    p.add_argument("--trl-dir", default="/tmp/vs_trl", help="TRL's output_dir (no checkpoints are saved)")
     args = p.parse_args(argv)
     for name in ("B", "rounds"):
         if getattr(args, name) < 1:
