@@ -19,11 +19,12 @@ ROOT = Path(__file__).resolve().parents[1]
 GPU_SH = ROOT / "bench" / "gpu.sh"
 
 
-def cli(module: str, *args: str, interpret: bool = False, timeout: int = 300) -> str:
-    """Run ``python -m <module> args`` as a user would, on the CPU with one thread; its stdout."""
+def cli(module: str, *args: str, interpret: bool = False, timeout: int = 300, path: str = "") -> str:
+    """Run ``python -m <module> args`` as a user would, on the CPU with one thread; its stdout.
+    ``path``: a directory put on PYTHONPATH after the repository (an optional package's)."""
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "KERNELS_BACKEND")}
     # CUDA hidden: on a GPU machine the benchmarks would otherwise pick their full GPU sizes.
-    env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(ROOT))
+    env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), path])))
     if interpret:
         env["TRITON_INTERPRET"] = "1"
     proc = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env, capture_output=True,
@@ -350,3 +351,45 @@ def test_decode_counts_one_grpo_step():
     counts = {s: int(n.replace(",", "")) for s, n in stages}
     assert counts["backward"] > 0 and counts["step"] == sum(v for k, v in counts.items() if k != "step")
     assert re.search(r"^summary: operators in one GRPO step of the embedded default: sampling [\d,]+, ", out, re.M)
+
+
+VS_TRL_TINY = ("--B", "1", "--G", "2", "--max-new-tokens", "4", "--rounds", "1", "--warmup", "0")
+
+
+def vs_trl_row(out: str, side: str) -> list[float]:
+    """A side's row of bench.vs_trl's table: steps, the step's median, then the parts' medians."""
+    row = re.search(rf"^\s*{side}\s+(\d+)\s+([\d.]+) \[[\d.]+-[\d.]+\]((?:\s+-?[\d.]+){{6}})\s+(\d+)$", out, re.M)
+    assert row, f"no {side} row in:\n{out}"
+    return [float(row.group(1)), float(row.group(2)), *map(float, row.group(3).split()), float(row.group(4))]
+
+
+def test_vs_trl_ours_only():
+    out = cli("bench.vs_trl", "--ours-only", *VS_TRL_TINY)
+    steps, step, gen, rewards, logp, backward, opt, other, tokens = vs_trl_row(out, "ours")
+    assert steps == 1 and gen > 0 and logp > 0 and backward > 0 and 2 <= tokens <= 8  # 2 rows of 1-4 tokens
+    assert abs(step - (gen + rewards + logp + backward + opt + other)) < 0.005  # the parts add up (rounding)
+    assert re.search(r"^summary: our step [\d.]+ s \(median\), TRL not run$", out, re.M)
+
+
+def test_vs_trl_against_trl():
+    """Both sides at tiny sizes; skipped where TRL is not importable (it is never a dependency)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("trl")
+    if spec is None:
+        pytest.skip("trl not importable: pip install --no-deps --target DIR trl==1.16.*; run with PYTHONPATH=DIR")
+    out = cli("bench.vs_trl", *VS_TRL_TINY, path=str(Path(spec.origin).parents[1]), timeout=600)
+    ours, trl = vs_trl_row(out, "ours"), vs_trl_row(out, "trl")
+    assert ours[0] == trl[0] == 1 and trl[2] > 0 and trl[4] > 0
+    assert re.search(r"^summary: TRL step / our step = [\d.]+x \(medians [\d.]+ s / [\d.]+ s; per round [\d.]+x\)",
+                     out, re.M)
+
+
+def test_vs_trl_errors_are_one_line(monkeypatch):
+    from bench import vs_trl
+
+    with pytest.raises(SystemExit, match=r"^--G 1: must be >= 2"):
+        vs_trl.main(["--ours-only", "--G", "1"])
+    monkeypatch.setitem(sys.modules, "trl", None)  # import trl now raises ImportError
+    with pytest.raises(SystemExit, match=r"^TRL is not importable .*pip install --no-deps --target DIR"):
+        vs_trl.main([])
