@@ -111,16 +111,15 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         with stops_at_once():
-            n = write(args.out, args.n, args.seed, args.image_size)
+            print(f"wrote {write(args.out, args.n, args.seed, args.image_size)} clock faces to {args.out} (data.jsonl + "
+                  f"images/); train with: python -m grpo.train --phase B --run.data {args.out}")
+        return 0
     except StopNow as stop:
         print(f"data.clock stopped on {signal_name(stop.signum)}; nothing was written to {args.out}", file=sys.stderr)
         return exit_code(stop.signum)
     except (ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(f"wrote {n} clock faces to {args.out} (data.jsonl + images/); "
-          f"train with: python -m grpo.train --phase B --run.data {args.out}")
-    return 0
 
 
 if __name__ == "__main__":
