@@ -52,6 +52,11 @@ from bench.learning import aggregate
 ARMS: dict[str, tuple[str, list[str]]] = {
     "default": ("the own-data command as a user runs it", []),
     "clip_higher": ("DAPO's clip-higher: ratio clipped at 1 + .28 above", ["--optim.eps_high", "0.28"]),
+    # With one update per rollout batch the importance ratio is 1 on every token (on-policy), so
+    # no clip binds; clip-higher acts only with several updates per batch: these two arms.
+    "mu2": ("two updates per rollout batch (the ratio moves, the clip can bind)", ["--optim.updates_per_batch", "2"]),
+    "mu2_clip_higher": ("two updates per batch and clip-higher .28",
+                        ["--optim.updates_per_batch", "2", "--optim.eps_high", "0.28"]),
     "reach": ("the gate's cap at 2.0 (today 1.2)", ["--sampling.temperature_max", "2.0"]),
     "reach_often": ("cap 2.0 and a checkpoint (so a gate step) every 5 steps",
                     ["--sampling.temperature_max", "2.0", "--run.eval_every", "5"]),
