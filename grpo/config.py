@@ -246,6 +246,8 @@ class SamplingConfig:
     """L: the completion budget; also the brevity/truncation reference length."""
     temperature: float = 1.0
     """Sampling temperature (the log-probs of the loss use the same temperature)."""
+    temperature_max: float = 1.2
+    """The controller's reach: its vanishing-advantage gate (more than half the groups without reward spread at a checkpoint) raises the sampling temperature by .1 per checkpoint up to this (R1-VL's 1.2), never above; at or below sampling.temperature it never raises it. In (0, 5]."""
     top_k: int = 0
     """Keep the k most likely tokens (0 = off)."""
     top_p: float = 1.0
@@ -450,6 +452,9 @@ class TrainConfig:
             (s.G >= 1, f"sampling.G={s.G}: the group size must be >= 1"),
             (s.max_new_tokens >= 1, f"sampling.max_new_tokens={s.max_new_tokens}: must be >= 1"),
             (s.temperature > 0, f"sampling.temperature={s.temperature}: must be > 0"),
+            (isinstance(s.temperature_max, (int, float)) and 0 < s.temperature_max <= 5,
+             f"sampling.temperature_max={s.temperature_max}: must be a number in (0, 5] (the highest temperature the "
+             "controller's vanishing-advantage gate raises sampling to; 1.2 by default)"),
             (0 < s.top_p <= 1, f"sampling.top_p={s.top_p}: must be in (0, 1]"),
             (s.rollout in ("plain", "merged"), f"sampling.rollout={s.rollout!r}: use plain or merged"),
             (s.top_k >= 0, f"sampling.top_k={s.top_k}: must be >= 0 (0 = off)"),

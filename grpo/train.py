@@ -86,7 +86,7 @@ from data.mixture import MixtureStream
 from data.signals import STOP
 from grpo import cli
 from grpo.config import ConfigError, TrainConfig
-from grpo.controller import Controller
+from grpo.controller import Controller, GateThresholds
 from grpo.distributed import DataParallel
 from grpo.errors import NoRewardSpread, StepOutOfMemory
 from grpo.model_eval import checkpoint_eval, print_eval
@@ -216,6 +216,7 @@ def run_grpo_phase(cfg: TrainConfig, files: RunFiles, device: str, dp: DataParal
     rewards = RewardModel(cfg.rewards, cfg.sampling.max_new_tokens, tokenizer=bundle.tokenizer)
     rewards.validate([ex for s in train for ex in train[s]])
     controller = Controller(dict(cfg.rewards.weights), cfg.sampling.max_new_tokens,
+                            GateThresholds(temperature_max=cfg.sampling.temperature_max),
                             temperature=cfg.sampling.temperature, phase=phase)
     gen = torch.Generator(device=device).manual_seed(dp.sampling_seed(cfg.run.seed))  # the sampler's own RNG
     state = TrainState(phase, model, opt, stream, controller, gen, cfg.run.seed, dp, files, start, cfg.to_json())

@@ -393,3 +393,25 @@ def test_vs_trl_errors_are_one_line(monkeypatch):
     monkeypatch.setitem(sys.modules, "trl", None)  # import trl now raises ImportError
     with pytest.raises(SystemExit, match=r"^TRL is not importable .*pip install --no-deps --target DIR"):
         vs_trl.main([])
+
+
+def test_collapse(tmp_path):
+    """bench.collapse on a 20-row clock set, one arm, two steps a phase: it trains, traces, prints its
+    tables; a second call resumes (nothing retrained); a bad arm is one line."""
+    assert subprocess.run([sys.executable, "-m", "data.clock", "--out", str(tmp_path / "clock"), "--n", "20"],
+                          cwd=ROOT, capture_output=True).returncode == 0
+    args = ["--data", str(tmp_path / "clock"), "--out", str(tmp_path / "out"), "--arms", "default", "--seeds", "0",
+            "--samples", "1", "--trainer-args", "--A.phase.steps 1 --B.phase.steps 1 --run.eval_size 2 "
+            "--sampling.G 2 --model.device cpu"]
+    out = cli("bench.collapse", *args)
+    assert "  training default seed 0 ..." in out
+    assert re.search(r"^test rows: 2; chance \(the most common gold answer's share\) [01]\.\d{3}; ", out, re.M)
+    assert re.search(r"^\| default \| 0 \| [01]\.\d{3} \|  \| [+-]\d\.\d{3} \| \d\.\d{3} \| ", out, re.M)
+    assert re.search(r"^\| base \|  \|  \|  \|  \| \d\.\d{3} \| ", out, re.M)
+    assert re.search(r"^\| B:1 \| \d\.\d{3} \| \d\.\d{3} \| \d\.\d{2} \| 1\.0 \| ", out, re.M)
+    assert (tmp_path / "out" / "summary.md").read_text().strip() == out[out.index("## bench.collapse"):].strip()
+    again = cli("bench.collapse", *args)
+    assert "training" not in again and again.endswith(out[out.index("test rows"):])
+    proc = subprocess.run([sys.executable, "-m", "bench.collapse", *args[:4], "--arms", "nope"], cwd=ROOT,
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0 and "'nope': nope unknown" in proc.stderr

@@ -229,3 +229,25 @@ def test_switched_off_weight_stays_off_over_a_phase():
         assert ctl.weights["correctness"] == 0.0
     fired = [d for d in decisions if d.rule == "correctness"]
     assert fired and fired[0].new == 0.0 and "switched off: left at 0" in str(fired[0])
+
+
+def test_the_caps_option_reaches_the_trainers_controller(tmp_path):
+    """--sampling.temperature_max is the cap the trainer's controller climbs to: on the clock set
+    (the base near chance, every group soon without spread) the gate raises the temperature past
+    the default 1.2 to 1.3, never beyond, then turns to its dense term."""
+    import subprocess
+    import sys
+
+    from train_helpers import log_lines, run_main
+
+    root = tmp_path / "clock"
+    repo = __import__("pathlib").Path(__file__).resolve().parents[1]
+    assert subprocess.run([sys.executable, "-m", "data.clock", "--out", str(root), "--n", "60"], cwd=repo,
+                          capture_output=True).returncode == 0
+    code, out, err = run_main(tmp_path / "run", "--phase", "A", "--run.data", str(root), "--model.device", "cpu",
+                              "--phase.steps", "12", "--run.eval_every", "2", "--run.eval_size", "4",
+                              "--run.test_per_stage", "0", "--sampling.temperature_max", "1.3")
+    assert code == 0, err
+    temps = [r["temperature"] for r in log_lines(tmp_path / "run") if "reward" in r]
+    assert max(temps) == pytest.approx(1.3) and "temperature 1.2 -> 1.3" in out
+    assert "-> brevity" in out  # at the cap, the dense term
