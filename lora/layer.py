@@ -136,6 +136,14 @@ class LoRALinear(nn.Module):
             _FROZEN_CASTS[key] = (self.lora_A.to(dtype).t(), self.lora_B.to(dtype).t())
         return _FROZEN_CASTS[key]
 
+    def decodes_fused(self, x: torch.Tensor) -> bool:
+        """Whether ``fused_forward`` may take this module: inside frozen_adapter_casts without
+        grad, the adapter on, no active dropout, and x already in the compute dtype (the base's
+        output then is too, so the adapter's product can be accumulated into it)."""
+        return (_FROZEN_CASTS is not None and not torch.is_grad_enabled() and not self.disabled
+                and not (isinstance(self.lora_dropout, nn.Dropout) and self.lora_dropout.training)
+                and x.dtype == self.compute_dtype(x))
+
     @torch.no_grad()
     def delta_weight(self) -> torch.Tensor:
         """scaling * B @ A in fp32, [out, in]: what merging adds to the (dequantised) W."""
@@ -147,3 +155,24 @@ class LoRALinear(nn.Module):
             f"r={self.r}, alpha={self.alpha:g}, dropout={p:g}, "
             f"lora_dtype={self.lora_A.dtype}, disabled={self.disabled}"
         )
+
+
+def fused_forward(modules: list[nn.Module], x: torch.Tensor) -> list[torch.Tensor]:
+    """``[m(x) for m in modules]`` for one decode step, with the adapter's add folded into its
+    B matmul: base(x) + h @ B^T as ``addmm`` into the base's output (one rounding of the sum
+    instead of one for the product and one for the add: equal to rounding, not bit for bit).
+    Falls back to the modules' own forward unless every one is a LoRALinear that
+    ``decodes_fused`` (the sampler's fused decode step, grpo/rollout/static_cache.py)."""
+    if not all(isinstance(m, LoRALinear) and m.decodes_fused(x) for m in modules):
+        return [m(x) for m in modules]
+    ys = [m.base_layer(x) for m in modules]
+    _add_adapters(modules, x, ys)
+    return ys
+
+
+def _add_adapters(modules: list[LoRALinear], x: torch.Tensor, ys: list[torch.Tensor]) -> None:
+    """ys[i] += scaling_i * (x @ A_i^T) @ B_i^T in place, with the casts of frozen_adapter_casts."""
+    x2 = x.reshape(-1, x.shape[-1])
+    for m, y in zip(modules, ys):
+        A_t, B_t = m._adapter_t(x.dtype)
+        y.view(-1, y.shape[-1]).addmm_(x2 @ A_t, B_t, alpha=m.scaling)
