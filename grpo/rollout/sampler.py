@@ -41,6 +41,14 @@ hand-written decoder step (grpo/rollout/static_cache.py), the default where supp
 transformers' forward with its DynamicCache, kept as the reference. Tests hold both to
 transformers' greedy ``generate`` token for token.
 
+What is exact and what is equal to rounding: "static" computes transformers' numbers bit for bit
+where the operations are the same, and "auto" takes it in fp32 (the tiny preset's evaluations:
+their numbers do not move). "fused" -- "auto" in bf16 / fp16, the qwen7b preset's rollouts and
+evaluations -- folds LoRA's add into its B matmul, stacks q/k/v's and gate/up's A, and runs
+RMSNorm as one operator (grpo/rollout/static_cache.py): other roundings, so it is held to the
+contract instead of to bits: greedy = ``generate`` token for token, sampled log-probs = a full
+forward within the tolerance of tests/test_sampler.py (tests/test_sampler_fused.py).
+
 Simplified: one host sync per step for the stop check, no speculative decoding, no
 torch.compile (a CUDA graph only behind a DecodeHook: grpo/rollout/merged.py).
 """
@@ -352,9 +360,8 @@ def sample(
     ``seed`` (or an explicit ``generator``) makes the draw reproducible: same seed, same
     prompts, same device -> same completions. ``decode``: "static" (preallocated KV cache
     and the hand-written step of grpo/rollout/static_cache.py), "hf" (transformers' forward and
-    DynamicCache, the reference), "fused" (the static step with LoRA's adds folded into its
-    matmuls: other rounding) or "auto" (static where static_cache supports the model, fused
-    where it computes in bf16 / fp16: static_cache.fused_by_default).
+    DynamicCache, the reference), "fused" (static with fewer operators, other rounding) or
+    "auto" (static where supported; fused in bf16 / fp16: static_cache.fused_by_default).
     ``compact``: drop finished rows from the batch (see decode_n_tokens). ``hook``: another
     decode step (DecodeHook); it decodes every row to the end and ignores ``decode``.
     """

@@ -15,7 +15,10 @@ than the matmuls themselves. This file is the gpt-fast alternative:
   the model's own modules (so LoRA and 4-bit linears swapped in by lora/ run unchanged).
   Per token it dispatches what the math needs and little else (python -m bench.decode counts
   it): q and k rotated in one pass, the key mask turned into SDPA's float form once per step
-  rather than inside every layer's SDPA call, the KV cache written in place.
+  rather than inside every layer's SDPA call, the KV cache written in place. ``fused=True``
+  (the sampler's "fused" decode) cuts a layer further, at the price of other roundings: LoRA
+  through lora.fused_forward (the add folded into the B matmul, the A's of q/k/v and of gate/up
+  stacked) and RMSNorm as one operator (kernels/rms_norm.py).
 
 Why plain 1-D rotary is exact here: a text token has the same M-RoPE position p on the
 t, h and w axes, and M-RoPE only chooses, per frequency band, which axis's position to
@@ -33,6 +36,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.rms_norm import rms_norm
 from lora import fused_forward
 
 
@@ -133,6 +137,14 @@ def additive_mask(key_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(key_mask.shape, dtype=dtype, device=key_mask.device).masked_fill_(~key_mask, float("-inf"))
 
 
+def _rms_norm(norm, x: torch.Tensor, fused: bool) -> torch.Tensor:
+    """The model's RMSNorm module ``norm`` on x, or (``fused``) kernels.rms_norm's one operator:
+    the Triton kernel on CUDA (equal to rounding), the module's own arithmetic on the CPU."""
+    if fused and norm.weight.dtype == x.dtype:
+        return rms_norm(x, norm.weight, norm.variance_epsilon)
+    return norm(x)
+
+
 def _project(modules: list, h: torch.Tensor, fused: bool) -> list[torch.Tensor]:
     """The linear layers reading the same h: each its own call, or lora.fused_forward's."""
     return fused_forward(modules, h) if fused else [m(h) for m in modules]
@@ -170,15 +182,16 @@ def decode_step(model, cache: StaticKVCache, token: torch.Tensor, position: torc
 
     key_mask [N, s+1] bool marks real (non-padding) keys, the new token's column included.
     Advances ``cache.length`` by one. ``fused``: the LoRA projections through
-    lora.fused_forward (fewer operators, other rounding; see ``fused_by_default``).
+    lora.fused_forward and RMSNorm as one operator (fewer operators, other rounding; see
+    ``fused_by_default``).
     """
     lm = model.model.language_model
     x = lm.embed_tokens(token[:, None])  # [N, 1, d]
     cos, sin = rotary_cos_sin(model, position, x.dtype)
     mask = additive_mask(key_mask, x.dtype)[:, None, None, :]
     for i, layer in enumerate(lm.layers):
-        x = x + _attention(layer, layer.input_layernorm(x), cos, sin, cache, i, mask, fused)
-        h = layer.post_attention_layernorm(x)
+        x = x + _attention(layer, _rms_norm(layer.input_layernorm, x, fused), cos, sin, cache, i, mask, fused)
+        h = _rms_norm(layer.post_attention_layernorm, x, fused)
         x = x + (_mlp(layer, h, fused) if fused else layer.mlp(h))
     cache.length += 1
-    return model.lm_head(lm.norm(x))[:, -1].float()
+    return model.lm_head(_rms_norm(lm.norm, x, fused))[:, -1].float()
