@@ -73,7 +73,7 @@ FUNCTION_PURPOSE = {
     "apply_multimodal_rotary_pos_emb": "rope", "apply_rotary_pos_emb": "rope",
     "sample_token": "sampling", "filter_logits": "sampling",
     "_attention": "attention", "_attention_block": "attention", "sdpa_attention_forward": "attention",
-    "_mlp_block": "MLP",
+    "_mlp_block": "MLP", "_mlp": "MLP", "_add_adapters": "LoRA", "_rms_norm": "norm",
     "write": "cache", "write_at": "cache", "batch_select_indices": "cache", "update": "cache",
     "batch_repeat_interleave": "cache", "additive_mask": "attention",
     "decode_n_tokens": "loop", "step": "loop",

@@ -3,6 +3,7 @@
     grpo_loss.py        fused GRPO loss: ratio, clip, k3 KL, aggregation, d loss / d logp
     grpo_advantages.py  group z-scored advantages (multi-component, V-Rubrics prefix)
     logprob.py          selective log-softmax: token log-probs from logits or hidden states
+    rms_norm.py         RMSNorm as one operator (a custom op: Triton on CUDA, the reference on CPU)
     _dispatch.py        backend switch (CUDA -> Triton, CPU -> reference), interpreter helpers
 
 Every public function takes ``backend="auto" | "torch" | "triton"``. On a CPU the kernels

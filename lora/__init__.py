@@ -25,7 +25,7 @@ from lora.inject import (
     lora_modules,
     lora_parameters,
 )
-from lora.layer import LoRALinear, frozen_adapter_casts, is_linear4bit
+from lora.layer import LoRALinear, frozen_adapter_casts, fused_forward, is_linear4bit
 from lora.quant import (
     MemoryReport,
     QuantReport,
@@ -37,6 +37,7 @@ from lora.quant import (
 
 __all__ = [
     "DEFAULT_EXCLUDE", "DEFAULT_TARGETS", "LoRAConfig", "LoRALinear", "MemoryReport", "frozen_adapter_casts",
+    "fused_forward",
     "ParamCount", "QuantReport", "count_parameters", "dequantize_weight", "disable_adapters",
     "enable_gradient_checkpointing", "export_merged", "find_target_names",
     "freeze_all_but_lora", "inject_lora", "is_linear4bit", "load_adapter",

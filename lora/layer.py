@@ -39,7 +39,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn as nn
 
-_FROZEN_CASTS: dict | None = None  # inside frozen_adapter_casts: id(module), dtype -> (A^T, B^T) in dtype
+_FROZEN_CASTS: dict | None = None  # inside frozen_adapter_casts: (id(module), dtype) -> (A^T, B^T), (ids, dtype) -> stacked A^T
 
 
 @contextmanager
@@ -136,6 +136,14 @@ class LoRALinear(nn.Module):
             _FROZEN_CASTS[key] = (self.lora_A.to(dtype).t(), self.lora_B.to(dtype).t())
         return _FROZEN_CASTS[key]
 
+    def decodes_fused(self, x: torch.Tensor) -> bool:
+        """Whether ``fused_forward`` may take this module: inside frozen_adapter_casts without
+        grad, the adapter on, no active dropout, and x already in the compute dtype (the base's
+        output then is too, so the adapter's product can be accumulated into it)."""
+        return (_FROZEN_CASTS is not None and not torch.is_grad_enabled() and not self.disabled
+                and not (isinstance(self.lora_dropout, nn.Dropout) and self.lora_dropout.training)
+                and x.dtype == self.compute_dtype(x))
+
     @torch.no_grad()
     def delta_weight(self) -> torch.Tensor:
         """scaling * B @ A in fp32, [out, in]: what merging adds to the (dequantised) W."""
@@ -147,3 +155,40 @@ class LoRALinear(nn.Module):
             f"r={self.r}, alpha={self.alpha:g}, dropout={p:g}, "
             f"lora_dtype={self.lora_A.dtype}, disabled={self.disabled}"
         )
+
+
+def fused_forward(modules: list[nn.Module], x: torch.Tensor) -> list[torch.Tensor]:
+    """``[m(x) for m in modules]`` for one decode step, with the adapter's add folded into its
+    B matmul: base(x) + h @ B^T as ``addmm`` into the base's output (one rounding of the sum
+    instead of one for the product and one for the add: equal to rounding, not bit for bit).
+    Falls back to the modules' own forward unless every one is a LoRALinear that
+    ``decodes_fused`` (the sampler's fused decode step, grpo/rollout/static_cache.py). The
+    modules' A's are stacked into one matmul (``_add_adapters``): q/k/v's three, gate/up's two."""
+    if not all(isinstance(m, LoRALinear) and m.decodes_fused(x) for m in modules):
+        return [m(x) for m in modules]
+    ys = [m.base_layer(x) for m in modules]
+    _add_adapters(modules, x, ys)
+    return ys
+
+
+def _add_adapters(modules: list[LoRALinear], x: torch.Tensor, ys: list[torch.Tensor]) -> None:
+    """ys[i] += scaling_i * (x @ A_i^T) @ B_i^T in place, with the casts of frozen_adapter_casts.
+    The A's of several modules are one matmul: x @ [A_1; A_2; ...]^T, each module's B then reads
+    its r columns of that product (a strided view, no copy)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    h = x2 @ _stacked_a_t(modules, x.dtype)  # [rows, sum of the ranks]
+    start = 0
+    for m, y in zip(modules, ys):
+        y.view(-1, y.shape[-1]).addmm_(h[:, start : start + m.r], m._adapter_t(x.dtype)[1], alpha=m.scaling)
+        start += m.r
+
+
+def _stacked_a_t(modules: list[LoRALinear], dtype: torch.dtype) -> torch.Tensor:
+    """[A_1; A_2; ...]^T [in, sum of the ranks] in ``dtype``, cast and stacked once per
+    frozen_adapter_casts (one module: its own cast A^T)."""
+    if len(modules) == 1:
+        return modules[0]._adapter_t(dtype)[0]
+    key = (tuple(id(m) for m in modules), dtype)
+    if key not in _FROZEN_CASTS:
+        _FROZEN_CASTS[key] = torch.cat([m.lora_A for m in modules]).to(dtype).t()
+    return _FROZEN_CASTS[key]

@@ -41,6 +41,14 @@ hand-written decoder step (grpo/rollout/static_cache.py), the default where supp
 transformers' forward with its DynamicCache, kept as the reference. Tests hold both to
 transformers' greedy ``generate`` token for token.
 
+What is exact and what is equal to rounding: "static" computes transformers' numbers bit for bit
+where the operations are the same, and "auto" takes it in fp32 (the tiny preset's evaluations:
+their numbers do not move). "fused" -- "auto" in bf16 / fp16, the qwen7b preset's rollouts and
+evaluations -- folds LoRA's add into its B matmul, stacks q/k/v's and gate/up's A, and runs
+RMSNorm as one operator (grpo/rollout/static_cache.py): other roundings, so it is held to the
+contract instead of to bits: greedy = ``generate`` token for token, sampled log-probs = a full
+forward within the tolerance of tests/test_sampler.py (tests/test_sampler_fused.py).
+
 Simplified: one host sync per step for the stop check, no speculative decoding, no
 torch.compile (a CUDA graph only behind a DecodeHook: grpo/rollout/merged.py).
 """
@@ -138,14 +146,14 @@ def prefill(model, ctx: PromptContext):
 
 
 def decode_one_token(model, cache, token: torch.Tensor, position: torch.Tensor,
-                     attention_mask: torch.Tensor, cache_kw: str = "cache") -> torch.Tensor:
+                     attention_mask: torch.Tensor, cache_kw: str = "cache", fused: bool = False) -> torch.Tensor:
     """Feed one token per row ([N] ids at [N] positions) through the cache: next logits [N, V].
 
-    A StaticKVCache takes the hand-written step (grpo/rollout/static_cache.py); a transformers cache
-    takes the model's own forward, the reference path.
+    A StaticKVCache takes the hand-written step (grpo/rollout/static_cache.py; ``fused``: its
+    fused form); a transformers cache takes the model's own forward, the reference path.
     """
     if isinstance(cache, static_cache.StaticKVCache):
-        return static_cache.decode_step(model, cache, token, position, attention_mask.bool())
+        return static_cache.decode_step(model, cache, token, position, attention_mask.bool(), fused)
     N = token.shape[0]
     out = model(
         input_ids=token.view(N, 1),
@@ -219,6 +227,7 @@ def decode_n_tokens(
     generator: torch.Generator | None,
     compact: bool = True,
     step_fn: DecodeStep | None = None,
+    fused: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Decode up to max_new_tokens for N rows sharing ``cache``.
 
@@ -226,7 +235,8 @@ def decode_n_tokens(
     over the P prompt columns. Returns (tokens [N, T], logprobs [N, T], filtered_logprobs
     [N, T], done [N] bool). ``step_fn`` (token [N], position [N], attention_mask [N, P + t + 1])
     -> logits [N, V] replaces decode_one_token over ``cache`` (a DecodeHook's step); it keeps
-    every row, so it runs without compaction.
+    every row, so it runs without compaction. ``fused``: a static cache's step in its fused
+    form (decode_one_token).
 
     ``compact``: once a quarter of the rows still in the batch have stopped, drop them from
     the batch and the KV cache (one gather of the cache), so finished completions stop
@@ -266,7 +276,7 @@ def decode_n_tokens(
             next_position, attention_mask = next_position[keep], attention_mask[keep]
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones(attention_mask.shape[0], 1)], 1)
         if step_fn is None:
-            logits = decode_one_token(model, cache, token, next_position + step, attention_mask, cache_kw)
+            logits = decode_one_token(model, cache, token, next_position + step, attention_mask, cache_kw, fused)
         else:
             logits = step_fn(token, next_position + step, attention_mask)
     done_all[rows[done]] = True
@@ -350,13 +360,14 @@ def sample(
     ``seed`` (or an explicit ``generator``) makes the draw reproducible: same seed, same
     prompts, same device -> same completions. ``decode``: "static" (preallocated KV cache
     and the hand-written step of grpo/rollout/static_cache.py), "hf" (transformers' forward and
-    DynamicCache, the reference) or "auto" (static where static_cache supports the model).
+    DynamicCache, the reference), "fused" (static with fewer operators, other rounding) or
+    "auto" (static where supported; fused in bf16 / fp16: static_cache.fused_by_default).
     ``compact``: drop finished rows from the batch (see decode_n_tokens). ``hook``: another
     decode step (DecodeHook); it decodes every row to the end and ignores ``decode``.
     """
     _check_args(G, max_new_tokens, temperature, top_k, top_p)
-    if decode not in ("auto", "static", "hf"):
-        raise ValueError(f"decode={decode!r}: use 'auto', 'static' or 'hf'")
+    if decode not in ("auto", "static", "fused", "hf"):
+        raise ValueError(f"decode={decode!r}: use 'auto', 'static', 'fused' or 'hf'")
     model = bundle.model
     prompt_len = prompts.input_ids.shape[1]
     if prompt_len + max_new_tokens > bundle.context_length:
@@ -369,11 +380,12 @@ def sample(
     first_logits, cache = prefill(model, ctx)  # text prefill: once per prompt
     rows = group_rows(ctx.B, G, device)
     # The group copy: every layer's K and V [B, H, P, D] -> [B*G, H, P, D], prompt b in rows b*G..b*G+G-1.
-    step_fn = None
+    step_fn, fused = None, False
     if hook is not None:
         step_fn, cache, compact = hook.begin(cache, ctx, rows, G, max_new_tokens), None, False
-    elif decode == "static" or (decode == "auto" and static_cache.supports(model)):
+    elif decode in ("static", "fused") or (decode == "auto" and static_cache.supports(model)):
         cache = static_cache.StaticKVCache.from_prefill(cache, G, max_new_tokens)
+        fused = decode == "fused" or (decode == "auto" and static_cache.fused_by_default(model))
     else:
         cache.batch_repeat_interleave(G)
     stop = torch.tensor(stop_token_ids(bundle), device=device)
@@ -381,7 +393,7 @@ def sample(
         model, cache, first_logits[rows], ctx.next_position[rows], ctx.attention_mask[rows],
         max_new_tokens=max_new_tokens, stop_ids=stop, pad_id=bundle.pad_token_id,
         temperature=temperature, top_k=top_k, top_p=top_p, generator=generator, compact=compact,
-        step_fn=step_fn,
+        step_fn=step_fn, fused=fused,
     )
     if hook is not None:
         hook.end()

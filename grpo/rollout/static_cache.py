@@ -15,7 +15,10 @@ than the matmuls themselves. This file is the gpt-fast alternative:
   the model's own modules (so LoRA and 4-bit linears swapped in by lora/ run unchanged).
   Per token it dispatches what the math needs and little else (python -m bench.decode counts
   it): q and k rotated in one pass, the key mask turned into SDPA's float form once per step
-  rather than inside every layer's SDPA call, the KV cache written in place.
+  rather than inside every layer's SDPA call, the KV cache written in place. ``fused=True``
+  (the sampler's "fused" decode) cuts a layer further, at the price of other roundings: LoRA
+  through lora.fused_forward (the add folded into the B matmul, the A's of q/k/v and of gate/up
+  stacked) and RMSNorm as one operator (kernels/rms_norm.py).
 
 Why plain 1-D rotary is exact here: a text token has the same M-RoPE position p on the
 t, h and w axes, and M-RoPE only chooses, per frequency band, which axis's position to
@@ -33,6 +36,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.rms_norm import rms_norm
+from lora import fused_forward
+
 
 def supports(model) -> bool:
     """True if ``decode_step`` computes exactly what transformers' forward does for ``model``."""
@@ -43,6 +49,16 @@ def supports(model) -> bool:
         and not getattr(cfg, "use_sliding_window", False)
         and getattr(cfg, "_attn_implementation", "sdpa") in ("sdpa", "eager")
     )
+
+
+def fused_by_default(model) -> bool:
+    """Whether the sampler's "auto" decode takes the fused step: where the model computes in
+    bf16 / fp16 (the qwen7b preset). There every operator of the reference step rounds to
+    half precision already and the fused forms round less often; the log-probs stay a full
+    forward's within rounding. In fp32 (the tiny preset, whose greedy evaluations decode here)
+    the fused forms are not bit-identical to the reference on this CPU's BLAS, so "auto" keeps
+    the reference step there and its numbers bit for bit."""
+    return model.model.language_model.embed_tokens.weight.dtype in (torch.bfloat16, torch.float16)
 
 
 class StaticKVCache:
@@ -121,13 +137,26 @@ def additive_mask(key_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(key_mask.shape, dtype=dtype, device=key_mask.device).masked_fill_(~key_mask, float("-inf"))
 
 
-def _attention(layer, h: torch.Tensor, cos, sin, cache: StaticKVCache, i: int, mask: torch.Tensor) -> torch.Tensor:
+def _rms_norm(norm, x: torch.Tensor, fused: bool) -> torch.Tensor:
+    """The model's RMSNorm module ``norm`` on x, or (``fused``) kernels.rms_norm's one operator:
+    the Triton kernel on CUDA (equal to rounding), the module's own arithmetic on the CPU."""
+    if fused and norm.weight.dtype == x.dtype:
+        return rms_norm(x, norm.weight, norm.variance_epsilon)
+    return norm(x)
+
+
+def _project(modules: list, h: torch.Tensor, fused: bool) -> list[torch.Tensor]:
+    """The linear layers reading the same h: each its own call, or lora.fused_forward's."""
+    return fused_forward(modules, h) if fused else [m(h) for m in modules]
+
+
+def _attention(layer, h: torch.Tensor, cos, sin, cache: StaticKVCache, i: int, mask: torch.Tensor,
+               fused: bool = False) -> torch.Tensor:
     """One attention block for one new token per row: h [N, 1, d] -> [N, 1, d]."""
     attn = layer.self_attn
     N, D = h.shape[0], attn.head_dim
-    q = attn.q_proj(h).view(N, 1, -1, D).transpose(1, 2)  # [N, H_q, 1, D]
-    k = attn.k_proj(h).view(N, 1, -1, D).transpose(1, 2)  # [N, H_kv, 1, D]
-    v = attn.v_proj(h).view(N, 1, -1, D).transpose(1, 2)
+    q, k, v = (y.view(N, 1, -1, D).transpose(1, 2)  # [N, H_q or H_kv, 1, D]
+               for y in _project([attn.q_proj, attn.k_proj, attn.v_proj], h, fused))
     H_q = q.shape[1]
     q, k = apply_rope(torch.cat([q, k], 1), cos, sin).split([H_q, k.shape[1]], 1)  # one rotation for both
     cache.write(i, k, v)
@@ -137,22 +166,32 @@ def _attention(layer, h: torch.Tensor, cos, sin, cache: StaticKVCache, i: int, m
     # serves H_q / H_kv query heads (enable_gqa avoids materialising repeated K/V).
     out = F.scaled_dot_product_attention(q, K, V, attn_mask=mask, scale=attn.scaling,
                                          enable_gqa=attn.num_key_value_groups > 1)
-    return attn.o_proj(out.transpose(1, 2).reshape(N, 1, -1))
+    return _project([attn.o_proj], out.transpose(1, 2).reshape(N, 1, -1), fused)[0]
+
+
+def _mlp(layer, h: torch.Tensor, fused: bool) -> torch.Tensor:
+    """SwiGLU, down(act(gate(h)) * up(h)), as the model's MLP computes it, with ``_project``."""
+    mlp = layer.mlp
+    gate, up = _project([mlp.gate_proj, mlp.up_proj], h, fused)
+    return _project([mlp.down_proj], mlp.act_fn(gate) * up, fused)[0]
 
 
 def decode_step(model, cache: StaticKVCache, token: torch.Tensor, position: torch.Tensor,
-                key_mask: torch.Tensor) -> torch.Tensor:
+                key_mask: torch.Tensor, fused: bool = False) -> torch.Tensor:
     """token [N] at position [N] through the decoder with ``cache``; returns logits [N, V] fp32.
 
     key_mask [N, s+1] bool marks real (non-padding) keys, the new token's column included.
-    Advances ``cache.length`` by one.
+    Advances ``cache.length`` by one. ``fused``: the LoRA projections through
+    lora.fused_forward and RMSNorm as one operator (fewer operators, other rounding; see
+    ``fused_by_default``).
     """
     lm = model.model.language_model
     x = lm.embed_tokens(token[:, None])  # [N, 1, d]
     cos, sin = rotary_cos_sin(model, position, x.dtype)
     mask = additive_mask(key_mask, x.dtype)[:, None, None, :]
     for i, layer in enumerate(lm.layers):
-        x = x + _attention(layer, layer.input_layernorm(x), cos, sin, cache, i, mask)
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        x = x + _attention(layer, _rms_norm(layer.input_layernorm, x, fused), cos, sin, cache, i, mask, fused)
+        h = _rms_norm(layer.post_attention_layernorm, x, fused)
+        x = x + (_mlp(layer, h, fused) if fused else layer.mlp(h))
     cache.length += 1
-    return model.lm_head(lm.norm(x))[:, -1].float()
+    return model.lm_head(_rms_norm(lm.norm, x, fused))[:, -1].float()
