@@ -223,7 +223,7 @@ run() {
   echo "| $part | $rc | $secs | $line |" >> "$SUMMARY"
 }
 
-KERNEL_TESTS="tests/test_kernels_grpo_loss.py tests/test_kernels_logprob.py tests/test_rollout_merged.py"
+KERNEL_TESTS="tests/test_kernels_grpo_loss.py tests/test_kernels_logprob.py tests/test_kernels_rms_norm.py tests/test_rollout_merged.py"
 selected preflight && preflight
 if [ "$DRY_RUN" = 1 ]; then
   run tests     85  "$PY" -m pytest -x $KERNEL_TESTS
