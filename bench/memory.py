@@ -269,6 +269,8 @@ def measured_step(bundle, cfg, examples, *, early_stop: bool = True) -> dict[str
     if merged is not None:
         resident += [t for layer in merged.weights for pair in layer.values() for t in pair if t is not None]
     tracker = CudaPeaks() if bundle.device.type == "cuda" else LiveBytes(resident)
+    resident_bytes = storage_bytes(resident)
+    del resident  # held here, the previous gradients would outlive the step's zero_grad, as no real step's do
 
     class Labels(Hooks):  # grpo_step's own timing sections name the phases
         def timed(self, part):
@@ -293,7 +295,7 @@ def measured_step(bundle, cfg, examples, *, early_stop: bool = True) -> dict[str
             grpo_step(learner, draw, 0, cfg.sampling.temperature, hooks)
     finally:
         step_mod.reference_logprobs = reference
-    return dict(resident=storage_bytes(resident), sampling=tracker.peak("sampling"),
+    return dict(resident=resident_bytes, sampling=tracker.peak("sampling"),
                 reference=tracker.peak("reference"), policy=tracker.peak("logprobs", "backward"))
 
 
