@@ -328,6 +328,7 @@ def qwen7b_on_meta(cfg):
     from bench.qwen7b_cpu import qwen7b_config
     from bench.step import QWEN7B_TEXT, QWEN7B_VISION
     from grpo.model.load import load_bundle
+    from grpo.model.vision import inject_vision_lora
     from lora import inject_lora
 
     tok = load_bundle("tiny").tokenizer  # special-token ids only
@@ -338,6 +339,7 @@ def qwen7b_on_meta(cfg):
         with torch.device("meta"):
             model = Qwen2_5_VLForConditionalGeneration(hf)
             inject_lora(model, cfg.lora.to_lora(), verbose=False)
+            inject_vision_lora(model, cfg.lora, verbose=False)  # lora.vision / lora.merger (off: nothing)
     finally:
         torch.set_default_dtype(default)
     return model
@@ -615,6 +617,27 @@ def print_plan(plan: Plan) -> None:
     print_table(rows, ["phase", "component", "MiB", "note"])
 
 
+VISION_SETTINGS = (("frozen tower", False, False), ("merger", False, True), ("tower + merger", True, True))
+
+
+def vision_training_rows(cfg, device: str, prompt_len: int) -> list[dict]:
+    """The plan with the tower frozen, its merger training (lora.merger) and the whole tower
+    training (lora.vision + lora.merger) at ``cfg``'s other settings: what training it adds."""
+    import copy
+
+    rows, frozen = [], None
+    for name, vision, merger in VISION_SETTINGS:
+        c = copy.deepcopy(cfg)
+        c.lora.vision, c.lora.merger = vision, merger
+        plan = plan_step(model_shapes(c)[0], c, device=device, prompt_len=prompt_len)
+        frozen = frozen or plan
+        rows.append({"tower": name, "policy GiB": f"{plan.phase_bytes('policy') / GiB:.2f}",
+                     "peak GiB": f"{plan.peak / GiB:.2f}",
+                     "added MiB": f"{(plan.phase_bytes('policy') - frozen.phase_bytes('policy')) / MiB:,.0f}",
+                     "peak phase": plan.peak_phase})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     head, _, rest = __doc__.partition("\n\n")
     p = argparse.ArgumentParser(prog="python -m bench.memory", description=head, epilog=rest,
@@ -666,6 +689,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{shapes.heads}/{shapes.kv_heads} heads, V={shapes.vocab}, {shapes.compute_bytes} B compute dtype; "
           f"a layer saves {saves:,} B/token without checkpointing")
     print_plan(plan)
+    print(f"# training the vision tower (lora.vision / lora.merger; checkpointing "
+          f"{'on' if cfg.model.gradient_checkpointing else 'off'}): the same step's plan, one image a prompt")
+    print_table(vision_training_rows(cfg, args.device, P), ["tower", "policy GiB", "peak GiB", "added MiB", "peak phase"])
 
     if bundle is not None:
         print_table(tiny_validation(bundle, cfg), ["run", "phase", "measured MiB", "planned MiB", "plan/measured"])

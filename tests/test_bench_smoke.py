@@ -171,6 +171,10 @@ def test_memory_plan_of_the_7b_meets_the_staged_papers_budget():
     last = out.splitlines()[-1]
     peak = float(re.match(r"^peak (\d+\.\d) GiB \(", last).group(1))
     assert 6.0 < peak <= 12.0 and "fits 16 GiB" in last, last
+    # the vision-training table: what training the merger, then the tower too, adds to the policy pass
+    added = [float(m.group(1).replace(",", "")) for m in
+             re.finditer(r"^\s*(?:frozen tower|merger|tower \+ merger)\s+[\d.]+\s+[\d.]+\s+([\d,]+)\s+\w+$", out, re.M)]
+    assert len(added) == 3 and added[0] == 0 < added[1] < added[2], added
 
 
 def test_sampler():

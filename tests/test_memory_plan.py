@@ -75,6 +75,36 @@ def test_the_vision_tower_with_lora_saves_what_the_plan_counts(dtype, vision, me
     assert seen["bytes"] > 0 and abs(planned - seen["bytes"]) <= 0.01 * seen["bytes"], (seen["bytes"], planned)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("vision,merger", [(True, True), (False, True)])
+def test_the_checkpointed_vision_tower_keeps_what_the_plan_counts(dtype, vision, merger):
+    """model.gradient_checkpointing with the tower training: what its forward leaves alive
+    for backward (every live byte after it, the features it returns excepted) is what
+    vision_checkpointed_per_patch counts per patch, plus the merger's LoRA casts. With
+    lora.merger alone the same holds: the blocks keep their inputs all the same."""
+    from bench.memory import resident_tensors
+    from grpo.model.prompts import encode_prompts
+    from grpo.model.vision import VisionInputs, tower_features
+    from grpo.run.memory_plan import vision_checkpointed_per_patch, vision_lora_copies
+
+    cfg = phase_config("A", "tiny", {"model.device": "cpu", "lora.vision": str(vision).lower(),
+                                     "lora.merger": str(merger).lower(), "model.load_in_4bit": "false",
+                                     "model.dtype": dtype, "model.gradient_checkpointing": "true"}, "A")
+    bundle = build_policy(cfg, "cpu", verbose=False)
+    prompts = encode_prompts(bundle, generate("train", 1, 2, seed=0, image_size=cfg.model.image_size))
+    images = VisionInputs(prompts.pixel_values.to(getattr(torch, dtype)), prompts.image_grid_thw, 2)
+    with LiveBytes(resident_tensors(bundle.model, None) + [images.pixel_values]) as seen:
+        features = tower_features(bundle.model, images)
+        kept = seen.live - seen.by_label["resident"] - features.untyped_storage().nbytes()
+    sh = shapes_of_model(bundle.model, cfg)
+    planned = prompts.pixel_values.shape[0] * vision_checkpointed_per_patch(sh) + vision_lora_copies(sh, True)
+    assert features.requires_grad and kept > 0
+    assert abs(planned - kept) <= 0.01 * kept, (kept, planned)
+    if vision:  # the blocks' activations are gone: a fraction of what the tower keeps not checkpointed
+        from grpo.run.memory_plan import vision_saved_per_patch
+        assert vision_checkpointed_per_patch(sh) < 0.5 * vision_saved_per_patch(sh)
+
+
 @pytest.mark.parametrize("entropy_coef", [0.0, 0.01])
 def test_a_whole_step_allocates_what_the_plan_predicts(tiny, entropy_coef):
     cfg, bundle = tiny
@@ -88,6 +118,34 @@ def test_a_whole_step_allocates_what_the_plan_predicts(tiny, entropy_coef):
     for phase in ("resident", "sampling", "policy"):
         assert abs(want[phase] - got[phase]) <= 0.1 * got[phase], (phase, got, want)
     assert got["policy"] > 1.2 * got["resident"]  # the step's own activations are a real part of what is compared
+
+
+@pytest.mark.parametrize("micro_batch_rows", [0, 2])
+def test_a_whole_step_with_the_tower_training_allocates_what_the_plan_predicts(micro_batch_rows):
+    """lora.vision + lora.merger, checkpointed: the step's policy peak within 5%, and what
+    training the tower adds to it (the patches kept and copied for the micro-batches, the
+    tower's kept inputs, its LoRA) within 10% of what it adds when measured. The plan keeps
+    the previous step's gradients through the passes (resident); a real step frees them at
+    zero_grad and, in one pass, makes the tower's only after the language model's backward
+    peak: there the plan may be high by the tower's LoRA gradients, never low."""
+    def step(vision: bool) -> tuple[dict, dict]:
+        cfg = phase_config("A", "tiny", {"model.device": "cpu", "sampling.G": "2", "phase.prompts_per_step": "2",
+                                         "sampling.max_new_tokens": "6", "model.gradient_checkpointing": "true",
+                                         "optim.micro_batch_rows": str(micro_batch_rows),
+                                         "lora.vision": str(vision).lower(), "lora.merger": str(vision).lower()}, "A")
+        bundle = build_policy(cfg, "cpu", verbose=False)
+        examples = generate("train", 1, 6, seed=1, image_size=cfg.model.image_size)
+        got = measured_step(bundle, cfg, examples)
+        sh = shapes_of_model(bundle.model, cfg)
+        want = planned_phases(plan_step(sh, cfg, device="cpu", prompt_len=prompt_len_of(bundle, cfg, examples[:2])))
+        return got, want, sh.vision_lora_params * sh.lora_bytes
+
+    (got_off, want_off, _), (got, want, tower_grads) = step(False), step(True)
+    assert abs(want["policy"] - got["policy"]) <= 0.05 * got["policy"], (got, want)
+    added = got["policy"] - got["resident"] - (got_off["policy"] - got_off["resident"])
+    planned = want["policy"] - want["resident"] - (want_off["policy"] - want_off["resident"])
+    assert added > 0.1 * (got["policy"] - got["resident"]), (added, got)  # the tower is a real part of the step
+    assert -0.1 * added <= planned - added <= 0.1 * added + tower_grads, (added, planned, tower_grads)
 
 
 def test_the_entropy_bonus_is_counted_in_the_logits_chunks_backward():

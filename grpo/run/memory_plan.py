@@ -21,7 +21,14 @@ what stays resident:
                 (everything autograd saves in a layer, plus the gradients of its backward)
                 and the logits chunks' part (the final norm's saved tensors and one chunk
                 recomputed with its gradient, and with optim.entropy_coef > 0 the entropy
-                bonus's gradient of it too), which is freed before the layers' backward
+                bonus's gradient of it too), which is freed before the layers' backward;
+                with the vision tower training (lora.vision / lora.merger) the images'
+                patches (the batch's, and the micro-batches' copies) and what the tower
+                keeps for its backward per patch, checkpointed or not
+                (``vision_checkpointed_per_patch``, ``vision_saved_per_patch``)
+
+The previous step's LoRA gradients stay counted as resident through the passes (a step
+frees them at zero_grad and its backward makes them again): high by at most their bytes.
 
 The peak of the step is the largest of the three. Each term is a formula of the widths
 (hidden d, MLP width I, heads, KV heads, vocabulary V, layers L, compute-dtype bytes b),
@@ -109,6 +116,9 @@ class Shapes:
     vision_targets: frozenset[str] = frozenset()  # adapted linears per block (attn.qkv, mlp.down_proj, ...), by last name
     merger_lora: bool = False
     vision_lora_params: int = 0  # the tower's and merger's LoRA parameters (also in lora_params)
+    merger_lora_params: int = 0  # the merger's alone (also in vision_lora_params)
+    vision_patch_elems: int = 0  # elements of one image patch as the tower takes it (3 x 2 x 14 x 14)
+    vision_merge: int = 2  # spatial merge: merge^2 patches make one visual token
 
     @property
     def vision_trains(self) -> bool:
@@ -159,6 +169,7 @@ def shapes_of_model(model: torch.nn.Module, cfg: TrainConfig) -> Shapes:
     v = model.config.vision_config
     blocks = {n.rsplit(".", 1)[-1] for n in lora if ".visual.blocks.0." in n}
     vision_lora = sum(p.numel() for n, m in lora.items() if ".visual." in f".{n}" for p in (m.lora_A, m.lora_B))
+    merger_lora = sum(p.numel() for n, m in lora.items() if ".visual.merger." in f".{n}" for p in (m.lora_A, m.lora_B))
     return Shapes(layers=t.num_hidden_layers, hidden=t.hidden_size, intermediate=t.intermediate_size,
                   heads=t.num_attention_heads, kv_heads=t.num_key_value_heads,
                   head_dim=getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads,
@@ -166,7 +177,9 @@ def shapes_of_model(model: torch.nn.Module, cfg: TrainConfig) -> Shapes:
                   lora_params=lora_params, lora_bytes=lora_bytes or 4, lora_targets=len(per_layer),
                   lora_rank=cfg.lora.rank, merged_params=merged, vision_blocks=v.depth, vision_hidden=v.hidden_size,
                   vision_intermediate=v.intermediate_size, vision_heads=v.num_heads, vision_targets=frozenset(blocks),
-                  merger_lora=any(".visual.merger." in f".{n}" for n in lora), vision_lora_params=vision_lora)
+                  merger_lora=merger_lora > 0, vision_lora_params=vision_lora, merger_lora_params=merger_lora,
+                  vision_patch_elems=v.in_channels * v.temporal_patch_size * v.patch_size**2,
+                  vision_merge=v.spatial_merge_size)
 
 
 def _quantizable(name: str, p: torch.Tensor) -> bool:
@@ -270,7 +283,7 @@ def vision_saved_per_patch(sh: Shapes) -> int:
 
     bf16 at the 7B's tower (dv 1280, Iv 3420, 16 heads, 32 blocks, all five targets and the
     merger): 1,953,674 B, 1.86 MiB per patch: 1.86 GiB for one 448 px image (1,024
-    patches). Not yet added to ``plan_step``'s policy phase."""
+    patches). With the blocks checkpointed: ``vision_checkpointed_per_patch``."""
     if not sh.vision_trains:
         return 0
     dv, Iv, H, b, r = sh.vision_hidden, sh.vision_intermediate, sh.vision_heads, sh.compute_bytes, sh.lora_rank
@@ -288,12 +301,45 @@ def vision_saved_per_patch(sh: Shapes) -> int:
     return total
 
 
-def vision_lora_copies(sh: Shapes) -> int:
-    """Bytes of the tower's LoRA factors cast to the compute dtype and kept for backward (one
-    copy of each, the first adapted layer's A excepted: its input needs no grad); nothing when
-    the LoRA dtype is the compute dtype (then the saved tensors are the parameters)."""
+def vision_checkpointed_per_patch(sh: Shapes) -> int:
+    """Bytes kept per image patch from the tower's forward to its backward when its blocks
+    are checkpointed (model.gradient_checkpointing; lora.vision or lora.merger on). A block
+    keeps its inputs only and runs again in backward; transformers makes the patch
+    embedding require grad under checkpointing, so this holds with lora.merger alone too.
+    Tensor by tensor (seen with bench/memory.py's LiveBytes on the tiny tower):
+
+        patch embedding    its output and the copy in window order (2 b dv)
+        block inputs       every later block's input, the previous one's output ((blocks - 1) b dv)
+        last block         its output, kept by the merger's RMSNorm as an fp32 copy (4 dv;
+                           b = 4: the output itself, b dv)
+        rotary             cos and sin in window order, fp32 (2 x 4 head_dim)
+        token order        the window order and its inverse, int64 per token (2 x 2 per patch)
+        merger             the norm's rsqrt (4), the first linear's output kept by GELU (b dv);
+                           with lora.merger each linear's input (2 b dv) and rank-r middle (2 r b / 4)
+
+    bf16 at the 7B's tower (dv 1280, 16 heads, 32 blocks, merger LoRA on): 97,936 B per
+    patch, 96 MiB for one 448 px image, a twentieth of the tower not checkpointed."""
+    if not sh.vision_trains:
+        return 0
+    dv, b, r = sh.vision_hidden, sh.compute_bytes, sh.lora_rank
+    last = 4 * dv if b < 4 else b * dv
+    total = 2 * b * dv + (sh.vision_blocks - 1) * b * dv + last + 2 * 4 * (dv // sh.vision_heads) + 4
+    total += 4 + b * dv
+    if sh.merger_lora:
+        total += 2 * b * dv + 2 * r * b // 4
+    return total
+
+
+def vision_lora_copies(sh: Shapes, checkpointed: bool = False) -> int:
+    """Bytes of the tower's LoRA factors cast to the compute dtype and kept for backward;
+    nothing when the LoRA dtype is the compute dtype (then the saved tensors are the
+    parameters). Not checkpointed: one copy of each, the first adapted layer's A excepted
+    (its input needs no grad); checkpointed: the merger's only (the blocks cast theirs again
+    when they rerun)."""
     if not sh.vision_trains or sh.lora_bytes == sh.compute_bytes:
         return 0
+    if checkpointed:
+        return sh.merger_lora_params * sh.compute_bytes
     first_a = sh.lora_rank * sh.vision_hidden * (1 if "qkv" in sh.vision_targets else 0 if sh.vision_targets else 4)
     return (sh.vision_lora_params - first_a) * sh.compute_bytes
 
@@ -377,17 +423,18 @@ class Plan:
 
 
 def plan_step(sh: Shapes, cfg: TrainConfig, *, device: str = "cuda", micro_batch_rows: int | None = None,
-              prompt_len: int | None = None) -> Plan:
+              prompt_len: int | None = None, images: int = 1) -> Plan:
     """The predicted peak of one GRPO step of ``cfg`` on a model of shapes ``sh``.
 
     ``micro_batch_rows``: override optim.micro_batch_rows (0 = all rows); ``prompt_len``:
-    override ``prompt_tokens(cfg)``."""
+    override ``prompt_tokens(cfg, images)``; ``images``: images a prompt shows (what the
+    tower runs on when it trains)."""
     s, o = cfg.sampling, cfg.optim
     B, G, T = cfg.phase.prompts_per_step, s.G, s.max_new_tokens
     N = B * G
     m = o.micro_batch_rows if micro_batch_rows is None else micro_batch_rows
     m = groups_per_micro_batch(B, G, m) * G  # the partition rule (grpo/batches.py)
-    P = prompt_tokens(cfg) if prompt_len is None else prompt_len
+    P = prompt_tokens(cfg, images) if prompt_len is None else prompt_len
     S = P + T  # the sampler's sequence
     d, b, L, V = sh.hidden, sh.compute_bytes, sh.layers, sh.vocab
     plan = Plan(micro_batch_rows=m, rows=N, prompt_tokens=P, completion_tokens=T, device=device)
@@ -431,6 +478,19 @@ def plan_step(sh: Shapes, cfg: TrainConfig, *, device: str = "cuda", micro_batch
                  tokens * layer_transient_no_grad_per_token(sh) + kv_extra + dequant)
         plan.add("reference: one logits chunk", "reference", chunk * logits_bytes_per_token(sh, device, False))
     plan.add("policy: micro-batch inputs + mask", "policy", inputs + mask)
+    if sh.vision_trains:  # lora.vision / lora.merger: the passes run the tower again on their prompts' images
+        patches = images * visual_tokens(cfg) * sh.vision_merge**2  # of one prompt
+        mb_prompts = max(1, m // G)
+        # the batch's patches, kept by its prompt context; cut into micro-batches, each micro-batch's
+        # context holds a copy of its own prompts' (all cut at once, grpo/step.py): the batch's twice
+        pixels = (2 if m < N else 1) * B * patches * sh.vision_patch_elems * b
+        for phase in ("reference", "policy") if o.beta > 0 else ("policy",):
+            plan.add(f"{phase}: the images' patches (the tower runs again)", phase, pixels)
+        ckpt = cfg.model.gradient_checkpointing
+        per_patch = vision_checkpointed_per_patch(sh) if ckpt else vision_saved_per_patch(sh)
+        plan.add("policy: the vision tower's " + ("kept inputs (checkpointed)" if ckpt else "saved activations"),
+                 "policy", mb_prompts * patches * per_patch + vision_lora_copies(sh, ckpt),
+                 f"{mb_prompts} prompts x {patches:,} patches x {per_patch:,} B")
     saved = tokens * layer_saved_per_token(sh, repeated_kv=not o.shared_prefix) + kv_extra
     if cfg.model.gradient_checkpointing:
         plan.add("policy: layer inputs kept by checkpointing", "policy", L * tokens * b * d,
@@ -473,11 +533,11 @@ def micro_batch_choices(cfg: TrainConfig) -> list[int]:
 
 
 def largest_fitting(sh: Shapes, cfg: TrainConfig, budget: int, device: str = "cuda",
-                    prompt_len: int | None = None) -> tuple[int, Plan] | None:
+                    prompt_len: int | None = None, images: int = 1) -> tuple[int, Plan] | None:
     """(micro_batch_rows, plan) of the largest training micro-batch whose step needs at most
     ``budget`` bytes (``need_bytes``), or None when not even one group fits."""
     for rows in micro_batch_choices(cfg):
-        plan = plan_step(sh, cfg, device=device, micro_batch_rows=rows, prompt_len=prompt_len)
+        plan = plan_step(sh, cfg, device=device, micro_batch_rows=rows, prompt_len=prompt_len, images=images)
         if need_bytes(plan) <= budget:
             return rows, plan
     return None
@@ -499,7 +559,7 @@ def check_fits(model: torch.nn.Module, cfg: TrainConfig, device: str, world: int
         cfg.phase.prompts_per_step = max(1, cfg.phase.prompts_per_step // world)
     sh = shapes_of_model(model, cfg)
     P = prompt_tokens(cfg, images)
-    plan = plan_step(sh, cfg, prompt_len=P)
+    plan = plan_step(sh, cfg, prompt_len=P, images=images)
     dev = torch.device(device)
     free, total = torch.cuda.mem_get_info(dev)
     held = torch.cuda.memory_allocated(dev)
@@ -509,7 +569,7 @@ def check_fits(model: torch.nn.Module, cfg: TrainConfig, device: str, world: int
         f"{free / GiB:.1f} of {total / GiB:.1f} GiB free with the model loaded", flush=True)
     if more <= free:
         return plan
-    fit = largest_fitting(sh, cfg, free + held + CUDA_OVERHEAD, prompt_len=P)
+    fit = largest_fitting(sh, cfg, free + held + CUDA_OVERHEAD, prompt_len=P, images=images)
     fix = (f"use --optim.micro_batch_rows {fit[0]} (predicted peak {fit[1].peak / GiB:.1f} GiB)"
            if fit is not None and fit[0] < plan.micro_batch_rows else
            "no training micro-batch fits: lower --sampling.max_new_tokens, --phase.prompts_per_step or "
