@@ -211,12 +211,19 @@ def enable_gradient_checkpointing(model: nn.Module) -> None:
     requires grad; with a frozen embedding nothing does, so LoRA inside would get no
     gradient (PEFT works around it by forcing the embedding output to require grad). The
     non-reentrant implementation tracks the block's parameters and needs no such trick.
-    Costs one extra forward of each decoder layer in backward; saves its activations."""
+    Costs one extra forward of each decoder layer in backward; saves its activations.
+
+    transformers plays that trick anyway: it hooks every input embedding (the text tokens' and
+    the vision tower's patch embedding) so that its output requires grad. Here it only costs:
+    with a frozen tower under a trained merger (lora.merger alone) the tower's blocks would run
+    with grad, keep their inputs and be backpropagated through for nothing. The hooks go."""
     kwargs = {"use_reentrant": False}
     if hasattr(model, "activation_checkpointing_enable"):  # the name since transformers 5.2x
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if hasattr(model, "disable_input_require_grads"):
+        model.disable_input_require_grads()
 
 
 @contextmanager

@@ -81,7 +81,8 @@ def test_the_checkpointed_vision_tower_keeps_what_the_plan_counts(dtype, vision,
     """model.gradient_checkpointing with the tower training: what its forward leaves alive
     for backward (every live byte after it, the features it returns excepted) is what
     vision_checkpointed_per_patch counts per patch, plus the merger's LoRA casts. With
-    lora.merger alone the same holds: the blocks keep their inputs all the same."""
+    lora.merger alone the frozen blocks run without grad (checkpointing's input hook removed):
+    they keep nothing, and backward never enters them."""
     from bench.memory import resident_tensors
     from grpo.model.prompts import encode_prompts
     from grpo.model.vision import VisionInputs, tower_features
@@ -93,6 +94,9 @@ def test_the_checkpointed_vision_tower_keeps_what_the_plan_counts(dtype, vision,
     bundle = build_policy(cfg, "cpu", verbose=False)
     prompts = encode_prompts(bundle, generate("train", 1, 2, seed=0, image_size=cfg.model.image_size))
     images = VisionInputs(prompts.pixel_values.to(getattr(torch, dtype)), prompts.image_grid_thw, 2)
+    blocks_with_grad = []  # per block: did its output need grad (is backward going to enter it)?
+    for blk in bundle.model.model.visual.blocks:
+        blk.register_forward_hook(lambda mod, args, out: blocks_with_grad.append(out.requires_grad))
     with LiveBytes(resident_tensors(bundle.model, None) + [images.pixel_values]) as seen:
         features = tower_features(bundle.model, images)
         kept = seen.live - seen.by_label["resident"] - features.untyped_storage().nbytes()
@@ -100,9 +104,12 @@ def test_the_checkpointed_vision_tower_keeps_what_the_plan_counts(dtype, vision,
     planned = prompts.pixel_values.shape[0] * vision_checkpointed_per_patch(sh) + vision_lora_copies(sh, True)
     assert features.requires_grad and kept > 0
     assert abs(planned - kept) <= 0.01 * kept, (kept, planned)
+    from grpo.run.memory_plan import vision_saved_per_patch
     if vision:  # the blocks' activations are gone: a fraction of what the tower keeps not checkpointed
-        from grpo.run.memory_plan import vision_saved_per_patch
         assert vision_checkpointed_per_patch(sh) < 0.5 * vision_saved_per_patch(sh)
+    else:  # nothing in the blocks needs grad: they are outside the graph
+        assert blocks_with_grad == [False] * len(bundle.model.model.visual.blocks)
+        assert vision_checkpointed_per_patch(sh) == vision_saved_per_patch(sh)
 
 
 @pytest.mark.parametrize("entropy_coef", [0.0, 0.01])

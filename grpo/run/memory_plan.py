@@ -303,12 +303,11 @@ def vision_saved_per_patch(sh: Shapes) -> int:
 
 def vision_checkpointed_per_patch(sh: Shapes) -> int:
     """Bytes kept per image patch from the tower's forward to its backward when its blocks
-    are checkpointed (model.gradient_checkpointing; lora.vision or lora.merger on). A block
-    keeps its inputs only and runs again in backward; transformers makes the patch
-    embedding require grad under checkpointing, so this holds with lora.merger alone too.
-    Tensor by tensor (seen with bench/memory.py's LiveBytes on the tiny tower):
+    are checkpointed (model.gradient_checkpointing; lora.vision on). A block keeps its inputs
+    only and runs again in backward. Tensor by tensor (seen with bench/memory.py's LiveBytes on
+    the tiny tower):
 
-        patch embedding    its output and the copy in window order (2 b dv)
+        patch embedding    its output in window order, the first block's input (b dv)
         block inputs       every later block's input, the previous one's output ((blocks - 1) b dv)
         last block         its output, kept by the merger's RMSNorm as an fp32 copy (4 dv;
                            b = 4: the output itself, b dv)
@@ -317,13 +316,17 @@ def vision_checkpointed_per_patch(sh: Shapes) -> int:
         merger             the norm's rsqrt (4), the first linear's output kept by GELU (b dv);
                            with lora.merger each linear's input (2 b dv) and rank-r middle (2 r b / 4)
 
-    bf16 at the 7B's tower (dv 1280, 16 heads, 32 blocks, merger LoRA on): 97,936 B per
-    patch, 96 MiB for one 448 px image, a twentieth of the tower not checkpointed."""
-    if not sh.vision_trains:
-        return 0
+    With lora.merger alone the blocks hold no LoRA and run without grad, checkpointed or not
+    (lora.enable_gradient_checkpointing removes transformers' hook that would make the patch
+    embedding require grad): ``vision_saved_per_patch``'s merger-only count.
+
+    bf16 at the 7B's tower (dv 1280, 16 heads, 32 blocks, merger LoRA on): 95,376 B per
+    patch, 93 MiB for one 448 px image, a twentieth of the tower not checkpointed."""
+    if not sh.vision_targets:
+        return vision_saved_per_patch(sh)
     dv, b, r = sh.vision_hidden, sh.compute_bytes, sh.lora_rank
     last = 4 * dv if b < 4 else b * dv
-    total = 2 * b * dv + (sh.vision_blocks - 1) * b * dv + last + 2 * 4 * (dv // sh.vision_heads) + 4
+    total = b * dv + (sh.vision_blocks - 1) * b * dv + last + 2 * 4 * (dv // sh.vision_heads) + 4
     total += 4 + b * dv
     if sh.merger_lora:
         total += 2 * b * dv + 2 * r * b // 4
@@ -334,11 +337,11 @@ def vision_lora_copies(sh: Shapes, checkpointed: bool = False) -> int:
     """Bytes of the tower's LoRA factors cast to the compute dtype and kept for backward;
     nothing when the LoRA dtype is the compute dtype (then the saved tensors are the
     parameters). Not checkpointed: one copy of each, the first adapted layer's A excepted
-    (its input needs no grad); checkpointed: the merger's only (the blocks cast theirs again
-    when they rerun)."""
+    (its input needs no grad); checkpointed with lora.vision: the merger's only (the blocks
+    cast theirs again when they rerun)."""
     if not sh.vision_trains or sh.lora_bytes == sh.compute_bytes:
         return 0
-    if checkpointed:
+    if checkpointed and sh.vision_targets:
         return sh.merger_lora_params * sh.compute_bytes
     first_a = sh.lora_rank * sh.vision_hidden * (1 if "qkv" in sh.vision_targets else 0 if sh.vision_targets else 4)
     return (sh.vision_lora_params - first_a) * sh.compute_bytes
@@ -486,7 +489,7 @@ def plan_step(sh: Shapes, cfg: TrainConfig, *, device: str = "cuda", micro_batch
         pixels = (2 if m < N else 1) * B * patches * sh.vision_patch_elems * b
         for phase in ("reference", "policy") if o.beta > 0 else ("policy",):
             plan.add(f"{phase}: the images' patches (the tower runs again)", phase, pixels)
-        ckpt = cfg.model.gradient_checkpointing
+        ckpt = cfg.model.gradient_checkpointing and bool(sh.vision_targets)  # merger alone: nothing to checkpoint
         per_patch = vision_checkpointed_per_patch(sh) if ckpt else vision_saved_per_patch(sh)
         plan.add("policy: the vision tower's " + ("kept inputs (checkpointed)" if ckpt else "saved activations"),
                  "policy", mb_prompts * patches * per_patch + vision_lora_copies(sh, ckpt),
