@@ -338,7 +338,8 @@ def vision_lora_copies(sh: Shapes, checkpointed: bool = False) -> int:
     nothing when the LoRA dtype is the compute dtype (then the saved tensors are the
     parameters). Not checkpointed: one copy of each, the first adapted layer's A excepted
     (its input needs no grad); checkpointed with lora.vision: the merger's only (the blocks
-    cast theirs again when they rerun)."""
+    cast theirs again when they rerun); lora.merger alone: as not checkpointed (the blocks run
+    without grad either way)."""
     if not sh.vision_trains or sh.lora_bytes == sh.compute_bytes:
         return 0
     if checkpointed and sh.vision_targets:
@@ -489,7 +490,7 @@ def plan_step(sh: Shapes, cfg: TrainConfig, *, device: str = "cuda", micro_batch
         pixels = (2 if m < N else 1) * B * patches * sh.vision_patch_elems * b
         for phase in ("reference", "policy") if o.beta > 0 else ("policy",):
             plan.add(f"{phase}: the images' patches (the tower runs again)", phase, pixels)
-        ckpt = cfg.model.gradient_checkpointing and bool(sh.vision_targets)  # merger alone: nothing to checkpoint
+        ckpt = cfg.model.gradient_checkpointing
         per_patch = vision_checkpointed_per_patch(sh) if ckpt else vision_saved_per_patch(sh)
         plan.add("policy: the vision tower's " + ("kept inputs (checkpointed)" if ckpt else "saved activations"),
                  "policy", mb_prompts * patches * per_patch + vision_lora_copies(sh, ckpt),
