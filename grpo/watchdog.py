@@ -17,7 +17,11 @@ to time out in. So every rank runs a small thread beside its main one:
   the hung rank included: its thread runs while its main thread is stuck.
 
 The process ends with ``os._exit``: the main thread is blocked in the collective and
-cannot unwind. Nothing is lost that a crash would not lose: checkpoints are written
+cannot unwind. One race is closed by hand: the first rank to end closes its connections,
+so a peer's collective can fail ("connection closed by peer") a moment before that peer's
+own thread ends it. The thread marks the decision (``ending``) before it writes the abort
+key or its acknowledgement, and a collective that fails once it is marked waits for the
+thread instead of raising: the one line is printed, not a traceback. Nothing is lost that a crash would not lose: checkpoints are written
 atomically (a temporary name, then a rename) and the log line by line.
 """
 
@@ -69,6 +73,7 @@ class CollectiveWatch:
         self.entered: tuple[int, str, float] | None = None  # (number, name, start) while in a collective
         self._lock = threading.Lock()  # the store client is shared with the main thread
         self._closed = threading.Event()
+        self.ending = threading.Event()  # the thread has decided to end every rank (set before it tells them)
         self._thread = threading.Thread(target=self._watch, name="collective-watch", daemon=True)
         self._thread.start()
 
@@ -81,6 +86,10 @@ class CollectiveWatch:
         self.entered = (number, name, time.monotonic())
         try:
             yield
+        except BaseException:
+            if self.ending.is_set():  # a peer that already ended broke this collective: the thread ends us
+                self._thread.join()
+            raise
         finally:
             self.entered = None
 
@@ -116,6 +125,7 @@ class CollectiveWatch:
         """The line to end with, or None while nothing is late."""
         if self._has(ABORT_KEY):  # another rank timed out
             message = self._get(ABORT_KEY)
+            self.ending.set()
             self._set(f"{PREFIX}/ack/{self.rank}", "1")
             return message
         entered = self.entered
@@ -124,6 +134,7 @@ class CollectiveWatch:
         number, name, t0 = entered
         counts = {r: int(self._get(_count_key(r))) if self._has(_count_key(r)) else 0 for r in range(self.world)}
         message = timeout_message(late_ranks(counts, number), self.world, number, name, time.monotonic() - t0)
+        self.ending.set()
         self._set(ABORT_KEY, message)
         deadline = time.monotonic() + min(5.0, self.timeout)  # let the others read it before this host goes
         others = [f"{PREFIX}/ack/{r}" for r in range(self.world) if r != self.rank]

@@ -58,6 +58,57 @@ def test_watch_names_the_rank_that_never_arrives_and_ends_both():
     assert "(all_reduce)" in ended[0] and "run.collective_timeout_s" in ended[0]
 
 
+def test_a_collective_broken_by_a_peer_that_ended_waits_for_the_line():
+    # The first rank to end closes its connections, so the waiting rank's collective fails
+    # ("connection closed by peer") before its own thread has printed the line. That failure
+    # must wait for the thread (which ends the process) rather than escape as a traceback.
+    store = dist.HashStore()
+    ended: dict[int, str] = {}
+    peer_ended = threading.Event()
+
+    def end_of(rank):
+        def end(message):
+            ended[rank] = message
+            if rank == 1:
+                peer_ended.set()
+        return end
+
+    watches = [CollectiveWatch(store, r, 2, timeout_s=0.3, poll_s=0.02, end=end_of(r)) for r in range(2)]
+    try:
+        for w in watches:
+            with w.collective("first"):
+                pass
+        try:
+            with watches[0].collective("all_reduce"):
+                assert peer_ended.wait(10.0), ended
+                raise RuntimeError("Connection closed by peer")  # what gloo raises once rank 1 is gone
+        except RuntimeError:
+            escaped_with = dict(ended)
+        else:
+            raise AssertionError("the collective's error was swallowed")
+    finally:
+        for w in watches:
+            w.close()
+    assert 0 in escaped_with, "the collective's error escaped before rank 0's line (a traceback, not one line)"
+    assert escaped_with[0] == escaped_with[1] and escaped_with[0].startswith("rank 1 of 2 did not arrive")
+
+
+def test_a_collective_that_fails_on_its_own_raises_at_once():
+    store = dist.HashStore()
+    ended = []
+    w = CollectiveWatch(store, 0, 1, timeout_s=5.0, poll_s=0.02, end=ended.append)
+    try:
+        t0 = time.monotonic()
+        try:
+            with w.collective("all_reduce"):
+                raise RuntimeError("a real fault")
+        except RuntimeError as e:
+            assert str(e) == "a real fault"
+        assert time.monotonic() - t0 < 1.0 and ended == []  # nothing was ending: no wait, no line
+    finally:
+        w.close()
+
+
 def test_watch_stays_quiet_while_collectives_finish_in_time():
     store = dist.HashStore()
     ended = []
