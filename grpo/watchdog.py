@@ -27,6 +27,7 @@ atomically (a temporary name, then a rename) and the log line by line.
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import os
 import sys
@@ -76,6 +77,10 @@ class CollectiveWatch:
         self.ending = threading.Event()  # the thread has decided to end every rank (set before it tells them)
         self._thread = threading.Thread(target=self._watch, name="collective-watch", daemon=True)
         self._thread.start()
+        # A process that ends without ``close`` (a script's last line, an exception nobody caught)
+        # must not leave the thread inside a store call while the interpreter finalises: the C++
+        # store then aborts the process ("terminate called without an active exception", exit -6).
+        atexit.register(self.close)
 
     @contextmanager
     def collective(self, name: str) -> Iterator[None]:
@@ -94,6 +99,8 @@ class CollectiveWatch:
             self.entered = None
 
     def close(self) -> None:
+        """Stop the thread and wait for it (at most a few polls); called again, it does nothing."""
+        atexit.unregister(self.close)
         self._closed.set()
         self._thread.join(timeout=5 * self.poll + 1)
 

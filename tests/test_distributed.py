@@ -554,7 +554,7 @@ def _worker(out_dir: Path) -> None:
                                        "2", "--optim.lr", "5e-2"])
     (out_dir / f"rank{dp.rank}.json").write_text(json.dumps(result))
     dp.barrier()
-    torch.distributed.destroy_process_group()
+    dp.close()  # the watchdog first, then the process group this script created
 
 
 if __name__ == "__main__":
