@@ -2,6 +2,7 @@
 
     python -m bench.sampler                     # tiny (B=4, 64 tokens) and mid (B=2, 32 tokens), G=8
     python -m bench.sampler --model mid --image-size 224 --mid-max-new-tokens 64
+    python -m bench.sampler --compile           # also: our decode step under torch.compile
 
 The baseline is what TRL does for a VLM group: every prompt and its pixels repeated G
 times, one ``model.generate(do_sample=True, ...)`` call (``num_return_sequences=G`` with
@@ -18,6 +19,14 @@ parameters (text d=768 x 12 layers, vision d=384 x 8 blocks) at 336 px (576 patc
 run uses a smaller batch and budget by default so that it stays near two minutes on two
 CPU cores (generate re-encodes 16 images of 576 patches).
 
+``--compile`` times our sampler a second way, its static decode step
+(grpo/rollout/static_cache.py ``decode_step``) under ``torch.compile`` (dynamic shapes: the
+batch shrinks and the cache grows), alternated with the eager step: the first call's compile
+time, the steady-state ratio, and whether the compiled step keeps the contract (greedy tokens,
+sampled tokens for the seed, the largest log-prob difference). It is an experiment, not a
+trainer path: measured on the 2-core CPU it does not pay (bench/RESULTS.md).
+``--compile-backend eager`` traces without generating code (the smoke test's seconds).
+
 Threads: 1 by default. On a 2-core machine shared with other jobs, 2 OpenMP threads
 spin-wait on each other and timings swing 5-10x from run to run; one thread is slower
 but stable. ``--threads 0`` uses torch's default.
@@ -28,6 +37,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -35,6 +45,7 @@ from PIL import Image
 
 from grpo.model.load import ModelBundle, load_bundle
 from grpo.model.prompts import encode_prompts
+from grpo.rollout import static_cache
 from grpo.rollout.sampler import sample, stop_token_ids
 
 MID_TEXT = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
@@ -126,6 +137,48 @@ def bench_one(name: str, bundle: ModelBundle, image_size: int, args) -> float:
     return (n_ours / t_ours) / (n_gen / t_gen)
 
 
+@contextmanager
+def decode_step_as(step):
+    """The sampler's static decode step replaced by ``step`` inside the block
+    (decode_one_token looks it up on the module at every call)."""
+    eager, static_cache.decode_step = static_cache.decode_step, step
+    try:
+        yield
+    finally:
+        static_cache.decode_step = eager
+
+
+def bench_compile(name: str, bundle: ModelBundle, image_size: int, args) -> float:
+    """Our sampler with the eager and the compiled decode step, alternated; prints a row and the
+    contract check, returns compiled/eager tokens/s."""
+    prompts = encode_prompts(bundle, (images(args.B, image_size), [QUESTIONS[i % 4] for i in range(args.B)]))
+    greedy = argparse.Namespace(**{**vars(args), "temperature": 0.0})
+    eager = static_cache.decode_step
+    compiled = torch.compile(eager, backend=args.compile_backend, dynamic=True)
+
+    def draw(a, step):
+        with decode_step_as(step):
+            return sample(bundle, prompts, G=a.G, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
+                          top_k=a.top_k, top_p=a.top_p, seed=0)
+
+    ref_greedy, ref = draw(greedy, eager), draw(args, eager)
+    t0 = time.perf_counter()
+    got_greedy = draw(greedy, compiled)  # the first call compiles
+    t_compile = time.perf_counter() - t0
+    got = draw(args, compiled)
+    res = timed_pair({"eager": lambda: int(draw(args, eager).completion_mask.sum()),
+                      "compiled": lambda: int(draw(args, compiled).completion_mask.sum())}, {}, args.repeats)
+    (t_e, n_e), (t_c, n_c) = res["eager"], res["compiled"]
+    same_shape = got.logprobs.shape == ref.logprobs.shape
+    dlogp = float((got.logprobs - ref.logprobs).abs().max()) if same_shape else float("nan")
+    print(f"{name:>5} compile: first call {t_compile:6.1f} s | eager {t_e * 1e3:8.0f} ms {n_e / t_e:8.1f} tok/s | "
+          f"compiled {t_c * 1e3:8.0f} ms {n_c / t_c:8.1f} tok/s | speed-up {(n_c / t_c) / (n_e / t_e):5.2f}x")
+    print(f"{name:>5} compile: greedy tokens equal {torch.equal(got_greedy.completion_ids, ref_greedy.completion_ids)}, "
+          f"sampled tokens equal {torch.equal(got.completion_ids, ref.completion_ids)}, "
+          f"max |logp diff| {dlogp:.2e}")
+    return (n_c / t_c) / (n_e / t_e)
+
+
 def main(argv: list[str] | None = None) -> None:
     head, _, rest = __doc__.partition("\n\n")
     p = argparse.ArgumentParser(prog="python -m bench.sampler", description=head, epilog=rest,
@@ -143,6 +196,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=3, help="timed runs per side, median (tiny)")
     p.add_argument("--mid-repeats", type=int, default=2, help="timed runs per side, median (mid)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (0 = torch's default)")
+    p.add_argument("--compile", action="store_true", help="also time our decode step under torch.compile")
+    p.add_argument("--compile-backend", default="inductor", help="torch.compile backend (eager: trace only)")
     args = p.parse_args(argv)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
@@ -152,15 +207,19 @@ def main(argv: list[str] | None = None) -> None:
           f"top_k={args.top_k} top_p={args.top_p}; tiny B={args.B} max_new_tokens={args.max_new_tokens}, "
           f"mid B={args.mid_B} max_new_tokens={args.mid_max_new_tokens}")
     tiny = load_bundle("tiny", device=device)
-    ratios = {}
+    ratios, compiled = {}, {}
     if args.model in ("tiny", "both"):
         ratios["tiny"] = bench_one("tiny", tiny, 112, args)
+        if args.compile:
+            compiled["tiny"] = bench_compile("tiny", tiny, 112, args)
     if args.model in ("mid", "both"):
         mid = mid_bundle(tiny, args.image_size)
         mid.model.to(device)
         mid_args = argparse.Namespace(**{**vars(args), "B": args.mid_B, "max_new_tokens": args.mid_max_new_tokens,
                                        "repeats": args.mid_repeats})
         ratios["mid"] = bench_one("mid", mid, args.image_size, mid_args)
+        if args.compile:
+            compiled["mid"] = bench_compile("mid", mid, args.image_size, mid_args)
     if device == "cuda":
         print(f"peak CUDA memory {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
     else:
@@ -169,6 +228,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"peak process RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
     print("summary: ours vs generate on repeated prompts, G=%d: %s" %
           (args.G, ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items())))
+    if compiled:
+        print("summary: torch.compile'd decode step vs eager (%s): %s" %
+              (args.compile_backend, ", ".join(f"{k} {v:.2f}x" for k, v in compiled.items())))
 
 
 if __name__ == "__main__":

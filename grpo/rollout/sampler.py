@@ -49,8 +49,8 @@ RMSNorm as one operator (grpo/rollout/static_cache.py): other roundings, so it i
 contract instead of to bits: greedy = ``generate`` token for token, sampled log-probs = a full
 forward within the tolerance of tests/test_sampler.py (tests/test_sampler_fused.py).
 
-Simplified: one host sync per step for the stop check, no speculative decoding, no
-torch.compile (a CUDA graph only behind a DecodeHook: grpo/rollout/merged.py).
+Simplified: one host sync per step for the stop check, no speculative decoding, no torch.compile
+(on a CPU it does not pay: bench.sampler --compile; a CUDA graph behind a DecodeHook: rollout/merged.py).
 """
 
 from __future__ import annotations
