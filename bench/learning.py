@@ -282,6 +282,14 @@ R1VL_WEIGHTS = {"step_rar": 1.0, "step_rvr": 1.0}
 # RewardMap: R = W (R_format + R_correct + alpha R_detail) with alpha = .5; the detail component
 # already carries W (grpo/rewards/detail.py), so its weight is alpha.
 REWARDMAP_ALPHA = 0.5
+# The tower's and merger's learning rate in vision_lr, as a multiple of the language model's: a
+# tenth, the ratio a throwaway prototype of the tower switch tried (one seed, before the switches).
+VISION_LR_SCALE = 0.1
+
+
+def _tower_and_merger(cfgs) -> list[str]:
+    """LoRA on the vision tower's blocks and on the merger, in A and B."""
+    return _both("lora.vision", lambda c: "true")(cfgs) + _both("lora.merger", lambda c: "true")(cfgs)
 
 
 def _rubric_weight(cfg) -> dict[str, float]:
@@ -338,7 +346,11 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in [
             _plus(("A", "B"), lambda c: {"arithmetic": c.rewards.weights.get("correctness", 1.0) / 2})),
     Variant("vision", "LoRA on the vision tower's blocks and its merger too, in A and B (lora.vision, lora.merger; "
             "their learning rates the language model's)",
-            lambda cfgs: _both("lora.vision", lambda c: "true")(cfgs) + _both("lora.merger", lambda c: "true")(cfgs)),
+            _tower_and_merger),
+    Variant("vision_lr", f"the tower's blocks and merger get LoRA in A and B as in vision, trained at "
+            f"{VISION_LR_SCALE} x the language model's learning rate (ms-swift's vit_lr / aligner_lr)",
+            lambda cfgs: [*_tower_and_merger(cfgs), *_both("optim.vision_lr_scale", lambda c: VISION_LR_SCALE)(cfgs),
+                          *_both("optim.merger_lr_scale", lambda c: VISION_LR_SCALE)(cfgs)]),
     Variant("merger", "LoRA on the vision merger (the projector) too, the tower's blocks frozen, in A and B",
             _both("lora.merger", lambda c: "true")),
     Variant("vision_b", "the tower's blocks and merger get LoRA in phase B only (A frozen, as the default's), "

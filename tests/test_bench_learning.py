@@ -159,6 +159,10 @@ def test_variant_options_are_read_from_the_config():
         assert dict(kv.split("=") for kv in given.split(",")) == {
             k: repr(0.0 if k == "correctness" else float(v)) for k, v in PHASE_WEIGHTS[phase].items()}
     assert learning._round_down(1.41421356) == 1.41 and learning._round_down(0.70710678) == 0.707
+    tenth = phase_configs("B", "tiny", parse_override_args(learning.VARIANTS["vision_lr"].args(cfgs)))
+    for phase in ("A", "B"):  # the vision variant's switches, both learning rates a tenth
+        c = tenth[phase]
+        assert c.lora.vision and c.lora.merger and c.optim.vision_lr_scale == c.optim.merger_lr_scale == 0.1
 
 
 # ----------------------------------------------------------------------------- the papers' variants
