@@ -173,9 +173,9 @@ def bench_compile(name: str, bundle: ModelBundle, image_size: int, args) -> floa
     dlogp = float((got.logprobs - ref.logprobs).abs().max()) if same_shape else float("nan")
     print(f"{name:>5} compile: first call {t_compile:6.1f} s | eager {t_e * 1e3:8.0f} ms {n_e / t_e:8.1f} tok/s | "
           f"compiled {t_c * 1e3:8.0f} ms {n_c / t_c:8.1f} tok/s | speed-up {(n_c / t_c) / (n_e / t_e):5.2f}x")
-    print(f"{name:>5} compile: greedy tokens equal {torch.equal(got_greedy.completion_ids, ref_greedy.completion_ids)}, "
-          f"sampled tokens equal {torch.equal(got.completion_ids, ref.completion_ids)}, "
-          f"max |logp diff| {dlogp:.2e}")
+    same_greedy = torch.equal(got_greedy.completion_ids, ref_greedy.completion_ids)
+    print(f"{name:>5} compile: greedy tokens equal {same_greedy}, "
+          f"sampled tokens equal {torch.equal(got.completion_ids, ref.completion_ids)}, max |logp diff| {dlogp:.2e}")
     return (n_c / t_c) / (n_e / t_e)
 
 

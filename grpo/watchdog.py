@@ -21,8 +21,9 @@ cannot unwind. One race is closed by hand: the first rank to end closes its conn
 so a peer's collective can fail ("connection closed by peer") a moment before that peer's
 own thread ends it. The thread marks the decision (``ending``) before it writes the abort
 key or its acknowledgement, and a collective that fails once it is marked waits for the
-thread instead of raising: the one line is printed, not a traceback. Nothing is lost that a crash would not lose: checkpoints are written
-atomically (a temporary name, then a rename) and the log line by line.
+thread instead of raising: the one line is printed, not a traceback. Nothing is lost that
+a crash would not lose: checkpoints are written atomically (a temporary name, then a
+rename) and the log line by line.
 """
 
 from __future__ import annotations
