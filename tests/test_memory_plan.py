@@ -112,6 +112,67 @@ def test_the_checkpointed_vision_tower_keeps_what_the_plan_counts(dtype, vision,
         assert vision_checkpointed_per_patch(sh) == vision_saved_per_patch(sh)
 
 
+def _tower_at_7b_widths(cfg, blocks: int = 2):
+    """The tiny model with Qwen2.5-VL-7B's vision tower (1280 wide, MLP 3420, 16 heads, 112 px
+    windows) cut to ``blocks`` (the last one full attention), in cfg's dtype, with cfg's vision LoRA."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    from bench.step import QWEN7B_VISION
+    from grpo.model.load import load_bundle
+    from grpo.model.vision import inject_vision_lora
+
+    t = load_bundle("tiny").model.config
+    vision = dict(t.vision_config.to_dict(), **QWEN7B_VISION)
+    vision.update(depth=blocks, fullatt_block_indexes=[blocks - 1], out_hidden_size=t.text_config.hidden_size)
+    hf = Qwen2_5_VLConfig(text_config=t.text_config.to_dict(), vision_config=vision, image_token_id=t.image_token_id,
+                          video_token_id=t.video_token_id, vision_start_token_id=t.vision_start_token_id,
+                          vision_end_token_id=t.vision_end_token_id)
+    torch.manual_seed(0)
+    model = Qwen2_5_VLForConditionalGeneration(hf).to(getattr(torch, cfg.model.dtype)).eval().requires_grad_(False)
+    inject_vision_lora(model, cfg.lora, verbose=False)
+    if cfg.model.gradient_checkpointing:
+        from lora import enable_gradient_checkpointing
+
+        enable_gradient_checkpointing(model)
+    return model
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_the_vision_plan_holds_at_the_7b_tower_widths_on_a_448px_image(checkpointed):
+    """The two tests above at the 7B's vision widths (2 blocks: one windowed, one full) on one
+    448 px image (1,024 patches) in bf16: what the tower's forward keeps for backward is what the
+    per-patch counts say, and backward reaches every adapter of the blocks and the merger."""
+    from bench.memory import resident_tensors, saved_bytes
+    from grpo.model.vision import VisionInputs, tower_features
+    from grpo.run.memory_plan import vision_checkpointed_per_patch, vision_lora_copies, vision_saved_per_patch
+    from lora import lora_modules
+
+    cfg = phase_config("A", "tiny", {"model.device": "cpu", "lora.vision": "true", "lora.merger": "true",
+                                     "model.load_in_4bit": "false", "model.dtype": "bfloat16",
+                                     "model.gradient_checkpointing": str(checkpointed).lower()}, "A")
+    model = _tower_at_7b_widths(cfg)
+    v = model.config.vision_config
+    side = 448 // v.patch_size
+    pixels = torch.randn(side * side, 3 * v.temporal_patch_size * v.patch_size ** 2, dtype=torch.bfloat16)
+    images = VisionInputs(pixels, torch.tensor([[1, side, side]]), v.spatial_merge_size)
+    sh = shapes_of_model(model, cfg)
+    assert (sh.vision_hidden, sh.vision_blocks, pixels.shape[0]) == (1280, 2, 1024)
+    if checkpointed:
+        with LiveBytes(resident_tensors(model, None) + [pixels]) as seen:
+            features = tower_features(model, images)
+            kept = seen.live - seen.by_label["resident"] - features.untyped_storage().nbytes()
+        planned = pixels.shape[0] * vision_checkpointed_per_patch(sh) + vision_lora_copies(sh, True)
+    else:
+        with saved_bytes(resident_tensors(model, None)) as seen:
+            features = tower_features(model, images)
+        kept = seen["bytes"]
+        planned = pixels.shape[0] * vision_saved_per_patch(sh) + vision_lora_copies(sh)
+    assert kept > 0 and abs(planned - kept) <= 0.01 * kept, (kept, planned)
+    features.float().square().mean().backward()
+    adapters = lora_modules(model).values()
+    assert len(adapters) == 2 * 5 + 2 and all(m.lora_B.grad is not None and m.lora_B.grad.abs().sum() > 0
+                                               for m in adapters)
+
 @pytest.mark.parametrize("entropy_coef", [0.0, 0.01])
 def test_a_whole_step_allocates_what_the_plan_predicts(tiny, entropy_coef):
     cfg, bundle = tiny
