@@ -173,6 +173,7 @@ def test_the_vision_plan_holds_at_the_7b_tower_widths_on_a_448px_image(checkpoin
     assert len(adapters) == 2 * 5 + 2 and all(m.lora_B.grad is not None and m.lora_B.grad.abs().sum() > 0
                                                for m in adapters)
 
+
 @pytest.mark.parametrize("entropy_coef", [0.0, 0.01])
 def test_a_whole_step_allocates_what_the_plan_predicts(tiny, entropy_coef):
     cfg, bundle = tiny
