@@ -197,7 +197,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--mid-repeats", type=int, default=2, help="timed runs per side, median (mid)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (0 = torch's default)")
     p.add_argument("--compile", action="store_true", help="also time our decode step under torch.compile")
-    p.add_argument("--compile-backend", default="inductor", help="torch.compile backend (eager: trace only)")
+    p.add_argument("--compile-backend", default="inductor", choices=["inductor", "aot_eager", "eager"],
+                   help="torch.compile backend (eager: trace only)")
     args = p.parse_args(argv)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
