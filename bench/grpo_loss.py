@@ -29,7 +29,7 @@ import torch
 
 from bench._timing import (device_name, fmt, fmt_bytes, gbps, measure, peak_bandwidth, print_compile_time,
                            print_table, time_fn, timing_cells)
-from kernels import grpo_loss as gl
+from grpo_kernels import grpo_loss as gl
 
 GPU_SHAPES = [(8, 512), (16, 1024), (32, 2048), (64, 4096)]
 CPU_SHAPES = [(8, 128), (16, 256), (32, 512)]

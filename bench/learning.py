@@ -194,7 +194,7 @@ def std_floor(cfg) -> float:
     """The std of the smallest correctness split: one completion of G right, the others tied.
 
     That group's rewards differ by w_correctness in one place, so its (unbiased) std is
-    w / sqrt(G) (kernels/grpo_advantages.py): 2 / sqrt(8) = .707 in phase A, 4 / sqrt(8) = 1.41
+    w / sqrt(G) (grpo_kernels/grpo_advantages.py): 2 / sqrt(8) = .707 in phase A, 4 / sqrt(8) = 1.41
     in B with the current defaults. With the floor there, every group that splits on
     correctness is normalised exactly as before, and a group that ties on correctness and
     format and differs by one brevity bucket (w .2-.25, a step of .5 -> std ~ .04) keeps

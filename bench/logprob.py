@@ -41,7 +41,7 @@ import torch
 
 from bench._timing import (device_name, fmt, fmt_bytes, gbps, measure, peak_bandwidth, print_compile_time,
                            print_table, time_fn, timing_cells)
-from kernels import logprob as lp
+from grpo_kernels import logprob as lp
 
 V_QWEN = 151_936
 D_QWEN_7B = 3584

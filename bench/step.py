@@ -14,7 +14,7 @@ at the GRPO phases' shape, random weights (no warm-up checkpoint), so every row 
 the full budget.
 
 Rollout mismatch table: the sampler's per-token log-probs (SampleOutput.logprobs) against
-the trainer's, as the trainer logs them every step (kernels/grpo_loss.py's is_* stats):
+the trainer's, as the trainer logs them every step (grpo_kernels/grpo_loss.py's is_* stats):
 the k3 estimate of KL(sampler || trainer) per token, the mean and max token ratio
 pi_train / pi_sampler, the sequence ratios' max, and the fraction of sequences above
 --cap (what the sequence-level mask would drop).

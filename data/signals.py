@@ -18,7 +18,7 @@ Python runs handlers in the main thread between bytecodes, so "at once" means af
 torch operation running now returns. ``signals_held`` makes the few renames that must all
 happen or none wait for their end.
 
-This sits in data/, the lowest layer with a command (kernels/ and lora/ have none and take no
+This sits in data/, the lowest layer with a command (grpo_kernels/ and lora/ have none and take no
 signals); the layers above import it from here.
 """
 

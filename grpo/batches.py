@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from kernels.grpo_advantages import Advantages
-from kernels.grpo_loss import LOSS_TYPES
+from grpo_kernels.grpo_advantages import Advantages
+from grpo_kernels.grpo_loss import LOSS_TYPES
 
 
 def groups_per_micro_batch(B: int, G: int, rows: int) -> int:

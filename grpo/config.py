@@ -39,8 +39,8 @@ from data.rows import MAX_IMAGES
 from grpo.batches import micro_batch_rows_fit
 from data.stages import ALL
 
-from kernels.grpo_advantages import SCALES
-from kernels.grpo_loss import CORRECTION_MODES, CORRECTIONS, IMPORTANCE, KL_ESTIMATORS, LOSS_TYPES
+from grpo_kernels.grpo_advantages import SCALES
+from grpo_kernels.grpo_loss import CORRECTION_MODES, CORRECTIONS, IMPORTANCE, KL_ESTIMATORS, LOSS_TYPES
 from lora.inject import LoRAConfig
 
 # Every default that depends on the phase, in one table: phase_preset(phase) is TrainConfig()
@@ -319,13 +319,13 @@ class OptimConfig:
     entropy_coef: float = 0.0
     """Entropy bonus: loss -= entropy_coef * the policy's token entropy, aggregated over the loss's tokens as optim.loss_type aggregates (TRL's entropy_coef, verl's entropy_coeff); its gradient runs through the chunked LM-head pass (grpo/model/logprobs.py). In [0, 1]; 0 = off, no extra work."""
     kl_estimator: str = "k3"
-    """Per-token KL estimate in the beta term, d = ref - logp: k1 = -d, k2 = d^2/2 (its gradient is the KL's), k3 = exp(d) - d - 1 (DeepSeekMath's); kernels/grpo_loss.py compares them. Needs beta > 0 unless k3."""
+    """Per-token KL estimate in the beta term, d = ref - logp: k1 = -d, k2 = d^2/2 (its gradient is the KL's), k3 = exp(d) - d - 1 (DeepSeekMath's); grpo_kernels/grpo_loss.py compares them. Needs beta > 0 unless k3."""
     adv_mode: str = "total"
     """Advantage source: total (z-score of the weighted reward) or components (sum_k w_k/sum(w) z(r_k), each term alone)."""
     adv_std_floor: float = 0.0
     """Divide by max(std, floor) instead of std, so a tiny tie-breaker spread is not stretched to a full advantage (0 = off)."""
     rollout_correction: str = "off"
-    """Weight the policy term by pi_train / pi_sampler of the sampled tokens: off, token (low variance, biased) or sequence (unbiased, variance grows with length); kernels/grpo_loss.py."""
+    """Weight the policy term by pi_train / pi_sampler of the sampled tokens: off, token (low variance, biased) or sequence (unbiased, variance grows with length); grpo_kernels/grpo_loss.py."""
     rollout_correction_mode: str = "mask"
     """Above the cap: truncate (TIS, weight min(ratio, C): keeps every sample, biased) or mask (MIS, weight 0: drops samples a large mismatch made untrustworthy)."""
     rollout_correction_cap: float = 3.0

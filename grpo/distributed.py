@@ -27,7 +27,7 @@ step of B prompts (``phase.prompts_per_step`` is the GLOBAL batch) is split over
 Loss normalisation: why W ranks equal one process on the global batch
 ---------------------------------------------------------------------
 Rank r's part of a rollout batch has n_r rows (completions) and m_r active tokens; N = sum_r n_r
-and M = sum_r m_r are the global rollout batch's counts. ``kernels.grpo_loss`` returns the loss
+and M = sum_r m_r are the global rollout batch's counts. ``grpo_kernels.grpo_loss`` returns the loss
 of the rows it is given; the global loss is a weighted sum of those per-rank losses
 (grpo/batches.py ``loss_share``, which also folds in the micro-batches and the accumulation;
 ``counts_over_ranks`` is its one all-reduce):
@@ -86,7 +86,7 @@ import torch.distributed as dist
 
 from grpo.config import ConfigError
 from grpo.watchdog import CollectiveWatch
-from kernels.grpo_advantages import batch_std
+from grpo_kernels.grpo_advantages import batch_std
 
 
 class DistributedError(ConfigError):

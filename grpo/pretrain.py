@@ -26,6 +26,11 @@ so GRPO's phase A still has format to fix.
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # before torch and transformers load: a release out of range is one line
+    from grpo.deps import exit_on_unsupported_stack
+
+    exit_on_unsupported_stack()
+
 import argparse
 import json
 import os

@@ -26,7 +26,7 @@ The fast paths plug in behind named seams, not as branches here:
     Learner.rollout  who samples: the KV-cache sampler (grpo/rollout/sampler.py) or a merged
                      copy of the policy (grpo/rollout/merged.py)
     Learner.backend  who computes advantages and the loss: the Triton kernels on CUDA or their
-                     PyTorch references (kernels/), equal within the kernels' tested tolerances
+                     PyTorch references (grpo_kernels/), equal within the kernels' tested tolerances
     Learner.gather   how a step's rollout batches are collected: ``plain_batches``, or DAPO's
                      dynamic sampling (grpo/rollout/dynamic_sampling.py)
     Hooks            what the harness does around the step; the defaults are one process
@@ -50,8 +50,8 @@ from grpo.rewards import RewardBatch, RewardModel
 from grpo.rollout.dynamic_sampling import FillStats
 from grpo.rollout.sampler import Rollout, content_tokens, sample
 from grpo.run.schedule import lr_at
-from kernels.grpo_advantages import Advantages, AdvantageSource, group_advantages
-from kernels.grpo_loss import GRPOStats, LossOptions, aggregate, grpo_loss
+from grpo_kernels.grpo_advantages import Advantages, AdvantageSource, group_advantages
+from grpo_kernels.grpo_loss import GRPOStats, LossOptions, aggregate, grpo_loss
 from lora import disable_adapters
 
 
@@ -133,7 +133,7 @@ def sample_and_score(learner: Learner, examples: list, temperature: float, hooks
 
 
 def advantage_source(scores: RewardBatch, cfg: TrainConfig, device: torch.device | str = "cpu") -> AdvantageSource:
-    """Which rewards the advantages come from (kernels/grpo_advantages.py ``AdvantageSource``):
+    """Which rewards the advantages come from (grpo_kernels/grpo_advantages.py ``AdvantageSource``):
 
     total       A = z(sum_k w_k r_k): GRPO's one z-score of the weighted reward (the default)
     components  A = sum_k (w_k / sum_j w_j) z(r_k): each term z-scored in its group on its own
@@ -154,7 +154,7 @@ def advantage_source(scores: RewardBatch, cfg: TrainConfig, device: torch.device
 
 
 def advantages(learner: Learner, r: Rollout, hooks: Hooks = Hooks()) -> Advantages:
-    """z-scores of the rollout batch's rewards within each group of G (kernels/grpo_advantages.py):
+    """z-scores of the rollout batch's rewards within each group of G (grpo_kernels/grpo_advantages.py):
     A = (r - mean_group) / (std_group + 1e-4), the same for all mu updates."""
     o = learner.cfg.optim
     src = advantage_source(r.scores, learner.cfg, learner.bundle.device)
@@ -196,7 +196,7 @@ class StepResult:
 
 
 def loss_options(cfg: TrainConfig) -> LossOptions:
-    """grpo_loss's options from the config (formulas: kernels/grpo_loss.py)."""
+    """grpo_loss's options from the config (formulas: grpo_kernels/grpo_loss.py)."""
     o = cfg.optim
     return LossOptions(beta=o.beta, eps_low=o.eps_low, eps_high=o.eps_high, loss_type=o.loss_type,
                        importance=o.importance, max_len=cfg.sampling.max_new_tokens,

@@ -25,11 +25,11 @@ checkpoint):
     2. reward     the verifier components (+ step / detail / rubric terms), weighted by the
                   controller's current weights (grpo/rewards)
     3. advantage  A = (r - mean_g) / (std_g + 1e-4) within each prompt's group of G
-                  (kernels/grpo_advantages.py), once per batch
+                  (grpo_kernels/grpo_advantages.py), once per batch
     4. log-probs  of the completion tokens under the policy (with grad) and, if beta > 0,
                   under the reference = the same model with LoRA switched off (grpo/model/logprobs.py)
     5. loss       -min(ratio A, clip(ratio, 1 - eps_low, 1 + eps_high) A) + beta k3, mean per
-                  sequence then over the batch (kernels/grpo_loss.py: one fused pass)
+                  sequence then over the batch (grpo_kernels/grpo_loss.py: one fused pass)
     6. step       backward into the LoRA parameters, clip the gradient norm, AdamW
     4-6 run mu = optim.updates_per_batch times on the same rollouts (PPO epochs)
     7. log        one JSON line (eval/plots.py documents the format)
@@ -65,7 +65,7 @@ Simplified, on purpose:
     sampling.rollout=merged the sampler is a merged copy of the policy, whose log-probs
     differ from the trainer's by rounding: the log line's "rollout" entry measures that
     mismatch every step and optim.rollout_correction weights the policy term by
-    pi_train / pi_sampler (kernels/grpo_loss.py);
+    pi_train / pi_sampler (grpo_kernels/grpo_loss.py);
   - evaluation is greedy with one sample per prompt (the staged paper's final protocol);
   - the warm-up is not data-parallel (rank 0 runs it, the others wait);
   - a non-finite loss skips the update and a non-finite update is undone; three in a row
@@ -73,6 +73,11 @@ Simplified, on purpose:
 """
 
 from __future__ import annotations
+
+if __name__ == "__main__":  # before torch and transformers load: a release out of range is one line
+    from grpo.deps import exit_on_unsupported_stack
+
+    exit_on_unsupported_stack()
 
 import contextlib
 import dataclasses

@@ -57,21 +57,24 @@ from lora.layer import LoRALinear, is_linear4bit
 
 
 class _NoHubKernelNotice(logging.Filter):
-    """Drop bitsandbytes' "Failed to load CPU gemm_4bit_forward from kernels-community" notice.
+    """Drop the notices about bitsandbytes' hub kernel ("... kernels-community ...").
 
-    On AVX512-BF16 CPUs bitsandbytes tries, at import, `from kernels import get_kernel` (the
-    Hugging Face `kernels` package, to download a packed-4bit CPU kernel). This project's
-    own top-level package is also named `kernels`, so that import always fails and the
-    notice asks the user to pip install something. The kernel it wanted serves only the
-    repacked inference layout, which every Linear4bit here switches off
-    (support_avx512bf16_for_cpu = False, below), so the notice is noise on every run.
+    On AVX512-BF16 CPUs bitsandbytes tries, at import, to fetch a packed-4bit CPU kernel
+    (kernels-community/quantization-bitsandbytes) through the Hugging Face `kernels` package.
+    Where that package is missing, or the hub cannot be reached, the fetch fails and
+    bitsandbytes logs that the user should install something; in offline mode (HF_HUB_OFFLINE)
+    the `kernels` package first logs that it skips the publisher check. The kernel serves
+    only the repacked inference layout, which every Linear4bit here switches off
+    (support_avx512bf16_for_cpu = False, below), so these notices are noise on every run.
+    A logger's filter sees only records logged on that logger, hence one per source.
     """
 
     def filter(self, record: logging.LogRecord) -> bool:
         return "kernels-community" not in record.getMessage()
 
 
-logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_NoHubKernelNotice())
+for _source in ("bitsandbytes.backends.cpu.ops", "kernels._internals.hf_hub"):
+    logging.getLogger(_source).addFilter(_NoHubKernelNotice())
 
 DEFAULT_SKIP = ("model.visual", "lm_head")
 _BLOCKSIZES = (64, 128, 256, 512, 1024, 2048, 4096)

@@ -1,7 +1,7 @@
 """The loss from raw rewards, for tests that state a case as rewards: one AdvantageSource,
 group_advantages, then grpo_loss with a LossOptions (what grpo/step.py does in three steps).
 
-``gl`` is the kernels.grpo_loss module to use: the test's own, possibly reloaded under the
+``gl`` is the grpo_kernels.grpo_loss module to use: the test's own, possibly reloaded under the
 Triton interpreter."""
 
 from __future__ import annotations

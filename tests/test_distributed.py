@@ -281,7 +281,7 @@ def _shares(dp, loss_type, masks):
 def _advantages(r, weights, adv_scale, floor, dp):
     """The step's advantages of rewards r [N] or components [N, K] (+ weights): with ``dp``, its
     global batch std for scale="batch", as grpo/step.py ``advantages`` asks the hook for it."""
-    from kernels.grpo_advantages import AdvantageSource, group_advantages
+    from grpo_kernels.grpo_advantages import AdvantageSource, group_advantages
 
     src = AdvantageSource(r[:, None]) if r.dim() == 1 else AdvantageSource(r, weights=weights)
     if dp is not None and adv_scale == "batch":
@@ -291,7 +291,7 @@ def _advantages(r, weights, adv_scale, floor, dp):
 
 def _micro_loss(logp, mask, r, ref, share, loss_type, adv_scale, beta, dp, naive, floor, weights, active):
     """One micro-batch's part of the global loss, as the trainer's step forms it."""
-    from kernels.grpo_loss import LossOptions, grpo_loss
+    from grpo_kernels.grpo_loss import LossOptions, grpo_loss
 
     adv = _advantages(r, weights, adv_scale, floor, None if naive else dp)
     loss, _ = grpo_loss(logp, mask.float(), adv, ref_logp=ref, num_active_tokens=active,
@@ -366,8 +366,8 @@ def _magnitudes(model, micro_batches, jacobian, mine, dp, loss_type, adv_scale, 
     sum_it |c_it| |d logp_it / d theta|, each rank summing the tokens of ``jacobian`` (those
     ``mine`` marks) and one all-reduce adding the ranks' parts.
     """
-    from kernels.grpo_advantages import Advantages
-    from kernels.grpo_loss import LossOptions, grpo_loss
+    from grpo_kernels.grpo_advantages import Advantages
+    from grpo_kernels.grpo_loss import LossOptions, grpo_loss
 
     single = DataParallel()
     active, shares = _shares(single, loss_type, [m for _, _, m, _ in micro_batches])

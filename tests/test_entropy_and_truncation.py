@@ -244,10 +244,10 @@ def test_step_entropy_is_the_same_in_micro_batches_and_either_pass(rollouts):
 def test_the_entropy_bonus_adds_minus_coef_times_the_aggregated_entropys_gradient(rollouts, loss_type):
     """optim.entropy_coef = c: the step's gradient is the one without the bonus minus c times
     the gradient of the policy's entropy aggregated as the loss type aggregates its tokens
-    (kernels.grpo_loss.aggregate), the entropy taken here by Categorical on the whole logits
+    (grpo_kernels.grpo_loss.aggregate), the entropy taken here by Categorical on the whole logits
     of the full-row pass in one piece, while the step runs two micro-batches (each its share)
     through the chunked shared-prefix pass. The logged entropy does not change."""
-    from kernels.grpo_loss import LossOptions, aggregate
+    from grpo_kernels.grpo_loss import LossOptions, aggregate
 
     c = 0.05
     cfg = _config(loss_type=loss_type)

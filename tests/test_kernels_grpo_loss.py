@@ -22,12 +22,12 @@ import sys
 import pytest
 import torch
 
-from kernels._dispatch import import_interpreted, resolve_backend
+from grpo_kernels._dispatch import import_interpreted, resolve_backend
 from loss_helpers import loss_of, source_of
 
 ON_GPU = torch.cuda.is_available()
 # On a CPU the kernels must be defined under the Triton interpreter (see import_interpreted).
-gl = importlib.import_module("kernels.grpo_loss") if ON_GPU else import_interpreted("kernels.grpo_loss")
+gl = importlib.import_module("grpo_kernels.grpo_loss") if ON_GPU else import_interpreted("grpo_kernels.grpo_loss")
 DEVICE = "cuda" if ON_GPU else "cpu"
 TOL = {torch.float32: dict(loss=(1e-6, 1e-5), grad=(1e-7, 1e-5), stats=(1e-6, 1e-5)),
        torch.bfloat16: dict(loss=(1e-6, 1e-5), grad=(1e-7, 8e-3), stats=(1e-6, 1e-5))}
@@ -649,20 +649,20 @@ def test_backend_switch(monkeypatch):
 
 
 def test_compiled_kernel_on_cpu_tensors_gives_clear_error():
-    from kernels._dispatch import check_launchable
+    from grpo_kernels._dispatch import check_launchable
 
     class JITFunction:  # stands in for a kernel defined without the interpreter
         pass
 
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
-        check_launchable(JITFunction(), torch.device("cpu"), "kernels.grpo_loss")
+        check_launchable(JITFunction(), torch.device("cpu"), "grpo_kernels.grpo_loss")
 
 
 # The non-trivial constexpr branches, in few variants: each compile costs ~1 s of CPU.
 COMPILE_SCRIPT = r"""
-import kernels.grpo_advantages as ga
-import kernels.grpo_loss as gl
-from kernels._dispatch import compile_for_gpu
+import grpo_kernels.grpo_advantages as ga
+import grpo_kernels.grpo_loss as gl
+from grpo_kernels._dispatch import compile_for_gpu
 types = {"beta": "fp32", "eps_low": "fp32", "eps_high": "fp32", "eps": "fp32", "norm_value": "fp32",
          "std_floor": "fp32",
          "logp_ptr": "*bf16", "mask_ptr": "*u8", "valid_ptr": "*u8", "tend_ptr": "*i32"}

@@ -24,11 +24,11 @@ import sys
 import pytest
 import torch
 
-from kernels._dispatch import import_interpreted
+from grpo_kernels._dispatch import import_interpreted
 
 ON_GPU = torch.cuda.is_available()
 # On a CPU the kernels must be defined under the Triton interpreter (see import_interpreted).
-lp = importlib.import_module("kernels.logprob") if ON_GPU else import_interpreted("kernels.logprob")
+lp = importlib.import_module("grpo_kernels.logprob") if ON_GPU else import_interpreted("grpo_kernels.logprob")
 DEVICE = "cuda" if ON_GPU else "cpu"
 TOL = {torch.float32: dict(fwd=(1e-5, 1e-6), grad=(1e-6, 1e-5)),
        torch.bfloat16: dict(fwd=(1e-5, 1e-6), grad=(1e-6, 8e-3))}
@@ -164,8 +164,8 @@ def test_bad_inputs_raise_clear_errors():
 
 
 COMPILE_SCRIPT = r"""
-import kernels.logprob as lp
-from kernels._dispatch import compile_for_gpu
+import grpo_kernels.logprob as lp
+from grpo_kernels._dispatch import compile_for_gpu
 for dtype in ("*bf16", "*fp32"):
     types = {"logits_ptr": dtype, "dlogits_ptr": dtype, "targets_ptr": "*i64", "temperature": "fp32"}
     compile_for_gpu(lp._logprob_fwd_kernel, dict(BLOCK_V=4096), types, num_warps=8)

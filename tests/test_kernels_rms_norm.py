@@ -14,10 +14,10 @@ import importlib
 import pytest
 import torch
 
-from kernels._dispatch import import_interpreted
+from grpo_kernels._dispatch import import_interpreted
 
 ON_GPU = torch.cuda.is_available()
-rn = importlib.import_module("kernels.rms_norm") if ON_GPU else import_interpreted("kernels.rms_norm")
+rn = importlib.import_module("grpo_kernels.rms_norm") if ON_GPU else import_interpreted("grpo_kernels.rms_norm")
 DEVICE = "cuda" if ON_GPU else "cpu"
 
 

@@ -1,7 +1,7 @@
 """Layers point one way and nothing imports in a circle.
 
-The order is kernels, lora < data < eval < grpo < bench: a package may import its own
-modules and those of lower layers only (kernels and lora share the bottom and import
+The order is grpo_kernels, lora < data < eval < grpo < bench: a package may import its own
+modules and those of lower layers only (grpo_kernels and lora share the bottom and import
 neither each other). Every import statement counts, the lazy ones inside functions too:
 a lazy import hides an upward dependency from a reader, it does not remove it. Read with
 ast, so nothing is executed (and no model or torch is needed).
@@ -14,7 +14,7 @@ from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-LAYER = {"kernels": 0, "lora": 0, "data": 1, "eval": 2, "grpo": 3, "bench": 4}
+LAYER = {"grpo_kernels": 0, "lora": 0, "data": 1, "eval": 2, "grpo": 3, "bench": 4}
 
 
 def _module_name(path: Path) -> str:
@@ -98,7 +98,7 @@ def test_layers_point_one_way():
             a, b = src.split(".")[0], dst.split(".")[0]
             if a != b and LAYER[b] >= LAYER[a]:
                 upward.append(f"{src} -> {dst}")
-    assert not upward, "imports against the layer order kernels, lora < data < eval < grpo < bench: " + \
+    assert not upward, "imports against the layer order grpo_kernels, lora < data < eval < grpo < bench: " + \
         ", ".join(sorted(upward))
 
 
@@ -174,8 +174,8 @@ def test_the_step_core_stays_small_and_plain():
 # ----------------------------------------------------------------------------- the reading path
 
 # The files of the README's reading path, in its order: grpo/step.py and the path files it imports from.
-PATH_FILES = ("grpo/step.py", "grpo/batches.py", "grpo/rollout/sampler.py", "kernels/grpo_advantages.py",
-              "grpo/model/logprobs.py", "kernels/grpo_loss.py")
+PATH_FILES = ("grpo/step.py", "grpo/batches.py", "grpo/rollout/sampler.py", "grpo_kernels/grpo_advantages.py",
+              "grpo/model/logprobs.py", "grpo_kernels/grpo_loss.py")
 # What the harness (grpo/train.py) hands or calls in grpo/step.py: the step, its draw, its two objects.
 PATH_ENTRIES = ("grpo_step", "sample_and_score", "Learner", "Hooks")
 PATH_CAP = 1100

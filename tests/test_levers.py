@@ -45,12 +45,12 @@ from grpo.model.prompt_context import PromptContext, group_rows
 from grpo.rewards.compose import RewardBatch
 from grpo.rewards.rubrics import PrefixInputs
 from grpo.rollout.sampler import SampleOutput
-from kernels._dispatch import import_interpreted
+from grpo_kernels._dispatch import import_interpreted
 from loss_helpers import loss_of
 from train_helpers import log_lines, reward_spread, run_main
 
 ON_GPU = torch.cuda.is_available()
-gl = importlib.import_module("kernels.grpo_loss") if ON_GPU else import_interpreted("kernels.grpo_loss")
+gl = importlib.import_module("grpo_kernels.grpo_loss") if ON_GPU else import_interpreted("grpo_kernels.grpo_loss")
 DEVICE = "cuda" if ON_GPU else "cpu"
 
 

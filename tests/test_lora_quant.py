@@ -230,17 +230,21 @@ def test_quantize_bad_input():
 
 
 def test_the_hub_kernel_notice_is_dropped_and_nothing_else():
-    """bitsandbytes logs, on AVX512-BF16 CPUs, that it could not import the hub `kernels`
-    package (our own `kernels/` shadows it; the kernel it wanted serves only the packed
-    layout we switch off). lora.quant drops that one notice from that one logger."""
+    """bitsandbytes logs, on AVX512-BF16 CPUs, that it could not fetch a kernel through the
+    hub `kernels` package (missing, or no hub to download from; the kernel it wanted serves
+    only the packed layout we switch off), and in offline mode `kernels` first logs that it
+    skips the publisher check. lora.quant drops those notices from those two loggers."""
     import logging
 
-    import lora.quant  # noqa: F401 (installs the filter)
+    import lora.quant  # noqa: F401 (installs the filters)
 
-    log = logging.getLogger("bitsandbytes.backends.cpu.ops")
-
-    def record(msg: str) -> logging.LogRecord:
-        return logging.LogRecord(log.name, logging.WARNING, __file__, 1, msg, None, None)
-
-    assert not log.filter(record("Failed to load CPU gemm_4bit_forward from kernels-community: no get_kernel"))
-    assert log.filter(record("some other bitsandbytes warning"))
+    for name, notice in [
+        ("bitsandbytes.backends.cpu.ops", "Failed to load CPU gemm_4bit_forward from kernels-community: no get_kernel"),
+        ("kernels._internals.hf_hub", "Skipping publisher trust check for 'kernels-community/quantization-bitsandbytes' "
+                                      "because Hugging Face Hub is in offline mode."),
+    ]:
+        log = logging.getLogger(name)
+        record = logging.LogRecord(log.name, logging.WARNING, __file__, 1, notice, None, None)
+        assert not log.filter(record), name
+        record.msg = "some other warning"
+        assert log.filter(record), name

@@ -34,8 +34,8 @@ from grpo.config import phase_preset
 from grpo.model.logprobs import completion_logprobs
 from grpo.batches import loss_share, micro_batch_choices, micro_batch_groups, micro_batch_rows_fit
 from grpo.step import Hooks, grpo_step
-from kernels.grpo_advantages import AdvantageSource, PrefixRubrics, group_advantages
-from kernels.grpo_loss import LOSS_TYPES, LossOptions, grpo_loss
+from grpo_kernels.grpo_advantages import AdvantageSource, PrefixRubrics, group_advantages
+from grpo_kernels.grpo_loss import LOSS_TYPES, LossOptions, grpo_loss
 from train_helpers import spread_rollout, step_learner
 
 EPS32 = torch.finfo(torch.float32).eps

@@ -249,7 +249,7 @@ def test_prefix_inputs_shapes_padding_and_t_end(tok):
 
 
 def test_prefix_inputs_feed_the_loss_kernel_reference(tok):
-    gl = pytest.importorskip("kernels.grpo_loss")
+    gl = pytest.importorskip("grpo_kernels.grpo_loss")
     b, _, ids = _prefix_batch(tok)
     pr = b.prefix  # the reward side builds the kernel's own PrefixRubrics (one definition)
     # by name: an earlier test file may have re-imported kernels/ under the Triton interpreter

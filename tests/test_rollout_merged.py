@@ -3,7 +3,7 @@
 On a CPU: greedy tokens equal the plain path's on the tiny architecture with a non-zero
 LoRA, fp32 and NF4 bases; sampled tokens equal for one seed; refresh() follows the adapter;
 a bf16-rounded copy against the fp32 NF4 trainer makes the mismatch real, and the rollout
-correction of kernels/grpo_loss.py reweights the loss and its gradient.
+correction of grpo_kernels/grpo_loss.py reweights the loss and its gradient.
 On CUDA (skipped here; bench/gpu.sh runs it): the graph-captured step equals the eager one
 token for token, and the merged path equals the plain one on the GPU.
 """
@@ -116,7 +116,7 @@ def test_a_bf16_merged_copy_is_off_policy_and_the_correction_reweights_the_loss(
     the rollout correction changes the loss and its gradient -- the more, the tighter the cap.
     """
     from grpo.model.logprobs import completion_logprobs
-    from kernels.grpo_loss import AdvantageSource, LossOptions, grpo_loss, group_advantages
+    from grpo_kernels.grpo_loss import AdvantageSource, LossOptions, grpo_loss, group_advantages
     from lora import lora_parameters
 
     nf4 = _sharp_lora(four_bit=True)

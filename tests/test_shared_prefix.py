@@ -356,7 +356,7 @@ def rollouts():
     from data.synthetic import generate
     from grpo.rewards.compose import RewardBatch
     from grpo.step import sample_and_score
-    from kernels.grpo_advantages import PrefixRubrics
+    from grpo_kernels.grpo_advantages import PrefixRubrics
 
     torch.manual_seed(0)
     ln = _learner(_config())

@@ -28,9 +28,9 @@ prompt + completion gives all T of them. What this file does to make that cheap:
   recomputes its logits from the kept hidden states instead of autograd keeping every
   chunk's [rows, T, V] (64 rows x 256 tokens of Qwen's 152k vocabulary are 5 GB in bf16),
   so the logits and their gradient exist for one chunk at a time, at the price of one more
-  LM-head matmul per chunk in backward. (kernels.logprob.token_logprobs_from_hidden does it
+  LM-head matmul per chunk in backward. (grpo_kernels.logprob.token_logprobs_from_hidden does it
   on a bare weight; here the head stays the model's own module, whatever it is.)
-- The log-softmax goes through ``kernels.logprob.token_logprobs`` (Triton on CUDA, the
+- The log-softmax goes through ``grpo_kernels.logprob.token_logprobs`` (Triton on CUDA, the
   PyTorch reference on CPU): log p(target) without an fp32 [N, T, V] copy on the GPU.
 - The policy's entropy H_t = -sum_v p_v log p_v at the log-probs' temperature, from the same
   chunk's logits: ``entropy=True`` the log line's, no grad; ``"grad"`` the bonus's, with grad.
@@ -58,7 +58,7 @@ from torch.utils.checkpoint import checkpoint
 
 from grpo.model.prompt_context import PromptContext, completion_position_ids, group_rows, prompt_embeds
 from grpo.model.shared_prefix import shared_prefix_hidden_states, supports
-from kernels.logprob import token_logprobs
+from grpo_kernels.logprob import token_logprobs
 from lora.inject import training_mode
 
 

@@ -14,7 +14,7 @@ Two ways to use the scores (the release's weights answer/format/rubric: sequence
 
     sequence  R_rubric = clip(sum_j rho_j s_j, -1, 1)       one scalar per completion
     prefix    A_t = a z(R_ans) + (1-a) sum_j rho_j z(s_j) 1[t <= t_end_j]
-              -> this module builds (R_ans, s, scored, rho, t_end); kernels/grpo_loss.py
+              -> this module builds (R_ans, s, scored, rho, t_end); grpo_kernels/grpo_loss.py
                  does the group z-scores and the token sums.
 
 The clip to [-1, 1] is ours: without it a response that commits several pitfalls could
@@ -60,7 +60,7 @@ import torch
 from data.contract import SOLUTION_CLOSE, SOLUTION_OPEN, ParsedResponse, normalize_number, parse_response
 from data.schema import RUBRIC_DIMENSIONS, RUBRIC_LABELS, Example, RubricItem
 from grpo.rewards.steps import SoftText, canonical_tokens, has_content
-from kernels.grpo_advantages import PrefixRubrics
+from grpo_kernels.grpo_advantages import PrefixRubrics
 
 FUZZY_THRESHOLD = 60.0  # V-Rubrics release: fuzzy match accepted at partial ratio >= 60
 FUZZY_MAX_CHARS = 20_000
@@ -403,7 +403,7 @@ def score_rubrics(items: list[RubricItem], verdicts: list[Verdict], completion: 
 # ----------------------------------------------------------------------------- prefix inputs
 
 
-# The loss's V-Rubrics inputs have one definition, kernels.grpo_advantages.PrefixRubrics; the
+# The loss's V-Rubrics inputs have one definition, grpo_kernels.grpo_advantages.PrefixRubrics; the
 # reward side builds them under the name it has always used. Rows with fewer items than the
 # batch's max J are padded with scored=False, s=0, rho=0, t_end=0.
 PrefixInputs = PrefixRubrics

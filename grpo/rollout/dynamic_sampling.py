@@ -70,7 +70,7 @@ import torch
 from grpo.model.prompt_context import PromptContext, group_rows
 from grpo.model.vision import VisionInputs
 from grpo.rollout.sampler import Rollout, SampleOutput
-from kernels.grpo_advantages import check_groups, group_zscore_reference
+from grpo_kernels.grpo_advantages import check_groups, group_zscore_reference
 
 
 @dataclass
@@ -120,7 +120,7 @@ def groups_with_spread(values: torch.Tensor, G: int, valid: torch.Tensor | None 
     values [N] (one reward per completion) or [N, C] (several columns, e.g. reward
     components or V-Rubrics scores, with ``valid`` [N, C] marking scored entries). A group
     has spread iff some column differs within it: exactly the groups whose advantages are
-    not all zero (kernels/grpo_advantages.py's "constant" test, max == min, so float
+    not all zero (grpo_kernels/grpo_advantages.py's "constant" test, max == min, so float
     rounding of a mean never passes for spread).
     """
     cols = values[:, None] if values.dim() == 1 else values

@@ -51,7 +51,7 @@ B A x separately): in fp32 ratios pi_train / pi_sampler within ~1e-3 of 1 on the
 model, in bf16 a few percent (bench/RESULTS.md, tests/test_rollout_merged.py). The rollouts
 are then slightly off-policy, as in every setup that samples with a separate inference
 engine; the trainer passes the sampler's log-probs to the loss, logs the mismatch every
-step and corrects for it with optim.rollout_correction (kernels/grpo_loss.py). On the
+step and corrects for it with optim.rollout_correction (grpo_kernels/grpo_loss.py). On the
 tiny fp32 model the two paths give the same greedy tokens.
 
 Simplified / left out: no batch compaction (finished rows keep decoding: shapes must stay

@@ -18,7 +18,7 @@ than the matmuls themselves. This file is the gpt-fast alternative:
   rather than inside every layer's SDPA call, the KV cache written in place. ``fused=True``
   (the sampler's "fused" decode) cuts a layer further, at the price of other roundings: LoRA
   through lora.fused_forward (the add folded into the B matmul, the A's of q/k/v and of gate/up
-  stacked) and RMSNorm as one operator (kernels/rms_norm.py).
+  stacked) and RMSNorm as one operator (grpo_kernels/rms_norm.py).
 
 Why plain 1-D rotary is exact here: a text token has the same M-RoPE position p on the
 t, h and w axes, and M-RoPE only chooses, per frequency band, which axis's position to
@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.rms_norm import rms_norm
+from grpo_kernels.rms_norm import rms_norm
 from lora import fused_forward
 
 
@@ -138,7 +138,7 @@ def additive_mask(key_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _rms_norm(norm, x: torch.Tensor, fused: bool) -> torch.Tensor:
-    """The model's RMSNorm module ``norm`` on x, or (``fused``) kernels.rms_norm's one operator:
+    """The model's RMSNorm module ``norm`` on x, or (``fused``) grpo_kernels.rms_norm's one operator:
     the Triton kernel on CUDA (equal to rounding), the module's own arithmetic on the CPU."""
     if fused and norm.weight.dtype == x.dtype:
         return rms_norm(x, norm.weight, norm.variance_epsilon)

@@ -47,7 +47,7 @@ Assumptions (what a CUDA run differs in from the CPU where the terms were measur
   shared-prefix pass (the default) asks for grouped-query attention with a mask, which the
   fused kernels do not take, so the math kernel's scores and softmax are counted
   (``pass_shape``);
-- the log-softmax of the log-prob passes is the Triton kernel (kernels/logprob.py: logits
+- the log-softmax of the log-prob passes is the Triton kernel (grpo_kernels/logprob.py: logits
   and their gradient in the compute dtype, 12 bytes per token besides); on a CPU it is the
   PyTorch reference, whose fp32 copies are counted instead (``device="cpu"``);
 - the numbers are what ``torch.cuda.max_memory_allocated`` reports. The caching allocator

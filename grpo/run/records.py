@@ -27,7 +27,7 @@ def step_record(phase: str, step: int, result: Any, weights: dict, temperature: 
     ranks): what entered the model -- n prompts, mean / max visual tokens and prompt tokens
     per prompt -- the images max_pixels shrank and min_pixels enlarged, and the prompts
     skipped for exceeding model.max_prompt_tokens or for an image that failed.
-    "rollout": the sampler against the trainer (kernels/grpo_loss.py's is_* stats): kl =
+    "rollout": the sampler against the trainer (grpo_kernels/grpo_loss.py's is_* stats): kl =
     mean k3 estimate of KL(sampler || trainer) per token, ratio_mean / ratio_max of
     pi_train / pi_sampler and over_frac = ratios above the cap, at the correction's level
     (token when off); the max is over rollout batches, then averaged over ranks like every float.

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._dispatch import check_launchable, last_dim_contiguous, next_pow2, resolve_backend
+from grpo_kernels._dispatch import check_launchable, last_dim_contiguous, next_pow2, resolve_backend
 
 _MAX_D = 65_536  # one tile per row
 
@@ -53,7 +53,7 @@ def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, D, stride_x, stride_y, eps, BLOCK: tl.
 
 
 def _rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    check_launchable(_rms_norm_kernel, x.device, "kernels.rms_norm")
+    check_launchable(_rms_norm_kernel, x.device, "grpo_kernels.rms_norm")
     x2 = last_dim_contiguous(x.reshape(-1, x.shape[-1]))
     y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     D = x2.shape[1]

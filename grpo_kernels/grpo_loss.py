@@ -25,7 +25,7 @@ bound by memory traffic, so the byte count is the speed (bench/grpo_loss.py meas
 What is implemented (TRL's GRPO loss conventions; TRL's own defaults differ in places:
 its default aggregation is now "dapo", ours "grpo"):
 
-    A          = group advantages (kernels/grpo_advantages.py: z-scores within each group)
+    A          = group advantages (grpo_kernels/grpo_advantages.py: z-scores within each group)
     ratio_t    = exp(logp_t - old_t)                   importance="token"
     ratio_t    = exp(mean_t'(logp_t' - old_t'))        importance="sequence" (GSPO), every token
     pg_t       = -min(ratio_t * A_t, clip(ratio_t, 1 - eps_low, 1 + eps_high) * A_t)
@@ -131,9 +131,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._dispatch import check_launchable, last_dim_contiguous, next_pow2, resolve_backend
+from grpo_kernels._dispatch import check_launchable, last_dim_contiguous, next_pow2, resolve_backend
 # The advantage half lives in grpo_advantages; its public names are re-exported from here.
-from kernels.grpo_advantages import (ADV_PREFIX, ADV_ROW, SCALES, AdvantageSource, Advantages,  # noqa: F401
+from grpo_kernels.grpo_advantages import (ADV_PREFIX, ADV_ROW, SCALES, AdvantageSource, Advantages,  # noqa: F401
                                      PrefixRubrics, _ADV_CODE, advantages_unchecked, check_groups, check_source,
                                      check_tensor, group_advantages, group_zscore_reference,
                                      group_zscore_triton, grpo_advantages_reference,

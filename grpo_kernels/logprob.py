@@ -46,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._dispatch import check_launchable, resolve_backend
+from grpo_kernels._dispatch import check_launchable, resolve_backend
 
 _MAX_BLOCK_V = 4096  # vocabulary tile; module-level so tests can shrink it to force tails
 

@@ -53,7 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._dispatch import last_dim_contiguous, next_pow2, resolve_backend
+from grpo_kernels._dispatch import last_dim_contiguous, next_pow2, resolve_backend
 
 SCALES = ("group", "batch", "none")
 _INT32_MAX = 2**31 - 1  # t_end of the answer column: it credits every token

@@ -1,6 +1,6 @@
 """Choosing between a Triton kernel and its PyTorch reference, and checking that choice.
 
-Every op in ``kernels/`` has two implementations of the same math behind one function:
+Every op in ``grpo_kernels/`` has two implementations of the same math behind one function:
 a compiled Triton kernel (fast, CUDA) and a plain PyTorch reference (any device, the
 spec). The ``backend`` argument picks one:
 
@@ -114,7 +114,7 @@ def import_interpreted(module: str) -> object:
     interpreter consults it while kernels run). If triton was already imported in compiled
     mode, e.g. by bitsandbytes in an earlier test file, triton's own ``tl.max``/``tl.sum``
     are compiled-only functions the interpreter cannot call, so the Python parts of triton
-    and our ``kernels.*`` modules are dropped from sys.modules and imported afresh (the C
+    and our ``grpo_kernels.*`` modules are dropped from sys.modules and imported afresh (the C
     extension ``triton._C`` is kept). Earlier importers keep their old module objects.
     """
     import importlib
@@ -130,6 +130,6 @@ def import_interpreted(module: str) -> object:
         for name in list(sys.modules):
             if (name == "triton" or name.startswith("triton.")) and not name.startswith("triton._C"):
                 del sys.modules[name]
-            elif name.startswith("kernels.") and name != __name__:
+            elif name.startswith("grpo_kernels.") and name != __name__:
                 del sys.modules[name]
     return importlib.import_module(module)
