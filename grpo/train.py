@@ -116,7 +116,7 @@ from grpo.state.resume import phase_finished
 from grpo.state.train_state import TrainState, find_start
 from grpo.step import Hooks, Learner, advantage_source, grpo_step, plain_batches, sample_and_score
 from grpo.warmup.sft import run_warmup
-from lora import load_lora_state_dict, lora_parameters, lora_state_dict
+from lora import freeze_reference_adapter, load_lora_state_dict, lora_parameters, lora_state_dict
 
 
 class PhaseHooks(Hooks):
@@ -201,6 +201,11 @@ def run_grpo_phase(cfg: TrainConfig, files: RunFiles, device: str, dp: DataParal
     model = bundle.model
     if start.adapter:  # a phase that adds vision adapters starts them at B = 0 (grpo/state/compat.py)
         load_lora_state_dict(model, start.adapter, new_under=VISUAL)
+    reference = start.reference_adapter()
+    if reference is not None:  # RL from an SFT warm-up: the reference (KL, "adapters off") is the warm-up's policy
+        freeze_reference_adapter(model, reference)
+        print(f"phase {phase}: the reference policy is the warm-up {start.reference.relative_to(files.root)} "
+              f"(base + its adapter), not the bare base")
     params = lora_parameters(model)
     dp.broadcast_parameters(params)  # all ranks start from rank 0's adapter
     opt = torch.optim.AdamW(optimizer_groups(model, params, cfg.optim), lr=cfg.optim.lr,

@@ -21,6 +21,7 @@ from lora.inject import (
     enable_gradient_checkpointing,
     find_target_names,
     freeze_all_but_lora,
+    freeze_reference_adapter,
     inject_lora,
     lora_modules,
     lora_parameters,

@@ -184,7 +184,8 @@ def count_parameters(model: nn.Module) -> ParamCount:
 # ---------------------------------------------------------------- reference model
 @contextmanager
 def disable_adapters(model: nn.Module) -> Iterator[nn.Module]:
-    """Inside the block every LoRALinear computes only its base: the model *is* pi_ref.
+    """Inside the block every LoRALinear computes only its base (or base + its frozen
+    reference adapter, ``freeze_reference_adapter``): the model *is* pi_ref.
 
     Use it under torch.no_grad() (reference log-probs need no graph). If a forward under
     this context were checkpointed and its backward ran after the context exited, the
@@ -202,6 +203,41 @@ def disable_adapters(model: nn.Module) -> Iterator[nn.Module]:
     finally:
         for m, was in zip(layers, previous):
             m.disabled = was
+
+
+def freeze_reference_adapter(model: nn.Module, tensors: dict[str, torch.Tensor] | None = None) -> int:
+    """Make the reference (what ``disable_adapters`` computes) base + a frozen adapter: by
+    default a copy of the current one, or ``tensors`` ({"<module>.lora_A": ..., ...}, as
+    ``lora.adapter_io.lora_state_dict`` names them; e.g. the warm-up checkpoint's on a resume).
+
+    GRPO's KL term and every "adapters off" pass then measure against the policy RL started
+    from (an SFT warm-up), not the bare base. The copy is one more adapter's bytes (buffers
+    beside the parameters, never trained, not in the state dict); -> the numbers copied."""
+    layers = lora_modules(model)
+    if not layers:
+        raise ValueError("freeze_reference_adapter: the model has no LoRA layers; call inject_lora first")
+    def given(name: str, m: LoRALinear) -> bool:
+        """A layer the reference adapter lacks is its own zero-delta copy if it starts at B = 0
+        (an adapter this phase adds, e.g. the vision tower's); anything else is a mismatch."""
+        if tensors is None or f"{name}.lora_A" in tensors and f"{name}.lora_B" in tensors:
+            return tensors is not None
+        if bool(m.lora_B.detach().eq(0).all()):
+            return False
+        raise ValueError(f"freeze_reference_adapter: the reference adapter has no {name}, whose adapter is "
+                         f"not zero: they were trained with other LoRA targets")
+
+    copied = 0
+    for name, m in layers.items():
+        own = given(name, m)
+        a = tensors[f"{name}.lora_A"] if own else m.lora_A
+        b = tensors[f"{name}.lora_B"] if own else m.lora_B
+        if a.shape != m.lora_A.shape or b.shape != m.lora_B.shape:
+            raise ValueError(f"freeze_reference_adapter: {name}'s reference adapter is {tuple(a.shape)} / "
+                             f"{tuple(b.shape)}, the policy's {tuple(m.lora_A.shape)} / {tuple(m.lora_B.shape)}")
+        m.ref_A = a.detach().to(m.lora_A.device, m.lora_A.dtype, copy=True)
+        m.ref_B = b.detach().to(m.lora_B.device, m.lora_B.dtype, copy=True)
+        copied += a.numel() + b.numel()
+    return copied
 
 
 def enable_gradient_checkpointing(model: nn.Module) -> None:

@@ -22,7 +22,10 @@ particular we never merge into 4-bit weights: W_nf4 + B A would be re-quantised 
 
 `disabled` turns the adapter off so the same module computes the base model: GRPO's
 reference log-probs come from the policy with LoRA off, with no second copy of the base
-(see `lora.inject.disable_adapters`).
+(see `lora.inject.disable_adapters`). When RL starts from an SFT warm-up the reference is the
+warm-up's policy instead (base + its adapter): `lora.inject.freeze_reference_adapter` keeps a
+frozen copy of the adapter (`ref_A`, `ref_B`, buffers outside the state dict), and a disabled
+module then computes base(x) + the frozen copy's delta, by the same arithmetic as the live one.
 
 Decoding (`frozen_adapter_casts`): a rollout calls every adapter once per generated token with
 weights that do not change until it ends, so inside that context A and B are cast (and
@@ -98,6 +101,8 @@ class LoRALinear(nn.Module):
         self.alpha = float(alpha)
         self.scaling = self.alpha / r  # alpha / r: rank-independent update size (LoRA §4.1)
         self.disabled = False
+        self.ref_A: torch.Tensor | None = None  # the reference's frozen adapter (freeze_reference_adapter)
+        self.ref_B: torch.Tensor | None = None
 
         device = base_layer.weight.device
         self.lora_A = nn.Parameter(torch.empty(r, self.in_features, dtype=lora_dtype, device=device))
@@ -117,9 +122,13 @@ class LoRALinear(nn.Module):
         # x: [..., in] -> y: [..., out]
         y = self.base_layer(x)
         if self.disabled:
-            return y  # reference model: LoRA off costs nothing extra
-        dtype = self.compute_dtype(x)
-        A_t, B_t = self._adapter_t(dtype)
+            if self.ref_A is None:
+                return y  # reference model = the base: LoRA off costs nothing extra
+            dtype = self.compute_dtype(x)
+            A_t, B_t = self.ref_A.to(dtype).t(), self.ref_B.to(dtype).t()  # reference = base + a frozen adapter
+        else:
+            dtype = self.compute_dtype(x)
+            A_t, B_t = self._adapter_t(dtype)
         h = self.lora_dropout(x).to(dtype) @ A_t  # [..., r]
         delta = h @ B_t  # [..., out]
         if self.scaling != 1.0:

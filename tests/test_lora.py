@@ -17,6 +17,7 @@ from lora import (
     disable_adapters,
     enable_gradient_checkpointing,
     find_target_names,
+    freeze_reference_adapter,
     inject_lora,
     load_lora_state_dict,
     lora_modules,
@@ -217,6 +218,52 @@ def test_disable_adapters_nests_and_restores_on_error():
             assert all(m.disabled for m in layers)
             raise RuntimeError("boom")
     assert layers[0].disabled and not any(m.disabled for m in layers[1:])
+
+
+def test_a_frozen_reference_adapter_is_what_disable_adapters_computes():
+    """RL from a warm-up: the reference is base + the warm-up's adapter, frozen as it was.
+    Right after the copy the reference equals the policy bit for bit (the KL starts at
+    exactly 0); after training it is still the old adapter's model; a state dict and the
+    trainable parameters are unchanged by the copy."""
+    model = tiny_model()
+    inject_lora(model, verbose=False)
+    randomize_lora_B(model)
+    batch, image = text_batch(), image_batch()
+    warm, warm_image = logits(model, batch), logits(model, image)
+    keys, params = set(model.state_dict()), len(lora_parameters(model))
+    assert freeze_reference_adapter(model) == sum(p.numel() for p in lora_parameters(model))
+    assert set(model.state_dict()) == keys and len(lora_parameters(model)) == params
+    with disable_adapters(model):
+        assert torch.equal(logits(model, batch), warm) and torch.equal(logits(model, image), warm_image)
+    opt = torch.optim.AdamW(lora_parameters(model), lr=1e-2)
+    for _ in range(2):
+        opt.zero_grad()
+        lm_loss(model, batch).backward()
+        opt.step()
+    assert (logits(model, batch) - warm).abs().max() > 1e-3  # the policy moved
+    with disable_adapters(model):  # the reference did not
+        assert torch.equal(logits(model, batch), warm) and torch.equal(logits(model, image), warm_image)
+
+
+def test_a_reference_adapter_from_tensors_and_its_bad_input():
+    model, other = tiny_model(), tiny_model()
+    inject_lora(model, verbose=False)
+    inject_lora(other, verbose=False)
+    randomize_lora_B(other, seed=7)
+    freeze_reference_adapter(model, lora_state_dict(other))  # e.g. the warm-up checkpoint's, on a resume
+    with disable_adapters(model):
+        assert torch.equal(logits(model, text_batch()), logits(other, text_batch()))
+    first = next(iter(lora_modules(model)))
+    partial = {k: v for k, v in lora_state_dict(other).items() if not k.startswith(first + ".")}
+    freeze_reference_adapter(model, partial)  # a layer this phase adds, still at B = 0: its own zero delta
+    randomize_lora_B(model)
+    with pytest.raises(ValueError, match=f"has no {first}, whose adapter is not zero"):
+        freeze_reference_adapter(model, partial)
+    wrong = dict(lora_state_dict(other), **{f"{first}.lora_A": torch.zeros(3, 3)})
+    with pytest.raises(ValueError, match=r"reference adapter is \(3, 3\)"):
+        freeze_reference_adapter(model, wrong)
+    with pytest.raises(ValueError, match="no LoRA layers"):
+        freeze_reference_adapter(tiny_model())
 
 
 # ---------------------------------------------------------------- gradient checkpointing

@@ -398,3 +398,17 @@ def test_an_out_of_memory_error_mid_step_is_one_line_and_the_last_checkpoint_loa
     assert "rerun with --optim.micro_batch_rows 2" in err[0] and err[0].endswith("intact")
     latest = load_checkpoint(resolve(run, "A:latest"))
     assert latest.step == 1
+
+
+def test_the_reference_adapter_of_a_warm_up_is_counted_resident(tiny):
+    """RL from a warm-up keeps a frozen copy of its adapter (the reference): the plan's
+    resident bytes grow by exactly the bytes the copy allocates."""
+    from lora import freeze_reference_adapter, lora_modules
+
+    cfg, bundle = tiny
+    model = copy.deepcopy(bundle.model)
+    before = plan_step(shapes_of_model(model, cfg), cfg, device="cpu")
+    freeze_reference_adapter(model)
+    copies = sum(t.numel() * t.element_size() for m in lora_modules(model).values() for t in (m.ref_A, m.ref_B))
+    after = plan_step(shapes_of_model(model, cfg), cfg, device="cpu")
+    assert copies > 0 and planned_phases(after)["resident"] - planned_phases(before)["resident"] == copies

@@ -117,6 +117,7 @@ class Shapes:
     merger_lora: bool = False
     vision_lora_params: int = 0  # the tower's and merger's LoRA parameters (also in lora_params)
     merger_lora_params: int = 0  # the merger's alone (also in vision_lora_params)
+    reference_lora_params: int = 0  # a frozen copy of the warm-up's adapter: the reference (lora.inject.freeze_reference_adapter)
     vision_patch_elems: int = 0  # elements of one image patch as the tower takes it (3 x 2 x 14 x 14)
     vision_merge: int = 2  # spatial merge: merge^2 patches make one visual token
 
@@ -170,6 +171,7 @@ def shapes_of_model(model: torch.nn.Module, cfg: TrainConfig) -> Shapes:
     blocks = {n.rsplit(".", 1)[-1] for n in lora if ".visual.blocks.0." in n}
     vision_lora = sum(p.numel() for n, m in lora.items() if ".visual." in f".{n}" for p in (m.lora_A, m.lora_B))
     merger_lora = sum(p.numel() for n, m in lora.items() if ".visual.merger." in f".{n}" for p in (m.lora_A, m.lora_B))
+    reference = sum(m.ref_A.numel() + m.ref_B.numel() for m in lora.values() if m.ref_A is not None)
     return Shapes(layers=t.num_hidden_layers, hidden=t.hidden_size, intermediate=t.intermediate_size,
                   heads=t.num_attention_heads, kv_heads=t.num_key_value_heads,
                   head_dim=getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads,
@@ -178,7 +180,7 @@ def shapes_of_model(model: torch.nn.Module, cfg: TrainConfig) -> Shapes:
                   lora_rank=cfg.lora.rank, merged_params=merged, vision_blocks=v.depth, vision_hidden=v.hidden_size,
                   vision_intermediate=v.intermediate_size, vision_heads=v.num_heads, vision_targets=frozenset(blocks),
                   merger_lora=merger_lora > 0, vision_lora_params=vision_lora, merger_lora_params=merger_lora,
-                  vision_patch_elems=v.in_channels * v.temporal_patch_size * v.patch_size**2,
+                  reference_lora_params=reference, vision_patch_elems=v.in_channels * v.temporal_patch_size * v.patch_size**2,
                   vision_merge=v.spatial_merge_size)
 
 
@@ -448,6 +450,9 @@ def plan_step(sh: Shapes, cfg: TrainConfig, *, device: str = "cuda", micro_batch
     plan.add("base weights, dense (embeddings, lm_head, vision, norms)", "resident", sh.dense_bytes)
     plan.add("LoRA + grads + AdamW moments", "resident", sh.lora_params * sh.lora_bytes * 4,
              f"{sh.lora_params:,} params x 4 tensors")
+    if sh.reference_lora_params:
+        plan.add("reference adapter (the warm-up's, frozen)", "resident", sh.reference_lora_params * sh.lora_bytes,
+                 f"{sh.reference_lora_params:,} params")
     if s.rollout == "merged":
         plan.add("merged rollout copy", "resident", sh.merged_params * b,
                  "the adapted projections in the compute dtype")

@@ -50,11 +50,33 @@ class StartPoint:
     init: LoadedCheckpoint | None  # the same when resuming, else the preset's / --init's checkpoint
     init_name: str
     base: Path | None  # the base checkpoint (warm-up weights) the policy is built on
+    reference: Path | None = None  # the SFT warm-up whose policy is the reference (None: the base)
 
     @property
     def adapter(self) -> dict[str, torch.Tensor]:
         """LoRA tensors to load into the fresh policy ({} = a zero adapter, B = 0)."""
         return adapter_tensors(self.init.tensors) if self.init is not None else {}
+
+    def reference_adapter(self) -> dict[str, torch.Tensor] | None:
+        """The reference's adapter: the warm-up's LoRA tensors, or None (the reference is the base)."""
+        if self.reference is None:
+            return None
+        same = self.init is not None and Path(self.init.path) == self.reference
+        return adapter_tensors((self.init if same else load_checkpoint(self.reference)).tensors)
+
+
+def reference_of(root: Path, ckpt: LoadedCheckpoint | None) -> Path | None:
+    """The warm-up a phase started from ``ckpt`` measures its KL against: ``ckpt`` itself when
+    it is an SFT warm-up's adapter, the reference ``ckpt`` recorded when it is a GRPO phase's
+    checkpoint that had one (B from A from a warm-up keeps the warm-up), else None (the base)."""
+    if ckpt is None:
+        return None
+    extra = ckpt.extra or {}
+    if extra.get("reference"):
+        return root / extra["reference"]
+    if Path(ckpt.path).parent.name == "warmup" and extra.get("kind") == "adapter":
+        return Path(ckpt.path)
+    return None
 
 
 def find_start(cfg: TrainConfig, files: RunFiles, set_aside: bool) -> StartPoint | None:
@@ -78,7 +100,7 @@ def find_start(cfg: TrainConfig, files: RunFiles, set_aside: bool) -> StartPoint
         path, name = resolve_init(cfg, files)
         init = load_checkpoint(path) if path is not None else None
     base = base_checkpoint_of(files.root, init) if init is not None else None
-    return StartPoint(resume, init, name, base)
+    return StartPoint(resume, init, name, base, reference_of(files.root, init))
 
 
 @dataclass
@@ -112,15 +134,17 @@ class TrainState:
                        **self.dp.generator_states(GEN_KEY, self.generator))
         if not self.dp.is_main:
             return
-        root, base = self.files.root, self.start.base
-        base = str(base.relative_to(root)) if base else None
+        root, base, ref = self.files.root, self.start.base, self.start.reference
+        extra = {"kind": "adapter", "base": str(base.relative_to(root)) if base else None}
+        if ref is not None:  # only then: a run without a warm-up writes the same state.json as before
+            extra["reference"] = str(ref.relative_to(root))
         sched = {"step": done} if result is not None else {
             "step": done, "zero_spread_since_eval": list(self.zero_spread_since_eval), "eval_pending": pending}
         save_checkpoint(root, self.phase, done, tensors=tensors, optimizer=self.opt,
                         scheduler_state=sched, controller_state=self.controller.state_dict(),
                         data_position=self.stream.position, metrics=result.flat() if result is not None else {},
                         scores=result.scores if result is not None else {},
-                        config_json=self.config_json, extra={"kind": "adapter", "base": base},
+                        config_json=self.config_json, extra=extra,
                         periodic=result is None)
 
     def restore(self) -> tuple[int, bool]:
