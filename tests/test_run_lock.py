@@ -4,6 +4,11 @@
   file untouched), free at once after a kill -9 of its holder, waited for with a bound
   (--lock-wait), handed to a child (what bench.learning and bench.collapse do with their arms'
   trainers), counted within a process; a file system without locks warns and goes on.
+- Trainers: a second one on a running trainer's directory ends within seconds with one line
+  and exit 2, writing nothing, and the first logs each step exactly once (bit-identical to a
+  run that was alone); after kill -9 the same command resumes at once, bit-identically; one lock
+  for all the phases of a command (the warm-up included); grpo.pretrain and torchrun (rank 0
+  holds it) honour it.
 """
 
 from __future__ import annotations
@@ -16,9 +21,14 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+import torch
+
 import grpo.run.lock as lock_mod
 from grpo.run.lock import LOCK_FILE, acquire, holder_of
-from train_helpers import REPO
+from grpo.state.checkpoint import load_checkpoint
+from grpo.state.registry import read_registry, resolve
+from train_helpers import ENTRY, REPO, Trainer, log_lines, reward_spread, run_main
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{REPO}{os.pathsep}{REPO / 'tests'}")
 # a process that holds a directory's lock until killed (or argv[2] seconds), saying so on stdout
@@ -181,3 +191,178 @@ def test_a_file_system_without_locks_warns_once_and_goes_on(tmp_path, monkeypatc
         assert out.startswith("warning: ") and "without file locks (flock: ENOLCK)" in out and len(out.splitlines()) == 1
     finally:
         lock.release()
+
+
+# ----------------------------------------------------------------------------- trainers
+
+# tests/test_stop.py's GRPO settings: phase A from the random model, a reward bonus that gives
+# groups a spread (the adapter really moves), evaluations at steps 3 and 6
+GRPO = ["--model.device", "cpu", "--run.train_per_stage", "20", "--run.eval_size", "4", "--sampling.G", "3",
+        "--sampling.max_new_tokens", "8", "--phase.prompts_per_step", "2", "--phase", "A", "--init", "base",
+        "--run.eval_every", "3", "--optim.lr", "1e-2", "--phase.steps", "6", "--run.test_per_stage", "0"]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    run = tmp_path_factory.mktemp("straight") / "run"
+    with reward_spread():
+        rc, out, err = run_main(run, *GRPO, "--run.save_every_minutes", "0")
+    assert rc == 0, err
+    return run
+
+
+def steps_and_rewards(run: Path) -> list[tuple[int, float]]:
+    return [(r["step"], r["reward"]) for r in log_lines(run) if r.get("phase") == "A" and "event" not in r]
+
+
+def adapter(run: Path) -> dict[str, torch.Tensor]:
+    return load_checkpoint(resolve(run, "A:latest")).tensors
+
+
+def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys() and [k for k in a if not torch.equal(a[k], b[k])] == []
+
+
+def test_a_second_trainer_ends_within_seconds_and_the_first_logs_each_step_once(straight, tmp_path):
+    """The first trainer is frozen (SIGSTOP) after its first step, holding the lock, so that the
+    second surely meets it running; it then finishes exactly as a run that was alone."""
+    run = tmp_path / "run"
+    first = Trainer(run, *GRPO, spread=True)
+    first.wait_for_step("A", 1)
+    first.signal(signal.SIGSTOP)
+    try:
+        frozen(first.proc.pid)
+        before = snapshot(run)
+        t0 = time.time()
+        rc, out, err = Trainer(run, *GRPO, spread=True, tag="second").finish()
+        took = time.time() - t0
+    finally:
+        first.signal(signal.SIGCONT)
+    assert rc == 2 and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1 and err.startswith(f"error: run directory {run} is in use by another "
+                                                               f"run (pid {first.proc.pid} on host "), err
+    assert "use another --run.run_dir" in err and "--lock-wait SECONDS" in err
+    assert snapshot(run) == before  # the second wrote nothing (and the frozen first nothing either)
+    assert took < 60, f"the second trainer took {took:.0f}s to end"
+    rc, out, err = first.finish()
+    assert rc == 0, err
+    assert [s for s, _ in steps_and_rewards(run)] == [1, 2, 3, 4, 5, 6]
+    assert steps_and_rewards(run) == steps_and_rewards(straight)
+    assert_same(adapter(run), adapter(straight))
+    assert not (run / LOCK_FILE).exists()
+
+
+def test_after_kill_9_the_same_command_resumes_at_once_and_bit_identically(straight, tmp_path):
+    run, cmd = tmp_path / "run", [*GRPO, "--run.save_every", "1"]
+    t = Trainer(run, *cmd, spread=True)
+    t.wait_for_step("A", 4)
+    t.signal(signal.SIGKILL)
+    assert t.finish()[0] == -signal.SIGKILL
+    assert holder_of(run)["pid"] == t.proc.pid  # its lock file is left behind; its lock is not
+    latest = read_registry(run, "A")["aliases"]["latest"]
+    rc, out, err = Trainer(run, *cmd, spread=True, tag="resume").finish()
+    assert rc == 0, err
+    assert f"resuming phase A at step {latest}" in out and "in use" not in out + err
+    assert_same(adapter(run), adapter(straight))
+    by_step = dict(steps_and_rewards(run))  # later lines win: the steps after the last save are logged twice
+    assert by_step == dict(steps_and_rewards(straight))
+
+
+def test_every_phase_of_a_command_runs_under_one_lock(tmp_path, monkeypatch):
+    """--phase A on tiny-random runs the warm-up, then A: the lock is held at the start of each
+    (another process is refused) and taken once."""
+    import grpo.train
+
+    run, seen, taken = tmp_path / "run", [], []
+    real_phase, real_acquire = grpo.train.run_phase, grpo.cli.acquire
+
+    def probing(cfg, files, device, dp):
+        seen.append((cfg.phase.name, try_lock(run).returncode))
+        real_phase(cfg, files, device, dp)
+
+    monkeypatch.setattr(grpo.train, "run_phase", probing)
+    monkeypatch.setattr(grpo.cli, "acquire", lambda *a, **k: taken.append(a) or real_acquire(*a, **k))
+    rc, out, err = run_main(run, "--phase", "A", "--model.name", "tiny-random", "--model.device", "cpu",
+                            "--run.train_per_stage", "16", "--run.eval_size", "4", "--warmup.phase.steps", "2",
+                            "--warmup.phase.perception_steps", "2", "--warmup.phase.prompts_per_step", "4",
+                            "--sampling.max_new_tokens", "8", "--sampling.G", "2", "--A.phase.steps", "2",
+                            "--A.phase.prompts_per_step", "2", "--run.test_per_stage", "0")
+    assert rc == 0, err
+    assert seen == [("warmup", 3), ("A", 3)] and len(taken) == 1
+    assert not (run / LOCK_FILE).exists() and try_lock(run).returncode == 0
+
+
+def test_lock_wait_must_be_seconds(tmp_path):
+    for bad in ("soon", "-1", "inf", "nan"):
+        rc, out, err = run_main(tmp_path / "run", *GRPO, "--lock-wait", bad)
+        assert rc == 2 and err.startswith(f"error: --lock-wait {bad!r}: give the seconds") \
+            and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_pretrain_is_refused_on_a_held_run_directory(tmp_path):
+    from grpo import pretrain
+
+    run = tmp_path / "pre"
+    h = holder(run)
+    try:
+        before = snapshot(run)
+        proc = subprocess.run([sys.executable, "-m", "grpo.pretrain", "--run-dir", str(run), "--out",
+                               str(tmp_path / "model")], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+        assert f"is in use by another run (pid {h.pid}" in proc.stderr and "use another --run-dir" in proc.stderr
+        assert snapshot(run) == before and not (tmp_path / "model").exists()
+        assert pretrain.WALL_FILE not in {p.name for p in run.iterdir()}
+    finally:
+        stop(h)
+
+
+# ----------------------------------------------------------------------------- torchrun: rank 0 holds it
+
+DP = ["--model.device", "cpu", "--run.train_per_stage", "16", "--run.eval_size", "4", "--sampling.G", "2",
+      "--sampling.max_new_tokens", "8", "--phase.prompts_per_step", "4", "--phase", "A", "--init", "base",
+      "--run.eval_every", "10", "--phase.steps", "200", "--run.test_per_stage", "0"]
+
+
+def two_ranks(tmp_path: Path, run: Path) -> list[subprocess.Popen]:
+    """The two workers torchrun would start on ``run`` (tests/test_stop.py's way)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(2):
+        env = dict(ENV, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
+        err = (tmp_path / f"rank{rank}.err").open("w")
+        procs.append(subprocess.Popen([sys.executable, "-c", ENTRY, "plain", "--run.run_dir", str(run), *DP],
+                                      cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=err))
+    return procs
+
+
+def test_under_torchrun_rank_0_holds_the_lock_and_a_refusal_ends_every_rank(tmp_path):
+    run = tmp_path / "run"
+    procs = two_ranks(tmp_path, run)
+    try:
+        t0 = time.time()
+        while not (run / "train_log.jsonl").is_file():  # a step is logged: the run is under way
+            assert all(p.poll() is None for p in procs) and time.time() - t0 < 300
+            time.sleep(0.05)
+        assert holder_of(run)["pid"] == procs[0].pid
+        rc, out, err = run_main(run, *DP)  # a single trainer, in this process
+        assert rc == 2 and f"is in use by another run (pid {procs[0].pid} " in err, err
+    finally:
+        for p in procs:
+            stop(p)
+    # the other way round: a held directory refuses both ranks, rank 0 with the line
+    h = holder(tmp_path / "held")
+    try:
+        procs = two_ranks(tmp_path, tmp_path / "held")
+        rcs = [p.wait(timeout=300) for p in procs]
+    finally:
+        stop(h)
+    errs = [(tmp_path / f"rank{r}.err").read_text() for r in range(2)]
+    assert rcs == [2, 2], errs
+    assert len(errs[0].strip().splitlines()) == 1 and f"is in use by another run (pid {h.pid} " in errs[0], errs[0]
+    assert errs[1].strip() == "", errs[1]
