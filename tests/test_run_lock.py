@@ -9,6 +9,7 @@
   run that was alone); after kill -9 the same command resumes at once, bit-identically; one lock
   for all the phases of a command (the warm-up included); grpo.pretrain and torchrun (rank 0
   holds it) honour it.
+- Benchmarks: an arm's directory another run holds is one line naming it, nothing written.
 """
 
 from __future__ import annotations
@@ -366,3 +367,33 @@ def test_under_torchrun_rank_0_holds_the_lock_and_a_refusal_ends_every_rank(tmp_
     assert rcs == [2, 2], errs
     assert len(errs[0].strip().splitlines()) == 1 and f"is in use by another run (pid {h.pid} " in errs[0], errs[0]
     assert errs[1].strip() == "", errs[1]
+
+
+# ----------------------------------------------------------------------------- benchmarks hold their arms
+
+
+def test_the_benchmarks_refuse_an_arm_another_run_writes_and_name_it(tmp_path):
+    """bench.learning and bench.collapse take each arm's lock before writing there (and hand it to
+    the arm's trainers: tests/test_bench_learning.py trains through it); a held arm is one line."""
+    from types import SimpleNamespace
+
+    from bench import collapse, learning
+
+    run = learning.Run(learning.VARIANTS["default"], 0, tmp_path / "default" / "seed0", [])
+    h = holder(run.dir)
+    try:
+        before = snapshot(run.dir)
+        with pytest.raises(learning.BenchError, match=rf"default seed0: run directory .* is in use by another run "
+                                                       rf"\(pid {h.pid} .*or use another --out$") as err:
+            learning.ensure_trained(run, [run])
+        assert err.value.code == 2 and "--lock-wait" not in str(err.value)
+        assert snapshot(run.dir) == before  # no bench_run.json, no train.out
+        args = SimpleNamespace(out=tmp_path / "collapse")
+        h2 = holder(args.out / "default" / "seed0")
+        try:
+            with pytest.raises(collapse.Fail, match=rf"default seed 0: run directory .* \(pid {h2.pid} "):
+                collapse.ensure("default", 0, args, tmp_path / "rows")
+        finally:
+            stop(h2)
+    finally:
+        stop(h)
