@@ -10,11 +10,14 @@
   for all the phases of a command (the warm-up included); grpo.pretrain and torchrun (rank 0
   holds it) honour it.
 - Benchmarks: an arm's directory another run holds is one line naming it, nothing written.
+- Readers: grpo.evaluate and grpo.export read a trainer's checkpoints while it saves every step,
+  and read_resolved reads again what a save moved under it (a deterministic interleaving too).
 """
 
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import signal
 import subprocess
@@ -27,8 +30,9 @@ import torch
 
 import grpo.run.lock as lock_mod
 from grpo.run.lock import LOCK_FILE, acquire, holder_of
-from grpo.state.checkpoint import load_checkpoint
-from grpo.state.registry import read_registry, resolve
+from grpo.state.checkpoint import load_checkpoint, save_checkpoint
+from grpo.state.layout import CheckpointError
+from grpo.state.registry import read_registry, read_resolved, resolve
 from train_helpers import ENTRY, REPO, Trainer, log_lines, reward_spread, run_main
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{REPO}{os.pathsep}{REPO / 'tests'}")
@@ -397,3 +401,76 @@ def test_the_benchmarks_refuse_an_arm_another_run_writes_and_name_it(tmp_path):
             stop(h2)
     finally:
         stop(h)
+
+
+# ----------------------------------------------------------------------------- readers
+
+
+def tiny_save(run: Path, step: int, periodic: bool = True) -> None:
+    save_checkpoint(run, "A", step, tensors={"w": torch.full((4,), float(step))}, optimizer=None, scheduler_state={},
+                    controller_state={}, data_position=step, metrics={}, scores={}, config_json="{}",
+                    periodic=periodic)
+
+
+def test_a_save_between_resolving_and_reading_is_read_again_and_damage_is_not(tmp_path, caplog):
+    """Deterministic: A:latest is the periodic step 1 when resolved; the next save removes it
+    before it is read. A plain read fails on missing files; read_resolved reads step 2."""
+    tiny_save(tmp_path, 1)
+    path = resolve(tmp_path, "A:latest")
+    tiny_save(tmp_path, 2)  # latest -> 2, the periodic step 1 removed
+    with pytest.raises(CheckpointError, match="is missing|not a checkpoint directory"):
+        load_checkpoint(path)
+
+    saved = []
+
+    def load_during_a_save(p: Path):
+        if not saved:
+            saved.append(3)
+            tiny_save(tmp_path, 3)  # what a trainer does meanwhile
+        return load_checkpoint(p)
+
+    with caplog.at_level(logging.INFO, logger="grpo.state.registry"):
+        got_path, ckpt = read_resolved(tmp_path, "A:latest", load_during_a_save)
+    assert ckpt.step == 3 and got_path.name == "step_000003" and torch.equal(ckpt.tensors["w"], torch.full((4,), 3.0))
+    assert "moved while it was read" in caplog.text
+    (got_path / "adapter.safetensors").write_bytes(b"garbage")  # damage, the registry unchanged: raised as it is
+    with pytest.raises(CheckpointError, match="adapter.safetensors"):
+        read_resolved(tmp_path, "A:latest", load_checkpoint)
+
+
+READER_RUN = ["--model.device", "cpu", "--run.train_per_stage", "20", "--run.eval_size", "4", "--sampling.G", "2",
+              "--sampling.max_new_tokens", "4", "--phase.prompts_per_step", "2", "--phase", "A", "--init", "base",
+              "--run.eval_every", "1000", "--phase.steps", "1000", "--run.save_every", "1", "--run.test_per_stage", "0"]
+
+
+def test_evaluate_and_export_read_a_trainer_that_saves_every_step(tmp_path, caplog):
+    """A trainer saves a periodic checkpoint at every step (each save removes the last); this
+    process reads A:latest over and over, and grpo.evaluate and grpo.export run against it."""
+    run = tmp_path / "run"
+    t = Trainer(run, *READER_RUN, spread=True)
+    try:
+        t.wait_for_step("A", 2)
+        reader = subprocess.Popen([sys.executable, "-m", "grpo.evaluate", "A:latest", "--run-dir", str(run),
+                                   "--limit", "2", "--max-new-tokens", "4", "--no-image-control", "--out",
+                                   str(tmp_path / "eval")], cwd=REPO, env=ENV, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True)
+        steps, first = [], read_registry(run, "A")["aliases"]["latest"]
+        with caplog.at_level(logging.INFO, logger="grpo.state.registry"):
+            while reader.poll() is None or len(steps) < 50:
+                steps.append(read_resolved(run, "A:latest", load_checkpoint)[1].step)
+                time.sleep(0.02)
+        out, err = reader.communicate()
+        assert reader.returncode == 0 and "Traceback" not in err, err
+        export = subprocess.run([sys.executable, "-m", "grpo.export", "A:latest", "--run-dir", str(run), "--merged",
+                                 str(tmp_path / "merged"), "--dtype", "fp32"], cwd=REPO, env=ENV, capture_output=True,
+                                text=True, timeout=300)
+        assert export.returncode == 0, export.stderr
+        assert (tmp_path / "merged" / "model.safetensors").is_file()
+        last = read_registry(run, "A")["aliases"]["latest"]
+    finally:
+        t.signal(signal.SIGTERM)
+        rc, _, err = t.finish()
+    assert rc == 143, err
+    assert steps == sorted(steps) and last - first >= 5, (first, last, steps[-5:])  # it saved while they read
+    print(f"read A:latest {len(steps)} times over steps {first}..{last}; read again after a save: "
+          f"{caplog.text.count('moved while it was read')} times")
