@@ -6,9 +6,10 @@
   trainers), counted within a process; a file system without locks warns and goes on.
 - Trainers: a second one on a running trainer's directory ends within seconds with one line
   and exit 2, writing nothing, and the first logs each step exactly once (bit-identical to a
-  run that was alone); after kill -9 the same command resumes at once, bit-identically; one lock
-  for all the phases of a command (the warm-up included); grpo.pretrain and torchrun (rank 0
-  holds it) honour it.
+  run that was alone); after kill -9 the same command resumes at once, bit-identically; with
+  --lock-wait a job started while the last one still saves waits, then resumes it, bit-identically;
+  one lock for all the phases of a command (the warm-up included); grpo.pretrain and torchrun
+  (rank 0 holds it) honour it.
 - Benchmarks: an arm's directory another run holds is one line naming it, nothing written.
 - Readers: grpo.evaluate and grpo.export read a trainer's checkpoints while it saves every step,
   and read_resolved reads again what a save moved under it (a deterministic interleaving too).
@@ -271,6 +272,28 @@ def test_after_kill_9_the_same_command_resumes_at_once_and_bit_identically(strai
     assert_same(adapter(run), adapter(straight))
     by_step = dict(steps_and_rewards(run))  # later lines win: the steps after the last save are logged twice
     assert by_step == dict(steps_and_rewards(straight))
+
+
+def test_with_lock_wait_the_next_job_starts_when_the_last_has_saved_and_resumes_it(straight, tmp_path):
+    """A scheduler's restart: the new job is started while the old one, preempted, still saves."""
+    run = tmp_path / "run"
+    old = Trainer(run, *GRPO, spread=True)
+    old.wait_for_step("A", 1)
+    old.signal(signal.SIGSTOP)  # held mid-phase until the new job waits for it
+    new = Trainer(run, *GRPO, "--lock-wait", "600", spread=True, tag="new")
+    try:
+        new.wait_for_output(f"run directory {run} is in use (pid {old.proc.pid} on host ")
+    finally:
+        old.signal(signal.SIGTERM)  # the preemption notice: it saves its step and ends
+        old.signal(signal.SIGCONT)
+    rc, _, err = old.finish()
+    assert rc == 143, err
+    stopped = read_registry(run, "A")["aliases"]["latest"]
+    rc, out, err = new.finish()
+    assert rc == 0 and err == "", err
+    assert f"run directory {run} is free: going on" in out and f"resuming phase A at step {stopped}" in out
+    assert steps_and_rewards(run) == steps_and_rewards(straight)  # each step once: the old run's, then the new's
+    assert_same(adapter(run), adapter(straight))
 
 
 def test_every_phase_of_a_command_runs_under_one_lock(tmp_path, monkeypatch):
