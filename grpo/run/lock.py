@@ -48,8 +48,6 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -258,12 +256,3 @@ def busy_message(root: Path, holder: dict, waited: float, other: str, wait_flag:
             f"at a time: wait for that run to end{wait} and the same command resumes from its last checkpoint, "
             f"or use {other}")
 
-
-@contextmanager
-def holding(root: str | Path, wait_s: float = 0.0, **names: str | None) -> Iterator[RunLock]:
-    """``acquire`` for the block (``names``: acquire's ``other`` and ``wait_flag``), released after it."""
-    lock = acquire(root, wait_s, **names)
-    try:
-        yield lock
-    finally:
-        lock.release()
