@@ -23,9 +23,9 @@ before it writes anything there, and holds it until it ends:
   descriptor, whose lock is the parent's, so a benchmark holds an arm's directory across its
   own writes and the trainer it starts, and neither waits for the other. The child never
   unlocks it. (Any process forked from the holder shares it the same way, until it ends.)
-- Readers (grpo.evaluate, grpo.export, the end-of-run report) take no lock: a checkpoint is
-  complete before its registry names it, and grpo/state/registry.py ``read_resolved`` reads
-  again what a save moved while they read.
+- Readers (grpo.evaluate, grpo.export) take no lock: a checkpoint is complete before its
+  registry names it, and grpo/state/registry.py ``read_resolved`` reads again what a save
+  moved while they read. (The end-of-run report runs inside the trainer, under its lock.)
 
 The lock is advisory: it binds the commands that take it, not ``rm`` or an editor. On NFS
 Linux maps flock onto the server's byte-range locks (NFSv4, or v3 with its lock manager),

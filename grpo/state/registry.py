@@ -242,8 +242,7 @@ def _moved(run_dir: Path, phase: str, before: bytes | None) -> bool:
 
 def read_resolved(run_dir: str | Path, selector: str, load: Callable[[Path], T]) -> tuple[Path, T]:
     """(path, load(path)) for the checkpoint ``selector`` names, read safely while a trainer
-    saves into ``run_dir``: readers (grpo.evaluate, grpo.export, the end-of-run report) take no
-    lock (grpo/run/lock.py).
+    saves into ``run_dir``: readers (grpo.evaluate, grpo.export) take no lock (grpo/run/lock.py).
 
     A save never changes a checkpoint directory in place, and names a new one only once it is
     complete; but it moves ``latest`` and removes the periodic checkpoint ``latest`` named until
