@@ -11,7 +11,8 @@ Each run is the README's own-data command, ``python -m grpo.train --phase B --ru
 held-out tenth), plus ``--run.seed k`` and the arm's options (ARMS), as a subprocess with
 its own run directory ``<out>/<arm>/seed<k>/`` (the trainer's console output beside it, in
 ``seed<k>.out``). A run whose report exists is finished and never rerun; an interrupted one
-is continued by the trainer itself (the same command resumes). ``--trainer-args`` appends
+is continued by the trainer itself (the same command resumes). The run directory is held
+(grpo/run/lock.py) while its trainer (handed the lock) and its trace run. ``--trainer-args`` appends
 options to every run (the smoke test shrinks the phases with it).
 
 What it measures
@@ -48,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.learning import aggregate
+from grpo.run.lock import RunDirBusy, RunLock, acquire
 
 ARMS: dict[str, tuple[str, list[str]]] = {
     "default": ("the own-data command as a user runs it", []),
@@ -111,11 +113,13 @@ def command(arm: str, seed: int, data: Path, run_dir: Path, extra: list[str]) ->
             "--run.run_dir", str(run_dir), *ARMS[arm][1], *extra]
 
 
-def _call(argv: list[str], log: Path, what: str) -> None:
+def _call(argv: list[str], log: Path, what: str, lock: RunLock | None = None) -> None:
+    """One command, its output appended to ``log``; a trainer is handed ``lock``, the run
+    directory's lock this process holds (grpo/run/lock.py), so it writes there as its writer."""
     with open(log, "a") as f:
         f.write("$ " + " ".join(argv) + "\n")
         f.flush()
-        code = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT).returncode
+        code = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, **(lock.child() if lock else {})).returncode
     if code != 0:
         raise Fail(f"{what} exited {code}; its output is in {log}")
 
@@ -131,13 +135,26 @@ def _trace_selectors(run_dir: Path) -> list[str]:
 
 
 def ensure(arm: str, seed: int, args: argparse.Namespace, rows: Path) -> Path:
-    """Train (or finish) one run and its trace; returns its run directory."""
+    """Train (or finish) one run and its trace, holding its run directory throughout (its trainer
+    is handed the lock; the trace's grpo.evaluate only reads checkpoints); returns the directory."""
     run_dir = args.out / arm / f"seed{seed}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        lock = acquire(run_dir, other="another --out", wait_flag=None)
+    except RunDirBusy as err:
+        raise Fail(f"{arm} seed {seed}: {err}") from None
+    try:
+        _ensure(arm, seed, args, rows, run_dir, lock)
+    finally:
+        lock.release()
+    return run_dir
+
+
+def _ensure(arm: str, seed: int, args: argparse.Namespace, rows: Path, run_dir: Path, lock: RunLock) -> None:
     log = args.out / arm / f"seed{seed}.out"
-    log.parent.mkdir(parents=True, exist_ok=True)
     if not (run_dir / "report" / "report.json").is_file():
         print(f"  training {arm} seed {seed} ...", flush=True)
-        _call(command(arm, seed, args.data, run_dir, args.trainer_args), log, f"{arm} seed {seed}'s training")
+        _call(command(arm, seed, args.data, run_dir, args.trainer_args), log, f"{arm} seed {seed}'s training", lock)
     trace = run_dir / "trace"
     if not (trace / "report.json").is_file():
         tmp = run_dir / "trace.partial"
@@ -146,7 +163,6 @@ def ensure(arm: str, seed: int, args: argparse.Namespace, rows: Path) -> Path:
                "--samples", str(args.samples), "--temperature", "1", "--seed", str(seed), "--out", str(tmp),
                *_trace_selectors(run_dir)], log, f"{arm} seed {seed}'s trace")
         tmp.rename(trace)
-    return run_dir
 
 
 def _sampled(samples: Path) -> dict[str, float]:

@@ -17,6 +17,10 @@ run into the next), with ``--run.seed k`` and its own run directory
                                  bench_run.json (what was asked for) and bench_eval.json
                                  (the numbers this script took from it)
 
+This script holds each run directory's lock (grpo/run/lock.py) while it writes there, and hands
+it to the trainers it starts (they write as its writer, neither waits for the other): another
+benchmark or trainer on the same directory is refused with one line naming this one.
+
 A variant is a named list of trainer options on top of the defaults (``--plan`` prints each
 one's command). The defaults are read from grpo/config.py at run time (phase_configs), never
 copied here, so when they change the variants follow. Every variant starts from the same
@@ -123,6 +127,7 @@ from typing import Any
 
 from data.atomic import new_directory, replace_file
 from data.signals import STOP, StopNow, exit_code
+from grpo.run.lock import LOCK_FILE, RunDirBusy, RunLock, acquire
 from grpo.run.stop import EvalAbandoned
 
 DEFAULT_OUT = Path("bench/results/learning")
@@ -491,8 +496,8 @@ def reward_data_problem(name: str, configs: dict, samples: Callable[[Any], dict[
 def _check_run_dir(run: Run) -> None:
     """An existing run directory must have been made by this script with these settings."""
     meta = run.dir / "bench_run.json"
-    if not run.dir.exists() or not any(run.dir.iterdir()):
-        return
+    if not run.dir.exists() or not any(p.name != LOCK_FILE for p in run.dir.iterdir()):
+        return  # new, or only the lock file of a run killed before it wrote anything
     if not meta.is_file():
         raise BenchError(f"{run.dir} exists but was not made by bench.learning (no bench_run.json): "
                          "move it away or choose another --out")
@@ -595,8 +600,10 @@ def _phase_a_options(run: Run) -> list[str]:
     return keep
 
 
-def _train(run: Run, argv: list[str], label: str) -> None:
-    """One trainer subprocess, its console output appended to train.out; exit 1 names the last line."""
+def _train(run: Run, argv: list[str], label: str, lock: RunLock) -> None:
+    """One trainer subprocess, its console output appended to train.out; exit 1 names the last line.
+    It is handed ``lock``, this process's lock on the run directory (grpo/run/lock.py): it writes
+    there as this process's writer, and no other trainer can."""
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")  # one thread everywhere, as the trainer
     out = run.dir / "train.out"
     t0 = time.time()
@@ -608,7 +615,7 @@ def _train(run: Run, argv: list[str], label: str) -> None:
             raise BenchStopped(run.name)
         # its own session: a Ctrl-C at the terminal reaches this script only, which forwards it
         # once (the terminal's copy and ours would be two: the trainer would stop at once)
-        proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, start_new_session=True, **lock.child(env))
         _children.add(proc)
         try:
             rc = proc.wait()
@@ -629,10 +636,29 @@ def _train(run: Run, argv: list[str], label: str) -> None:
     print(f"[bench] {run.name}: {label} done in {time.time() - t0:.0f}s", flush=True)
 
 
+def hold(run: Run) -> RunLock:
+    """This process's lock on the run's directory (grpo/run/lock.py), the directory created first;
+    BenchError (exit 2) naming the holder when another process writes it."""
+    run.dir.mkdir(parents=True, exist_ok=True)
+    try:
+        return acquire(run.dir, other="another --out", wait_flag=None)
+    except RunDirBusy as err:
+        raise BenchError(f"{run.name}: {err}") from None
+
+
 def ensure_trained(run: Run, runs: Sequence[Run]) -> None:
+    """Train the run, or finish an interrupted one, holding its directory: its bench files, the
+    phases copied from the default run and the trainers (each handed the lock) are one writer."""
     if finished(run):
         return
-    run.dir.mkdir(parents=True, exist_ok=True)
+    lock = hold(run)
+    try:
+        _ensure_trained(run, runs, lock)
+    finally:
+        lock.release()
+
+
+def _ensure_trained(run: Run, runs: Sequence[Run], lock: RunLock) -> None:
     (run.dir / "bench_eval.json").unlink(missing_ok=True)  # whatever it says, it is about an older state
     meta_path = run.dir / "bench_run.json"
     seconds = json.loads(meta_path.read_text()).get("train_seconds", 0.0) if meta_path.is_file() else 0.0
@@ -649,8 +675,9 @@ def ensure_trained(run: Run, runs: Sequence[Run]) -> None:
     if (run.dir / "A" / "registry.json").is_file() and not (run.dir / "B" / "registry.json").is_file() \
             and (_latest(run.dir, "A") or 0) < a_steps:
         _train(run, [sys.executable, "-m", "grpo.train", "--phase", "A", *_phase_a_options(run)],
-               f"completing the interrupted phase A (step {_latest(run.dir, 'A')} of {a_steps})")
-    _train(run, run.command(sys.executable), "training" if not (run.dir / run.variant.last).exists() else "resuming")
+               f"completing the interrupted phase A (step {_latest(run.dir, 'A')} of {a_steps})", lock)
+    _train(run, run.command(sys.executable), "training" if not (run.dir / run.variant.last).exists() else "resuming",
+           lock)
     if not finished(run):
         raise BenchError(f"{run.name}: grpo.train exited 0 but phase {run.variant.last} is not at step {_b_steps(run)} or the "
                          f"report is missing; see {run.dir / 'train.out'}", code=1)
@@ -842,7 +869,11 @@ def evaluate_run(run: Run, k: int, cache_dir: Path, default: Run | None = None) 
             g = versus_default(run, default, run.variant.final)
             result["versus_default"] = g if run.variant.final == "B:latest" else _versus(run, default)
     result["training"] = training_summary(run)
-    replace_file(path, json.dumps(result, indent=2))
+    lock = hold(run)  # the run's trainers are done; one writer still
+    try:
+        replace_file(path, json.dumps(result, indent=2))
+    finally:
+        lock.release()
     return result
 
 

@@ -35,6 +35,7 @@ from grpo.model.load import ModelLoadError
 from grpo.model.policy import check_policy_config
 from grpo.rewards.plugins import load_plugins
 from grpo.run.files import RunFiles
+from grpo.run.lock import RunDirBusy, RunLock, acquire
 from grpo.run.phase_data import fall_back_to_all, load_training_data, require_held_out_rows
 from grpo.run.runtime import keep_freed_memory, pick_device, seed_everything, set_threads
 from grpo.run.stop import EvalAbandoned, Stopped, stop_message
@@ -44,6 +45,8 @@ from grpo.state.layout import CheckpointError
 from grpo.state.registry import SelectorError, read_registry
 from grpo.state.resume import phase_finished, resume_point
 from grpo.state.train_state import resolve_init
+
+RunPhase = Callable[[TrainConfig, RunFiles, str, DataParallel], None]  # one planned phase (grpo/train.py run_phase)
 
 
 def phase_config(phase: str, preset: str, overrides: dict[str, str], requested: str) -> TrainConfig:
@@ -111,8 +114,8 @@ def choose_preset(preset: str | None, overrides: dict[str, str]) -> str:
     return chosen[0]
 
 
-def prepare_run_dir(root: Path) -> None:
-    """Create the run directory and prove it writable, before any work that would be lost."""
+def make_run_dir(root: Path) -> None:
+    """Create the run directory (and its parents) unless it exists; ConfigError when a file is in the way."""
     if root.exists() and not root.is_dir():
         raise ConfigError(f"--run.run_dir {root} is a file, not a directory: name a directory (it is created if missing)")
     try:
@@ -120,11 +123,67 @@ def prepare_run_dir(root: Path) -> None:
     except (FileExistsError, NotADirectoryError):
         raise ConfigError(f"--run.run_dir {root}: a part of that path is a file, so the directory cannot be "
                           "created; name another directory") from None
+
+
+def prove_writable(root: Path) -> None:
+    """Create and remove a file in the run directory, before any work that would be lost."""
     # os.access says yes to root on a read-only directory and no to some ACL'd ones: try it.
     probe = temp_path(root / "write-probe")  # a .tmp- name: a kill here leaves a recognisable leftover
     fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     os.close(fd)
     os.unlink(probe)
+
+
+class MainRankFailed(Exception):
+    """Rank 0 could not claim the run directory and printed why; this rank ends with its exit code."""
+
+    def __init__(self, code: int):
+        super().__init__(f"rank 0 ended with exit code {code}")
+        self.code = code
+
+
+def claim_exit_code(err: BaseException) -> int:
+    """The exit code _main gives the error rank 0 met claiming the run directory."""
+    if isinstance(err, (Stopped, StopNow)):
+        return exit_code(err.signum)
+    return 2 if isinstance(err, (ConfigError, RunDirBusy)) else 1
+
+
+def claim_run_dir(root: Path, wait_s: float, dp: DataParallel) -> RunLock | None:
+    """The run directory, created, locked (grpo/run/lock.py) and proven writable by the one
+    process that writes it, before anything is written there: rank 0 under torchrun. A busy
+    directory is RunDirBusy after ``wait_s`` seconds. The other ranks never write: they learn
+    rank 0's outcome (one unwatched broadcast: rank 0 may be waiting for the lock) and, when
+    it failed, end with its exit code (MainRankFailed) and no line of their own."""
+    if not dp.is_main:
+        code = dp.from_main(0)
+        if code:
+            raise MainRankFailed(code)
+        return None
+    lock = None
+    try:
+        make_run_dir(root)
+        lock = acquire(root, wait_s)
+        prove_writable(root)
+    except BaseException as err:
+        if lock is not None:
+            lock.release()
+        dp.from_main(claim_exit_code(err))
+        raise
+    dp.from_main(0)
+    return lock
+
+
+def lock_wait(text: str) -> float:
+    """--lock-wait SECONDS: a finite number >= 0 (0 = refuse at once when another run holds the directory)."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = float("nan")
+    if not 0 <= seconds < float("inf"):
+        raise ConfigError(f"--lock-wait {text!r}: give the seconds to wait for another run to release the run "
+                          "directory, a number >= 0 (0: refuse at once)")
+    return seconds
 
 
 def preflight(configs: dict[str, TrainConfig], plan: list[str], files: RunFiles) -> None:
@@ -182,7 +241,8 @@ def phases_to_run(requested: str, files: RunFiles, init: str, model_name: str) -
 
 
 HELP = """\
-python -m grpo.train --phase {warmup,A,B,C} [--preset tiny|qwen7b] [--init base|SELECTOR|PATH] [--config FILE] [--key value ...]
+python -m grpo.train --phase {warmup,A,B,C} [--preset tiny|qwen7b] [--init base|SELECTOR|PATH] [--config FILE]
+                    [--lock-wait SECONDS] [--key value ...]
 
 Phases (the staged, metric-gated curriculum):
   warmup  R1-VL policy warm-up: SFT on worked reasoning (a LoRA on a pretrained model; on
@@ -199,6 +259,12 @@ warm-up first on tiny-random). --init overrides the start:
 The same run directory resumes: the adapter, optimiser, schedule, controller, RNG and data
 position of <phase>:latest are restored.
 
+--lock-wait SECONDS: one run writes a run directory at a time. A command whose --run.run_dir
+another run is writing is refused at once, with one line naming that run (pid, host, since
+when); with --lock-wait it first waits up to SECONDS for that run to end, then goes on and
+resumes from its last checkpoint (a scheduler that starts a job again before the old one has
+ended). Under torchrun the wait must stay under the process group's 2-hour timeout.
+
 --preset: tiny by default; a --model.name that is Qwen2.5-VL-7B (its hub id, or a local
 directory whose config.json is one) chooses qwen7b, and says so; the other Qwen2.5-VL sizes
 need an explicit --preset. An explicit --preset always wins.
@@ -214,7 +280,7 @@ for that phase alone, e.g. --warmup.phase.steps 100 --A.optim.lr 1e-3:
 """
 
 
-def main(argv: list[str] | None, run_phase: Callable[[TrainConfig, RunFiles, str, DataParallel], None]) -> int:
+def main(argv: list[str] | None, run_phase: RunPhase) -> int:
     """The training CLI: resolve every phase's config, plan and check the run, then
     ``run_phase`` each planned phase (grpo/train.py passes the warm-up / GRPO dispatch).
 
@@ -230,7 +296,7 @@ def main(argv: list[str] | None, run_phase: Callable[[TrainConfig, RunFiles, str
         STOP.uninstall()
 
 
-def _main(argv: list[str], run_phase: Callable[[TrainConfig, RunFiles, str, DataParallel], None]) -> int:
+def _main(argv: list[str], run_phase: RunPhase) -> int:
     hf_logging.disable_progress_bar()  # one "Loading weights" bar per model load is noise in a training log
     keep_freed_memory()  # a step's buffers are reused by the next, not unmapped and faulted in again
     if "-h" in argv or "--help" in argv:
@@ -241,46 +307,20 @@ def _main(argv: list[str], run_phase: Callable[[TrainConfig, RunFiles, str, Data
     ap.add_argument("--preset", default=None, choices=sorted(PRESETS))
     ap.add_argument("--init", default="auto")
     ap.add_argument("--config", default=None)
+    ap.add_argument("--lock-wait", default="0")
     known, rest = ap.parse_known_args(argv)
-    dp, root, files = None, None, None
+    dp, root, files, lock = None, None, None, None
     try:
         overrides = command_overrides(rest, known.config, known.phase)
         configs = phase_configs(known.phase, choose_preset(known.preset, overrides), overrides, known.init)
         cfg = configs[known.phase]
         files = RunFiles(Path(cfg.run.run_dir))
-        root = files.root
+        root, wait_s = files.root, lock_wait(known.lock_wait)
         device = pick_device(cfg.model.device)
-        prepare_run_dir(files.root)
         dp = init_distributed(device, collective_timeout_s=cfg.run.collective_timeout_s)  # torchrun: this rank's process group and device; else one process
         device, files.writer = dp.device, dp.is_main
-        plan = phases_to_run(known.phase, files, cfg.phase.init, cfg.model.name) if cfg.run.run_prior_phases else [known.phase]
-        fall_back_to_all({p: configs[p] for p in plan})  # own data without MathVista metadata: the stage "all"
-        preflight(configs, plan, files)
-        if len(plan) > 1:
-            print(f"phase {known.phase} starts from {phase_init(known.phase, cfg.model.name)}, which {files.root} does not have "
-                  f"yet: running {' -> '.join(plan)}")
-        t_run = time.time()
-        for phase in plan:
-            _stop_between(f"the start of phase {phase}", "everything before it is saved")
-            pcfg = configs[phase]
-            dp.barrier()  # every rank has read the run directory (and rank 0 finished writing it)
-            print(f"\n===== phase {phase} =====\nresolved config:\n{pcfg.to_json()}", flush=True)
-            if dp.is_main:
-                (files.root / f"config_{phase}.json").write_text(pcfg.to_json())
-            seed_everything(pcfg.run.seed)
-            set_threads(pcfg.run.cpu_threads)
-            files.track(reported_to(pcfg.run), pcfg.to_dict())
-            t_phase = time.time()
-            run_phase(pcfg, files, device, dp)
-            print(f"phase {phase} took {time.time() - t_phase:.0f}s", flush=True)
-        if dp.is_main and known.phase != "warmup" and cfg.run.test_per_stage > 0:
-            _stop_between("the final report", "every checkpoint is saved")
-            try:
-                write_final_report(files.root, known.phase, cfg, device)
-            except EvalAbandoned:
-                raise Stopped(stop_message("the final report (abandoned)", saved="every checkpoint is saved"),
-                              STOP.signum) from None
-        print(f"done in {time.time() - t_run:.0f}s; checkpoints and train_log.jsonl in {files.root}")
+        lock = claim_run_dir(files.root, wait_s, dp)  # one writer from here to the end: nothing was written before
+        _run_plan(known.phase, configs, files, device, dp, run_phase)
     except Stopped as stop:  # a loop saved the step it stopped at (under torchrun every rank stops there)
         if dp is None or dp.is_main:
             print(stop, file=sys.stderr, flush=True)
@@ -289,7 +329,9 @@ def _main(argv: list[str], run_phase: Callable[[TrainConfig, RunFiles, str, Data
         print(f"stopped at once on a second {signal_name(now.signum)}; the step in progress is lost; "
               "the same command resumes from the last checkpoint", file=sys.stderr, flush=True)
         return exit_code(now.signum)
-    except (ConfigError, SelectorError, ModelLoadError) as err:  # the command asks for something wrong: say what
+    except MainRankFailed as failed:  # rank 0 said why
+        return failed.code
+    except (ConfigError, SelectorError, ModelLoadError, RunDirBusy) as err:  # the command asks for something wrong: say what
         print(f"error: {one_line(err)}", file=sys.stderr)
         return 2
     except (CheckpointError, TrainingDiverged, NoRewardSpread, StepOutOfMemory) as err:  # the run failed; its earlier checkpoints are intact
@@ -310,7 +352,43 @@ def _main(argv: list[str], run_phase: Callable[[TrainConfig, RunFiles, str, Data
         return 1
     finally:
         if files is not None:
-            files.close()
+            files.close()  # trackers write their last events into the run directory: before the lock goes
         if dp is not None:
             dp.close()
+        if lock is not None:
+            lock.release()
     return 0
+
+
+def _run_plan(requested: str, configs: dict[str, TrainConfig], files: RunFiles, device: str, dp: DataParallel,
+              run_phase: RunPhase) -> None:
+    """Plan and check the run, ``run_phase`` each planned phase, then the end-of-run report."""
+    cfg = configs[requested]
+    plan = phases_to_run(requested, files, cfg.phase.init, cfg.model.name) if cfg.run.run_prior_phases else [requested]
+    fall_back_to_all({p: configs[p] for p in plan})  # own data without MathVista metadata: the stage "all"
+    preflight(configs, plan, files)
+    if len(plan) > 1:
+        print(f"phase {requested} starts from {phase_init(requested, cfg.model.name)}, which {files.root} does not have "
+              f"yet: running {' -> '.join(plan)}")
+    t_run = time.time()
+    for phase in plan:
+        _stop_between(f"the start of phase {phase}", "everything before it is saved")
+        pcfg = configs[phase]
+        dp.barrier()  # every rank has read the run directory (and rank 0 finished writing it)
+        print(f"\n===== phase {phase} =====\nresolved config:\n{pcfg.to_json()}", flush=True)
+        if dp.is_main:
+            (files.root / f"config_{phase}.json").write_text(pcfg.to_json())
+        seed_everything(pcfg.run.seed)
+        set_threads(pcfg.run.cpu_threads)
+        files.track(reported_to(pcfg.run), pcfg.to_dict())
+        t_phase = time.time()
+        run_phase(pcfg, files, device, dp)
+        print(f"phase {phase} took {time.time() - t_phase:.0f}s", flush=True)
+    if dp.is_main and requested != "warmup" and cfg.run.test_per_stage > 0:
+        _stop_between("the final report", "every checkpoint is saved")
+        try:
+            write_final_report(files.root, requested, cfg, device)
+        except EvalAbandoned:
+            raise Stopped(stop_message("the final report (abandoned)", saved="every checkpoint is saved"),
+                          STOP.signum) from None
+    print(f"done in {time.time() - t_run:.0f}s; checkpoints and train_log.jsonl in {files.root}")

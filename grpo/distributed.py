@@ -302,6 +302,16 @@ class DataParallel:
             dist.all_gather_object(out, obj)
         return out
 
+    def from_main(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank (pickled; small objects only), unwatched: rank 0 may be
+        waiting for the run directory's lock (--lock-wait) first, so only the process group's
+        2-hour timeout bounds it, as the patient barrier."""
+        if not self.enabled:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
     def agree(self, signum: int, due: bool) -> tuple[int, bool]:
         """(stop signal, periodic save due) combined over ranks at a step boundary: the largest
         signal number (0 = none) and whether any rank's clock is due -- one all-reduce MAX of

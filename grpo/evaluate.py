@@ -56,9 +56,13 @@ from grpo.state.layout import CheckpointError
 # ----------------------------------------------------------------------------- CLI
 
 
-def _checkpoint_bundle(path: Path, args: argparse.Namespace) -> Any:
-    """Rebuild a checkpoint's policy with the trainer's own builder (base chain, 4-bit, LoRA)."""
-    return grpo.model.policy.load_policy(path, run_dir=args.run_dir, device=args.device)
+def _checkpoint_bundle(selector: str, args: argparse.Namespace) -> Any:
+    """Rebuild a checkpoint's policy with the trainer's own builder (base chain, 4-bit, LoRA), read
+    safely while a trainer saves into the run directory (grpo.state.registry.read_resolved)."""
+    _, bundle = grpo.state.registry.read_resolved(
+        args.run_dir, selector, lambda path: grpo.model.policy.load_policy(path, run_dir=args.run_dir,
+                                                                          device=args.device))
+    return bundle
 
 
 def _resolve_selector(selector: str, args: argparse.Namespace) -> Path | None:
@@ -71,17 +75,17 @@ def _resolve_selector(selector: str, args: argparse.Namespace) -> Path | None:
         return None
     if not args.run_dir:
         raise ValueError(f"selector {selector!r} needs --run-dir (the training run that holds its checkpoints)")
-    return grpo.state.registry.resolve(args.run_dir, selector)  # a damaged checkpoint: CheckpointError, exit 1 in main()
+    # a damaged checkpoint: CheckpointError, exit 1 in main(); one a running trainer's save moved: read again
+    return grpo.state.registry.read_resolved(args.run_dir, selector, lambda path: path)[0]
 
 
 def _selector_bundle(selector: str, args: argparse.Namespace) -> Any:
     """'base' -> the base model; a checkpoint selector -> that checkpoint's policy."""
     try:
-        path = _resolve_selector(selector, args)
-        if path is None:
+        if selector == "base":  # _prepare checked the others (ValueError without --run-dir)
             bundle = grpo.model.load.load_bundle(args.model, device=args.device)
         else:
-            bundle = _checkpoint_bundle(path, args)
+            bundle = _checkpoint_bundle(selector, args)
         # 0 keeps each model's own bounds: the processor config for 'base', the training config for a checkpoint
         return grpo.model.load.set_input_bounds(bundle, args.max_pixels, args.min_pixels,
                                                 args.max_prompt_tokens or None)

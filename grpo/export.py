@@ -54,6 +54,7 @@ from data.atomic import new_directory
 from data.signals import StopNow, exit_code, signal_name, stops_at_once
 import grpo.evaluate
 import grpo.model.policy
+import grpo.state.registry
 from grpo.errors import inside, one_line
 from grpo.model.load import ModelLoadError
 from grpo.state.layout import CheckpointError
@@ -147,15 +148,13 @@ def _summary(out: Path) -> str:
     return f"{len(files)} files, {total / 1e6:.2f} MB" + (f" ({listed})" if listed else "")
 
 
-def export(args: argparse.Namespace, done: list[Path]) -> list[str]:
-    """Build the checkpoint's policy once and write what was asked; returns the lines to print.
-    ``done`` collects each output once it is in place (a stop's line names them)."""
+def _loaded(path: Path, args: argparse.Namespace, outs: dict[str, Path]) -> tuple:
+    """(config, policy) of a checkpoint directory, the export checked against the checkpoint
+    before the (slow) policy build: ExportError for what it cannot give."""
     from grpo.config import from_json
     from grpo.state.checkpoint import load_checkpoint
     from grpo.state.contents import adapter_tensors, base_checkpoint_of
-    from lora import export_merged, save_adapter
 
-    path, outs, dtype = _check_request(args)
     ckpt = load_checkpoint(path)  # a damaged checkpoint: CheckpointError before the model is built
     cfg = from_json(ckpt.config_json)
     run_dir = Path(args.run_dir) if args.run_dir else path.parent.parent
@@ -166,7 +165,18 @@ def export(args: argparse.Namespace, done: list[Path]) -> list[str]:
                           "would have no base to load under it; export --merged instead")
     if "peft" in outs and not adapter_tensors(ckpt.tensors):
         raise ExportError(f"{args.selector} -> {path} holds no LoRA tensors; export --merged instead")
-    bundle = grpo.model.policy.load_policy(path, run_dir=run_dir, device=args.device)
+    return cfg, grpo.model.policy.load_policy(path, run_dir=run_dir, device=args.device)
+
+
+def export(args: argparse.Namespace, done: list[Path]) -> list[str]:
+    """Build the checkpoint's policy once and write what was asked; returns the lines to print.
+    ``done`` collects each output once it is in place (a stop's line names them). The checkpoint
+    is read as grpo.evaluate reads it: safely while a trainer saves into the run directory."""
+    from lora import export_merged, save_adapter
+
+    _, outs, dtype = _check_request(args)
+    path, (cfg, bundle) = grpo.state.registry.read_resolved(args.run_dir, args.selector,
+                                                          lambda p: _loaded(p, args, outs))
     lines = [f"{args.selector} -> {path} (model {cfg.model.name}, {'NF4' if cfg.model.load_in_4bit else cfg.model.dtype} "
              f"base, LoRA r={cfg.lora.rank})"]
     if "peft" in outs:

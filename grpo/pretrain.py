@@ -11,7 +11,9 @@ weights), then exported as an ordinary ``save_pretrained`` directory:
                    perception head on every visual token throughout; stages 1/2/3 mixed
                    .4/.35/.25 (the RL phases train stage 1 and a little of stage 2: stages 2
                    and 3 get their reading from here). The run directory keeps resumable
-                   checkpoints: the same command continues a stopped or killed run.
+                   checkpoints: the same command continues a stopped or killed run. It is
+                   held (grpo/run/lock.py) for the whole command: a second pretraining on it
+                   is refused, or with --lock-wait waits for the first to end.
     2. evaluate    the result on the held-out test split (greedy, images shuffled as the
                    control), so the card states what the base does before any RL.
     3. export      weights (float32 safetensors), tokenizer, image processor, config, the
@@ -296,13 +298,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", default="runs/pretrain", help="the warm-up's run directory (checkpoints, log)")
     p.add_argument("--test-per-stage", type=int, default=100, help="test examples per stage for the card (0: none)")
     p.add_argument("--test-seed", type=int, default=0, help="seed of the synthetic test split for the card")
+    p.add_argument("--lock-wait", default="0", metavar="SECONDS",
+                   help="when another run holds --run-dir, wait up to this long for it to end, then resume (default 0: "
+                        "refuse at once, naming that run)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    from grpo import cli
-    from grpo.model.load import ModelLoadError
-    from grpo.train import run_phase
+    """The command: the run directory locked for the whole of it (grpo/run/lock.py: the warm-up,
+    the wall-time record and the export's reading of it), then ``_pretrain``."""
+    from data.signals import exit_code
+    from grpo.cli import lock_wait, make_run_dir
+    from grpo.config import ConfigError
+    from grpo.errors import inside, one_line
+    from grpo.run.lock import RunDirBusy, acquire
+    from grpo.run.stop import Stopped
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
@@ -313,7 +323,35 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --test-per-stage {args.test_per_stage}: must be >= 1 (the card states test metrics)",
               file=sys.stderr)
         return 2
+    run_dir = Path(args.run_dir)
+    try:  # the trainer's command line takes the same lock again: this process holds it once
+        wait_s = lock_wait(args.lock_wait)
+        make_run_dir(run_dir)
+        lock = acquire(run_dir, wait_s, other="another --run-dir")
+    except (ConfigError, RunDirBusy) as err:
+        print(f"error: {one_line(err)}", file=sys.stderr)
+        return 2
+    except Stopped as stop:
+        print(stop, file=sys.stderr)
+        return exit_code(stop.signum)
+    except OSError as err:
+        if not inside(err.filename, run_dir):
+            raise
+        print(f"error: cannot write to the run directory {run_dir} ({err.strerror}: {err.filename}); "
+              "fix its permissions, or use another --run-dir", file=sys.stderr)
+        return 1
+    try:
+        return _pretrain(args, rest)
+    finally:
+        lock.release()
+
+
+def _pretrain(args: argparse.Namespace, rest: list[str]) -> int:
+    """The warm-up (the trainer's command line), the wall-time record, the export."""
+    from grpo import cli
     from grpo.config import ConfigError
+    from grpo.model.load import ModelLoadError
+    from grpo.train import run_phase
 
     try:
         check_same_settings(Path(args.run_dir), _argv(args.run_dir, rest))
@@ -322,7 +360,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     t0 = time.time()
     code = cli.main(_argv(args.run_dir, rest), run_phase)
-    record = _record_wall(Path(args.run_dir), time.time() - t0) if Path(args.run_dir).is_dir() else {}
+    started = (Path(args.run_dir) / "config_warmup.json").is_file()  # the warm-up ran here (now or before)
+    record = _record_wall(Path(args.run_dir), time.time() - t0) if started else {}
     if code != 0:
         return code
     from data.signals import STOP, exit_code, signal_name

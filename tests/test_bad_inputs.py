@@ -459,6 +459,10 @@ def test_read_only_run_dir_simulated(tmp_path, monkeypatch):
         return real_open(path, flags, *args, **kw)
 
     monkeypatch.setattr(os, "open", read_only)
+    rc, out, err = run_main(run, *BASE)  # the first file created there is the lock's (grpo/run/lock.py)
+    assert_one_line(rc, err, 1, f"cannot write to the run directory {run} (Permission denied: {run}/run.lock)")
+    # a lock file left by a killed run opens without O_CREAT: the write probe finds the directory read-only
+    (run / "run.lock").write_text("")
     rc, out, err = run_main(run, *BASE)
     assert_one_line(rc, err, 1, f"cannot write to the run directory {run} (Permission denied: {run}/.tmp-write-probe-")
 

@@ -15,7 +15,8 @@ from grpo.run.trackers import TRACKERS, sample_rows
 class RunFiles:
     """Where a run writes: <run_dir>/config_<phase>.json, train_log.jsonl, <phase>/step_N,
     and the trackers of run.report_to (grpo/run/trackers.py: TensorBoard events in
-    tensorboard/<phase>/, a wandb run, an MLflow run), each fed what the log holds."""
+    tensorboard/<phase>/, a wandb run, an MLflow run), each fed what the log holds. The
+    command holds <run_dir>/run.lock meanwhile (grpo/run/lock.py): no other run writes here."""
 
     root: Path
     writer: bool = True  # False on ranks > 0 of a data-parallel run: rank 0 writes the log

@@ -45,9 +45,13 @@ Periodic saves (``periodic=True``: between evaluations, on a timer, a step count
 are registry entries marked "periodic": they move `latest` only, and the next save removes
 them unless an alias holds them.
 
-Simplified: a single writer per run directory is assumed (no file locking), and steps in a
-phase must increase (resuming from an older checkpoint of the same phase into the same
-run directory is refused rather than branching the history).
+One writer per run directory: the commands that save here hold the directory's lock
+(grpo/run/lock.py) from before their first write; save_checkpoint itself does not check it.
+Readers take no lock: a directory is complete before the registry names it, and
+grpo/state/registry.py ``read_resolved`` reads again a checkpoint a save removed meanwhile.
+
+Simplified: steps in a phase must increase (resuming from an older checkpoint of the same
+phase into the same run directory is refused rather than branching the history).
 """
 
 from __future__ import annotations

@@ -24,17 +24,21 @@ import json
 import logging
 import re
 import shutil
+import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from eval.scores import SCORE_KEYS
 from grpo.config import PHASES
+from grpo.run.lock import LOCK_FILE
 from grpo.state.layout import FORMAT_VERSION, READABLE_VERSIONS, REGISTRY, STATE_FILE, CheckpointError
 
 log = logging.getLogger(__name__)
 
 ALIASES = ("latest",) + tuple(f"best_{k}" for k in SCORE_KEYS)  # latest, best_structure, ...
 _STEP_DIR = re.compile(r"step_\d{6,}")
+T = TypeVar("T")
 
 
 class SelectorError(ValueError):
@@ -210,3 +214,56 @@ def resolve(run_dir: str | Path, selector: str) -> Path:
     raise SelectorError(
         f"checkpoint selector {selector!r} is neither PHASE[:ALIAS] (phases {', '.join(PHASES)}; aliases "
         f"{', '.join(ALIASES)}) nor a checkpoint directory{hint}. {run_dir} holds:\n{describe_run(run_dir)}")
+
+
+READ_ATTEMPTS = 5  # reads of a selector that a running trainer's saves may move; 5 saves in one read is a stuck disk
+SETTLE_S = 0.2  # how long a reader gives a save in progress to replace its registry before calling a failed read damage
+
+
+def _registry_bytes(run_dir: Path, phase: str) -> bytes | None:
+    try:
+        return (run_dir / phase / REGISTRY).read_bytes()
+    except FileNotFoundError:
+        return None
+
+
+def _moved(run_dir: Path, phase: str, before: bytes | None) -> bool:
+    """Whether the phase's registry changed since it read ``before``: at once, or, where a writer
+    may be saving (its run.lock is there), once that save had SETTLE_S to replace it. (A save
+    that replaces a step's periodic checkpoint renames the new directory in before it replaces
+    the registry: a read in between fails with nothing changed yet.)"""
+    if _registry_bytes(run_dir, phase) != before:
+        return True
+    if not (run_dir / LOCK_FILE).exists():
+        return False
+    time.sleep(SETTLE_S)
+    return _registry_bytes(run_dir, phase) != before
+
+
+def read_resolved(run_dir: str | Path, selector: str, load: Callable[[Path], T]) -> tuple[Path, T]:
+    """(path, load(path)) for the checkpoint ``selector`` names, read safely while a trainer
+    saves into ``run_dir``: readers (grpo.evaluate, grpo.export) take no lock (grpo/run/lock.py).
+
+    A save never changes a checkpoint directory in place, and names a new one only once it is
+    complete; but it moves ``latest`` and removes the periodic checkpoint ``latest`` named until
+    then (or sets aside the one of the same step it replaces). A reader that resolved that
+    checkpoint a moment before meets missing files, or a state.json the registry does not list,
+    and ``load`` raises CheckpointError. When the phase's registry changed during the read
+    (``_moved``), that is the run moving on, not damage: the selector is resolved again and the
+    checkpoint it names now is read (up to READ_ATTEMPTS times). A load that fails with the
+    registry unchanged is damage, raised as it is; so is any error of a path selector, which
+    names one directory and nothing newer.
+    """
+    run_dir = Path(run_dir)
+    phase = selector.partition(":")[0]
+    for _ in range(READ_ATTEMPTS - 1):
+        before = _registry_bytes(run_dir, phase) if phase in PHASES else None
+        try:
+            path = resolve(run_dir, selector)
+            return path, load(path)
+        except CheckpointError:
+            if phase not in PHASES or not _moved(run_dir, phase, before):
+                raise
+            log.info("%s moved while it was read (a save in %s): reading it again", selector, run_dir)
+    path = resolve(run_dir, selector)
+    return path, load(path)
