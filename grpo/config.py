@@ -314,6 +314,8 @@ class OptimConfig:
     """Importance ratio level: token (GRPO) or sequence (GSPO)."""
     updates_per_batch: int = 1
     """mu: optimiser steps per rollout batch (PPO epochs); the ratio is taken against the sampling policy, so the clip binds from the 2nd."""
+    warmup_moments: bool = False
+    """RL from an SFT warm-up continues the warm-up's AdamW moments instead of fresh ones: each update is then scaled by the warm-up's gradient sizes, not renormalised to about lr per parameter (bench/EXPERIMENTS.md, own data). Only when the phase starts from a warm-up's adapter."""
     kl_bias_correction: bool = False
     """KL term ratio * k (k: optim.kl_estimator) with the gradient through the ratio (TRL's use_bias_correction_kl); needs beta > 0."""
     entropy_coef: float = 0.0

@@ -83,6 +83,7 @@ import contextlib
 import dataclasses
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -210,6 +211,11 @@ def run_grpo_phase(cfg: TrainConfig, files: RunFiles, device: str, dp: DataParal
     dp.broadcast_parameters(params)  # all ranks start from rank 0's adapter
     opt = torch.optim.AdamW(optimizer_groups(model, params, cfg.optim), lr=cfg.optim.lr,
                             weight_decay=cfg.optim.weight_decay)
+    if cfg.optim.warmup_moments and start.resume is None and start.reference is not None:
+        warm = start.init if start.init is not None and Path(start.init.path) == start.reference else None
+        if warm is not None and warm.optimizer_state is not None:
+            warm.restore_optimizer(opt)  # AdamW's moments and step count as the warm-up left them
+            print(f"phase {phase}: AdamW continues the warm-up's moments ({start.reference.relative_to(files.root)})")
     guard = StepGuard(list(zip(lora_state_dict(model), params)), opt, files, cfg)  # same order: A, B per layer
     # Rollouts through the policy's own 4-bit + LoRA layers, or from a merged copy (bf16 on a
     # GPU, the compute dtype on a CPU) refreshed after every batch (grpo/rollout/merged.py: no

@@ -430,3 +430,17 @@ def test_collapse(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "bench.collapse", *args[:4], "--arms", "nope"], cwd=ROOT,
                           capture_output=True, text=True)
     assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0 and "'nope': nope unknown" in proc.stderr
+
+
+def test_own_sets_and_grad_snr(tmp_path):
+    """bench.own_sets writes a set the trainer reads (polygons: no scikit-learn needed), and
+    bench.grad_snr measures two GRPO batches' gradients at a 2-step warm-up on it."""
+    out = cli("bench.own_sets", "polygons", str(tmp_path / "poly"), "--n", "40")
+    assert "wrote 40 polygons rows" in out and len((tmp_path / "poly" / "data.jsonl").read_text().splitlines()) == 40
+    run = tmp_path / "run"
+    cli("grpo.train", "--phase", "warmup", "--run.data", str(tmp_path / "poly"), "--run.run_dir", str(run),
+        "--warmup.phase.steps", "2", "--warmup.phase.prompts_per_step", "4", "--run.eval_size", "2",
+        "--run.test_per_stage", "0")
+    out = cli("bench.grad_snr", str(run), "--data", str(tmp_path / "poly"), "--batches", "2", "--prompts", "2",
+              "--G", "2")
+    assert re.search(r"^summary: signal share [0-9.]+ \(noise alone 0\.707\), cosine -?[0-9.]+", out, re.M), out

@@ -56,3 +56,21 @@ def test_without_a_warm_up_the_reference_stays_the_base(tmp_path):
     assert rc == 0, err
     assert "reference policy" not in out
     assert load_checkpoint(resolve(run, "A:latest")).extra == {"kind": "adapter", "base": None}
+
+
+def test_rl_can_continue_the_warm_ups_adamw_moments(tmp_path):
+    """optim.warmup_moments: the first GRPO update continues AdamW where the warm-up left it
+    (its step count and moments), instead of fresh moments whose first updates are about lr
+    per parameter whatever the gradient's size."""
+    for flag, steps in (("true", 3), ("false", 1)):
+        other = tmp_path / flag
+        rc, _, err = run_main(other, *SHIPPED, "--phase", "warmup")
+        assert rc == 0, err
+        warm = load_checkpoint(resolve(other, "warmup:latest")).optimizer_state  # an adapter warm-up keeps them
+        assert warm is not None and {int(s["step"]) for s in warm["state"].values()} == {2}
+        rc, out, err = run_main(other, *SHIPPED, "--phase", "A", "--init", "warmup:latest", "--phase.steps", "1",
+                                "--A.optim.warmup_moments", flag)
+        assert rc == 0, err
+        assert ("AdamW continues the warm-up's moments" in out) == (flag == "true")
+        state = load_checkpoint(resolve(other, "A:latest")).optimizer_state["state"]
+        assert {int(s["step"]) for s in state.values()} == {steps}, flag

@@ -343,7 +343,8 @@ def run_warmup(cfg: TrainConfig, files: RunFiles, device: str) -> None:
     files.write_log(dict(event="eval", phase="warmup", step=done, metrics=result.flat()))
     files.write_samples("warmup", done, result.records, eval_examples)
     tensors = base_tensors(model) if tiny else adapter_tensors(lora_state_dict(model))
-    save_checkpoint(files.root, "warmup", done, tensors=tensors, optimizer=None,
+    # an adapter warm-up keeps AdamW's moments: RL may continue them (optim.warmup_moments)
+    save_checkpoint(files.root, "warmup", done, tensors=tensors, optimizer=None if tiny else opt,
                     scheduler_state={"step": done}, controller_state={}, data_position=0,
                     metrics=result.flat(), scores=result.scores, config_json=cfg.to_json(),
                     extra={"kind": "base" if tiny else "adapter", "base": None})
