@@ -4,6 +4,7 @@
     python -m bench.own_sets digit_sum OUT --n 1800 # two scanned digits side by side, "their sum?", 0-18
     python -m bench.own_sets polygons OUT --n 1200  # a filled regular polygon, "how many sides?", 3-8
     python -m data.clock --out OUT --n 1200         # clock faces, "which hour?", 1-12 (its own module)
+    python -m bench.own_sets shuffled OUT --source SET   # SET with its training rows' answers permuted
 
 Each writes ``OUT/data.jsonl`` (``{"pid", "question", "answer", "image"}`` a line) and
 ``OUT/images/``: no reasoning, no metadata, as a user's own set arrives; train with
@@ -19,6 +20,11 @@ Each writes ``OUT/data.jsonl`` (``{"pid", "question", "answer", "image"}`` a lin
                Pairs are drawn with a seeded RNG from the 1,797 scans.
     polygons   PIL-drawn filled regular polygons of 3 to 8 sides, random size, rotation and
                colour: a count the base was never asked for.
+
+    shuffled   the label-prior control: SET's rows with the answers of its training rows
+               permuted among them (the held-out test tenth, data/holdout.py's choice by pid,
+               keeps its true answers), images linked, not copied. A warm-up on it learns the
+               label distribution and nothing that depends on the image.
 
 Rows are deterministic in (family, n, seed). scikit-learn is needed for digits and digit_sum
 only (``pip install scikit-learn``); it is not a dependency of the trainer.
@@ -101,6 +107,24 @@ def polygons(n: int, seed: int) -> list[tuple[dict, Image.Image]]:
 FAMILIES = {"digits": digits, "digit_sum": digit_sum, "polygons": polygons}
 
 
+def shuffled(source: Path, out: Path, seed: int) -> int:
+    """SET's data.jsonl with its training rows' answers permuted; the test rows untouched."""
+    from data.holdout import TEST_EVERY, TEST_MAX, _rank
+
+    rows = [json.loads(line) for line in (source / "data.jsonl").read_text().splitlines() if line.strip()]
+    k = min(len(rows) // TEST_EVERY, TEST_MAX)
+    test = set(sorted({str(r["pid"]) for r in rows}, key=_rank)[:k])
+    train = [i for i, r in enumerate(rows) if str(r["pid"]) not in test]
+    answers = [rows[i]["answer"] for i in train]
+    random.Random(f"shuffled/{seed}").shuffle(answers)
+    for i, a in zip(train, answers):
+        rows[i] = dict(rows[i], answer=a)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "images").symlink_to((source / "images").resolve())
+    (out / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return len(rows)
+
+
 def write(family: str, out: Path, n: int, seed: int) -> int:
     """Write the set; the directory must be new or empty. -> rows written."""
     if out.exists() and any(out.iterdir()):
@@ -117,11 +141,20 @@ def write(family: str, out: Path, n: int, seed: int) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.own_sets", description=__doc__.split("\n\n")[0])
-    ap.add_argument("family", choices=sorted(FAMILIES))
+    ap.add_argument("family", choices=sorted(FAMILIES) + ["shuffled"])
     ap.add_argument("out", type=Path, help="a new (or empty) directory")
     ap.add_argument("--n", type=int, default=1797, help="rows (digits: at most 1,797; default 1797)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--source", type=Path, help="shuffled: the set whose training answers to permute")
     a = ap.parse_args(argv)
+    if a.family == "shuffled":
+        if a.source is None or not (a.source / "data.jsonl").is_file():
+            ap.error(f"shuffled needs --source SET, a directory with data.jsonl (got {a.source})")
+        if a.out.exists() and any(a.out.iterdir()):
+            ap.error(f"{a.out} is not empty; name a new directory")
+        n = shuffled(a.source, a.out, a.seed)
+        print(f"wrote {n} rows of {a.source} with the training answers permuted to {a.out}")
+        return 0
     if a.n < 1 or (a.family == "digits" and a.n > 1797):
         ap.error(f"--n {a.n}: must be 1..{1797 if a.family == 'digits' else 'any'}")
     n = write(a.family, a.out, a.n, a.seed)

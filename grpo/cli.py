@@ -31,6 +31,7 @@ from grpo.config_file import read_config_file
 from grpo.distributed import DataParallel, init_distributed, peer_lost
 from grpo.errors import NoRewardSpread, StepOutOfMemory, TrainingDiverged, inside, one_line
 from grpo.final_report import write_final_report
+from grpo.own_data import sft_first
 from grpo.model.load import ModelLoadError
 from grpo.model.policy import check_policy_config
 from grpo.rewards.plugins import load_plugins
@@ -242,7 +243,7 @@ def phases_to_run(requested: str, files: RunFiles, init: str, model_name: str) -
 
 HELP = """\
 python -m grpo.train --phase {warmup,A,B,C} [--preset tiny|qwen7b] [--init base|SELECTOR|PATH] [--config FILE]
-                    [--lock-wait SECONDS] [--key value ...]
+                    [--lock-wait SECONDS] [--sft-first auto|always|never] [--key value ...]
 
 Phases (the staged, metric-gated curriculum):
   warmup  R1-VL policy warm-up: SFT on worked reasoning (a LoRA on a pretrained model; on
@@ -264,6 +265,13 @@ another run is writing is refused at once, with one line naming that run (pid, h
 when); with --lock-wait it first waits up to SECONDS for that run to end, then goes on and
 resumes from its last checkpoint (a scheduler that starts a job again before the old one has
 ended). Under torchrun the wait must stay under the process group's 2-hour timeout.
+
+--sft-first auto|always|never: own data (--run.data) on a base that cannot answer it gets no RL
+signal. With auto (the default), a command that would start RL from the base first samples the
+base on 16 training prompts; if fewer than half get any correct completion, it runs the warm-up
+(SFT on the labels, 4.5 passes over the rows) and then phase B from it, with a KL term to the
+warm-up's policy (--optim.beta 1) that keeps RL from erasing what SFT taught; one line says
+what it chose and why. always: that plan without the probe; never: RL alone, as before.
 
 --preset: tiny by default; a --model.name that is Qwen2.5-VL-7B (its hub id, or a local
 directory whose config.json is one) chooses qwen7b, and says so; the other Qwen2.5-VL sizes
@@ -308,6 +316,7 @@ def _main(argv: list[str], run_phase: RunPhase) -> int:
     ap.add_argument("--init", default="auto")
     ap.add_argument("--config", default=None)
     ap.add_argument("--lock-wait", default="0")
+    ap.add_argument("--sft-first", default="auto")
     known, rest = ap.parse_known_args(argv)
     dp, root, files, lock = None, None, None, None
     try:
@@ -320,7 +329,7 @@ def _main(argv: list[str], run_phase: RunPhase) -> int:
         dp = init_distributed(device, collective_timeout_s=cfg.run.collective_timeout_s)  # torchrun: this rank's process group and device; else one process
         device, files.writer = dp.device, dp.is_main
         lock = claim_run_dir(files.root, wait_s, dp)  # one writer from here to the end: nothing was written before
-        _run_plan(known.phase, configs, files, device, dp, run_phase)
+        _run_plan(known.phase, configs, files, device, dp, run_phase, sft=(known.sft_first, set(overrides)))
     except Stopped as stop:  # a loop saved the step it stopped at (under torchrun every rank stops there)
         if dp is None or dp.is_main:
             print(stop, file=sys.stderr, flush=True)
@@ -361,11 +370,13 @@ def _main(argv: list[str], run_phase: RunPhase) -> int:
 
 
 def _run_plan(requested: str, configs: dict[str, TrainConfig], files: RunFiles, device: str, dp: DataParallel,
-              run_phase: RunPhase) -> None:
-    """Plan and check the run, ``run_phase`` each planned phase, then the end-of-run report."""
+              run_phase: RunPhase, sft: tuple[str, set[str]] = ("auto", set())) -> None:
+    """Plan and check the run, ``run_phase`` each planned phase, then the end-of-run report.
+    ``sft``: --sft-first and the keys the command set (own data: grpo/own_data.py)."""
     cfg = configs[requested]
     plan = phases_to_run(requested, files, cfg.phase.init, cfg.model.name) if cfg.run.run_prior_phases else [requested]
     fall_back_to_all({p: configs[p] for p in plan})  # own data without MathVista metadata: the stage "all"
+    plan = sft_first(plan, configs, sft[1], device, sft[0], files.root)  # own data the base cannot answer: SFT first
     preflight(configs, plan, files)
     if len(plan) > 1:
         print(f"phase {requested} starts from {phase_init(requested, cfg.model.name)}, which {files.root} does not have "

@@ -1,0 +1,138 @@
+"""Own data: SFT first where RL alone would get no signal, then RL held near what SFT taught.
+
+GRPO learns only from groups whose completions differ in reward. On a kind of figure the base
+never saw, nearly every group scores zero everywhere (a zero advantage: no gradient), and the
+few that do not drive the policy to one constant answer. So before ``--phase B --run.data
+DIR`` starts RL from the base, ``probe`` samples the base on a few training prompts (G
+completions each, the phase's sampling settings) and counts the groups with any correct
+completion. Below ``SIGNAL_SHARE`` the plan becomes the warm-up (SFT on the labels, R1-VL's
+first stage, sized in passes over the training rows) and then phase B from it (the warm-up's
+format is the contract, so phase A's structure stage is skipped), with one line saying so.
+
+Phase B from a warm-up keeps a KL term to the warm-up's policy (its reference, grpo/state/
+train_state.py) at ``WARMUP_BETA``: a GRPO gradient of one rollout batch is mostly noise,
+AdamW moves every parameter about lr per step whatever its gradient's size, and on own data
+what SFT taught lives only in the adapter, so without the anchor the adapter's walk erases it
+within tens of steps (bench/EXPERIMENTS.md section 11). Options the user set win: an explicit
+``--optim.beta``, ``--B.optim.beta`` or ``--warmup.phase.steps`` is kept, and ``--sft-first``
+(auto | always | never) overrides the probe.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from grpo.config import ConfigError, TrainConfig
+from grpo.run.phase_data import fall_back_to_all
+
+SIGNAL_SHARE = 0.5  # below it, most groups teach RL nothing: warm up on the labels first
+WARMUP_BETA = 1.0  # KL weight toward the warm-up in RL after it (section 11: .1 drifts, 1 holds)
+WARMUP_PASSES = 4.5  # the warm-up's default size in passes over the training rows (250 x 32 on 1,800 rows)
+PROBE_PROMPTS = 16
+
+
+@dataclass
+class Probe:
+    groups: int  # prompts sampled
+    with_correct: int  # groups with at least one correct completion
+    rows: int  # training rows
+
+    @property
+    def share(self) -> float:
+        return self.with_correct / max(1, self.groups)
+
+
+def probe(cfg: TrainConfig, device: str, prompts: int = PROBE_PROMPTS) -> Probe:
+    """The base, as phase ``cfg`` would start from it, sampled on ``prompts`` training prompts."""
+    from data.mixture import MixtureStream
+    from grpo.model.policy import build_policy
+    from grpo.model.prompts import encode_prompts
+    from grpo.rewards import RewardModel
+    from grpo.rollout.sampler import content_tokens, sample
+    from grpo.run.phase_data import load_training_data
+
+    train, _ = load_training_data(cfg)
+    rows = sum(len(v) for v in train.values())
+    examples = MixtureStream(train, cfg.phase.mixture, cfg.run.seed).next_batch(min(prompts, rows))
+    bundle = build_policy(cfg, device, verbose=False)
+    batch = encode_prompts(bundle, examples, on_bad_image="skip").to(bundle.device)
+    G, L = cfg.sampling.G, cfg.sampling.max_new_tokens
+    with torch.no_grad():
+        out = sample(bundle, batch, G=G, max_new_tokens=L, temperature=cfg.sampling.temperature,
+                     top_k=cfg.sampling.top_k, top_p=cfg.sampling.top_p,
+                     generator=torch.Generator(device=bundle.device).manual_seed(cfg.run.seed))
+    kept = [examples[i] for i in batch.kept]
+    scores = RewardModel(cfg.rewards, L, tokenizer=bundle.tokenizer)(
+        [kept[n // G] for n in range(len(out.texts))], out.texts, num_tokens=content_tokens(out),
+        completion_ids=out.completion_ids)
+    correct = scores.components["correctness"].view(-1, G) > 0
+    return Probe(groups=correct.shape[0], with_correct=int(correct.any(1).sum()), rows=rows)
+
+
+def sft_first(plan: list[str], configs: dict[str, TrainConfig], user_keys: set[str], device: str,
+              choice: str = "auto", root: Path | None = None) -> list[str]:
+    """The plan for own data: ``plan`` as is, or the warm-up and then B (and C) from it (``configs``
+    changed in place: the warm-up's steps, B's start and KL weight). Prints the one line.
+    A phase B that this chose before and that now resumes keeps its KL weight (``root``)."""
+    if choice not in ("auto", "always", "never"):
+        raise ConfigError(f"--sft-first {choice!r}: use auto, always or never")
+    first = configs[plan[0]]
+    if plan == ["B"] and root is not None and not _set(user_keys, "B", "optim.beta"):
+        _keep_saved_beta(configs["B"], root)
+    if first.run.data == "synthetic" or plan[:2] != ["A", "B"] or choice == "never":
+        return plan
+    found = probe(first, device) if choice == "auto" else None
+    if found is not None and found.share >= SIGNAL_SHARE:
+        print(f"own data: the base answered {found.with_correct} of {found.groups} probe prompts correctly at "
+              f"least once in G={first.sampling.G} samples ({found.share:.0%} >= {SIGNAL_SHARE:.0%}): RL has signal, "
+              f"running {' -> '.join(plan)} (--sft-first always warms up on the labels first)")
+        return plan
+    warm, b = configs["warmup"], configs["B"]
+    fall_back_to_all({"warmup": warm})  # no MathVista metadata: the warm-up too reads every row
+    rows = found.rows if found is not None else _training_rows(warm)
+    if not _set(user_keys, "warmup", "phase.steps"):
+        warm.phase.steps = max(1, math.ceil(WARMUP_PASSES * rows / warm.phase.prompts_per_step))
+    if rows < warm.phase.prompts_per_step:
+        raise ConfigError(f"own data: {rows} training rows are too few to warm up on ({warm.phase.prompts_per_step} "
+                          "a step, --warmup.phase.prompts_per_step); add rows, or run RL alone with --sft-first never")
+    b.phase.init = "warmup:latest"
+    if not _set(user_keys, "B", "optim.beta"):
+        b.optim.beta = WARMUP_BETA
+    why = (f"the base answered {found.with_correct} of {found.groups} probe prompts correctly at least once in "
+           f"G={first.sampling.G} samples ({found.share:.0%} < {SIGNAL_SHARE:.0%}): RL alone would get almost no signal"
+           if found is not None else "--sft-first always")
+    print(f"own data: {why}; so the warm-up first (SFT on the labels: {warm.phase.steps} steps x "
+          f"{warm.phase.prompts_per_step} = {warm.phase.steps * warm.phase.prompts_per_step / max(1, rows):.1f} passes "
+          f"over {rows} rows), then phase B from it with a KL to it (beta {b.optim.beta:g}); "
+          "--sft-first never runs RL alone", flush=True)
+    return ["warmup"] + [p for p in plan if p != "A"]
+
+
+def _keep_saved_beta(b: TrainConfig, root: Path) -> None:
+    """A resumed phase B that started from a warm-up goes on with the KL weight it ran with."""
+    saved = root / "config_B.json"
+    if (root / "warmup").is_dir() and saved.is_file():
+        try:
+            b.optim.beta = float(json.loads(saved.read_text())["optim"]["beta"])
+        except (ValueError, KeyError, TypeError):
+            pass  # an unreadable saved config: the resume's own checks say so
+
+
+def _set(user_keys: set[str], phase: str, key: str) -> bool:
+    """Whether the command line (or --config) set ``key`` for ``phase`` (a phase.* key without a
+    phase prefix belongs to the requested phase, never the warm-up this plan adds)."""
+    if f"{phase}.{key}" in user_keys:
+        return True
+    return not key.startswith("phase.") and (key in user_keys or key.split(".")[-1] in user_keys)
+
+
+def _training_rows(cfg: TrainConfig) -> int:
+    from grpo.run.phase_data import load_training_data
+
+    train, _ = load_training_data(cfg)
+    return sum(len(v) for v in train.values())

@@ -1,0 +1,98 @@
+"""Own data the base cannot answer: the command warms up on the labels first, then RL from it.
+
+`python -m grpo.train --phase B --run.data DIR` probes the base on 16 training prompts
+(grpo/own_data.py). On polygons the shipped base never saw (bench/own_sets.py) hardly a group has
+a correct completion: the plan becomes warm-up -> B, B starts from warmup:latest with a KL to it
+(beta 1, the warm-up its reference), and one line says why. On the synthetic figures it was
+pretrained on, most groups do: the plan stays A -> B. --sft-first overrides the probe; the
+options the user set are kept; bad input is one line.
+"""
+
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+
+from bench.own_sets import polygons
+from grpo.state.checkpoint import load_checkpoint
+from grpo.state.registry import resolve
+from test_own_data import minimal_rows
+from train_helpers import run_main
+
+FAST = ["--model.device", "cpu", "--run.eval_size", "2", "--sampling.max_new_tokens", "24",
+        "--phase.prompts_per_step", "2", "--phase.steps", "1", "--A.phase.steps", "1", "--run.test_per_stage", "0",
+        "--warmup.phase.prompts_per_step", "4"]
+
+
+def _write(root: Path, rows) -> Path:
+    (root / "img").mkdir(parents=True)
+    lines = []
+    for row, image in rows:
+        row = dict(row, image=f"img/{row['pid']}.png")
+        image.save(root / row["image"])
+        lines.append(json.dumps(row))
+    (root / "data.jsonl").write_text("\n".join(lines) + "\n")
+    return root
+
+
+@pytest.fixture(scope="module")
+def unseen(tmp_path_factory) -> Path:
+    return _write(tmp_path_factory.mktemp("polygons"), polygons(60, seed=0))
+
+
+def test_no_signal_warms_up_first_then_rl_from_it_with_a_kl_to_it(unseen, tmp_path):
+    run = tmp_path / "run"
+    rc, out, err = run_main(run, *FAST, "--phase", "B", "--run.data", str(unseen), "--warmup.phase.steps", "2")
+    assert rc == 0, err
+    line = next(ln for ln in out.splitlines() if ln.startswith("own data:"))
+    assert re.search(r"the base answered [0-3] of 16 probe prompts correctly at least once in G=8 samples "
+                     r"\(\d+% < 50%\): RL alone would get almost no signal", line), line
+    assert "so the warm-up first (SFT on the labels: 2 steps x 4" in line and "with a KL to it (beta 1)" in line
+    assert not (run / "A").exists() and (run / "warmup").is_dir()
+    b = json.loads((run / "config_B.json").read_text())
+    assert b["phase"]["init"] == "warmup:latest" and b["optim"]["beta"] == 1.0
+    assert load_checkpoint(resolve(run, "B:latest")).extra["reference"].startswith("warmup/")
+    # the same command again: B resumes (one more step) with the KL weight it ran with
+    rc, out, err = run_main(run, *FAST, "--phase", "B", "--run.data", str(unseen), "--B.phase.steps", "2")
+    assert rc == 0, err
+    assert json.loads((run / "config_B.json").read_text())["optim"]["beta"] == 1.0
+
+
+def test_the_warm_up_is_sized_in_passes_and_user_options_win(unseen, tmp_path):
+    rc, out, err = run_main(tmp_path / "run", *FAST, "--phase", "B", "--run.data", str(unseen), "--sft-first", "always",
+                            "--B.optim.beta", "0.25", "--warmup.phase.steps", "1")
+    assert rc == 0, err
+    assert "own data: --sft-first always; so the warm-up first (SFT on the labels: 1 steps x 4" in out
+    assert json.loads((tmp_path / "run" / "config_B.json").read_text())["optim"]["beta"] == 0.25
+    # the default size: 4.5 passes over the training rows, printed (not run: --sft-first never below)
+    from grpo.cli import phase_configs
+    from grpo.own_data import WARMUP_PASSES, _training_rows, sft_first
+    from grpo.run.phase_data import fall_back_to_all
+
+    configs = phase_configs("B", "tiny", {"run.data": str(unseen)})
+    fall_back_to_all(configs)
+    assert sft_first(["A", "B"], configs, set(), "cpu", "always") == ["warmup", "B"]
+    rows, per_step = _training_rows(configs["warmup"]), configs["warmup"].phase.prompts_per_step
+    assert 40 <= rows <= 54 and configs["warmup"].phase.steps == math.ceil(WARMUP_PASSES * rows / per_step)
+
+
+def test_signal_keeps_the_plan_and_never_skips_the_probe(tmp_path):
+    data = _write(tmp_path / "synthetic", minimal_rows(60))
+    rc, out, err = run_main(tmp_path / "run", *FAST, "--phase", "B", "--run.data", str(data),
+                            "--sampling.max_new_tokens", "48")  # the base's worked answers need their length
+    assert rc == 0, err
+    assert "RL has signal, running A -> B" in out and not (tmp_path / "run" / "warmup").exists()
+    rc, out, err = run_main(tmp_path / "never", *FAST, "--phase", "B", "--run.data", str(data), "--sft-first", "never")
+    assert rc == 0, err
+    assert "own data:" not in out and (tmp_path / "never" / "A").is_dir()
+
+
+def test_bad_input_is_one_line(unseen, tmp_path):
+    rc, _, err = run_main(tmp_path / "a", *FAST, "--phase", "B", "--run.data", str(unseen), "--sft-first", "maybe")
+    assert rc == 2 and err.strip() == "error: --sft-first 'maybe': use auto, always or never", err
+    few = _write(tmp_path / "few", polygons(30, seed=1))
+    rc, _, err = run_main(tmp_path / "b", *FAST, "--phase", "B", "--run.data", str(few), "--sft-first", "always",
+                          "--warmup.phase.prompts_per_step", "32")
+    assert rc == 2 and "too few to warm up on (32 a step" in err and len(err.strip().splitlines()) == 1, err
