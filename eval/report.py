@@ -136,11 +136,27 @@ def gap_warning(name: str, gap: BlindGap) -> str | None:
 
 
 def control_summary(name: str, result: EvalResult) -> list[str]:
-    """What a console prints beside an EM: the control, and the warning when it is needed."""
-    if result.blind_gap is None:
-        return [f"control: none ({result.control_note or 'not run'})"]
-    warning = gap_warning(name, result.blind_gap)
-    return [f"control: {result.blind_gap}"] + ([warning] if warning else [])
+    """What a console prints beside an EM: the control, the greedy answers' spread, and the
+    warnings when they are needed."""
+    lines = [f"control: none ({result.control_note or 'not run'})"] if result.blind_gap is None else \
+        [f"control: {result.blind_gap}"] + ([w] if (w := gap_warning(name, result.blind_gap)) else [])
+    if result.records:
+        distinct, share, top = result.answer_spread()
+        lines.append(f"answers: {distinct} distinct, the most common {top!r} in {share:.0%}")
+        if (w := collapse_warning(name, result)) is not None:
+            lines.append(w)
+    return lines
+
+
+def collapse_warning(name: str, result: EvalResult) -> str | None:
+    """One line when every answer is the same: what it means, the likely cause and the fix."""
+    distinct, _, top = result.answer_spread()
+    if distinct != 1 or result.overall.n_prompts < 2:
+        return None
+    return (f"warning: {name}: the policy answers {top!r} to every prompt (one constant, whatever the image): "
+            "RL without reward signal collapsed onto the label prior; on data the base cannot answer, warm up "
+            "on the labels first (--sft-first always) and keep a KL to the warm-up (--optim.beta 1); "
+            "--run.stop_on_collapse stops a phase here")
 
 
 def control_lines(results: Mapping[str, EvalResult]) -> list[str]:

@@ -28,6 +28,7 @@ sampler could not encode.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -122,6 +123,16 @@ class EvalResult:
     def blind_gap(self) -> BlindGap | None:
         return None if self.control is None else self.control["overall"]
 
+    def answer_spread(self) -> tuple[int, float, str | None]:
+        """(distinct answers, the most common answer's share, that answer) over the
+        completions that give one: a policy that answers one constant has 1 distinct answer
+        whatever the image (a collapse a blind gap of 0 also shows, with its cause here)."""
+        answers = [r.get("answer") for r in self.records if r.get("answer") is not None]
+        if not answers:
+            return 0, 0.0, None
+        top, count = Counter(answers).most_common(1)[0]
+        return len(set(answers)), count / len(answers), top
+
     @property
     def metrics(self) -> dict[str, float]:
         return self.overall.metrics
@@ -133,6 +144,9 @@ class EvalResult:
     def flat(self) -> dict[str, float]:
         """Overall metrics and scores in one dict: the trainer's "eval" log line and the gates."""
         flat = {**self.overall.metrics, **self.overall.scores, "n": float(self.overall.n_prompts)}
+        if self.records:
+            distinct, top_share, _ = self.answer_spread()
+            flat.update(answers_distinct=float(distinct), answer_top_share=top_share)
         if self.blind_gap is not None:
             g = self.blind_gap
             flat.update(exact_match_shuffled=g.exact_match_shuffled, blind_gap=g.gap,

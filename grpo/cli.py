@@ -29,7 +29,7 @@ from grpo.config import (PERCEPTION_DEFAULTS, PHASES, PRESETS, ConfigError, Trai
                          preset_overrides, reported_to, trains_from_scratch, weigh_plugins)
 from grpo.config_file import read_config_file
 from grpo.distributed import DataParallel, init_distributed, peer_lost
-from grpo.errors import NoRewardSpread, StepOutOfMemory, TrainingDiverged, inside, one_line
+from grpo.errors import NoRewardSpread, PolicyCollapsed, StepOutOfMemory, TrainingDiverged, inside, one_line
 from grpo.final_report import write_final_report
 from grpo.own_data import sft_first
 from grpo.model.load import ModelLoadError
@@ -343,7 +343,7 @@ def _main(argv: list[str], run_phase: RunPhase) -> int:
     except (ConfigError, SelectorError, ModelLoadError, RunDirBusy) as err:  # the command asks for something wrong: say what
         print(f"error: {one_line(err)}", file=sys.stderr)
         return 2
-    except (CheckpointError, TrainingDiverged, NoRewardSpread, StepOutOfMemory) as err:  # the run failed; its earlier checkpoints are intact
+    except (CheckpointError, TrainingDiverged, NoRewardSpread, StepOutOfMemory, PolicyCollapsed) as err:  # the run failed; its earlier checkpoints are intact
         print(f"error: {one_line(err)}", file=sys.stderr)
         return 1
     except RuntimeError as err:

@@ -394,6 +394,8 @@ class RunConfig:
     """Also save a `latest`-only checkpoint when this many minutes passed since the last save (0 = off)."""
     log_every: int = 10
     """Print a one-line human summary every this many steps."""
+    stop_on_collapse: bool = False
+    """Stop the run (exit 1, after the checkpoint is saved) at an evaluation where the policy gives one answer to every prompt."""
     run_prior_phases: bool = True
     """If the phase's init checkpoint is missing, run the earlier phases first."""
     test_per_stage: int = 100

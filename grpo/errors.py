@@ -21,6 +21,10 @@ class StepOutOfMemory(RuntimeError):
     plan says fits (grpo/run/memory_plan.py ``out_of_memory_message``; exit code 1)."""
 
 
+class PolicyCollapsed(RuntimeError):
+    """run.stop_on_collapse: an evaluation found one answer for every prompt (one line, exit code 1)."""
+
+
 class NoRewardSpread(RuntimeError):
     """Dynamic sampling found no group with reward spread within its bound (one line, exit code 1)."""
 

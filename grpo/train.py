@@ -90,11 +90,12 @@ import torch
 
 from data.mixture import MixtureStream
 from data.signals import STOP
+from eval.report import collapse_warning
 from grpo import cli
 from grpo.config import ConfigError, TrainConfig
 from grpo.controller import Controller, GateThresholds
 from grpo.distributed import DataParallel
-from grpo.errors import NoRewardSpread, StepOutOfMemory
+from grpo.errors import NoRewardSpread, PolicyCollapsed, StepOutOfMemory
 from grpo.model_eval import checkpoint_eval, print_eval
 from grpo.model.policy import build_policy
 from grpo.model.prompts import NoPromptsLeft, PromptCounts
@@ -285,6 +286,10 @@ def run_grpo_phase(cfg: TrainConfig, files: RunFiles, device: str, dp: DataParal
             rewards.set_weights(controller.weights)
         state.zero_spread_since_eval.clear()
         save(done, result)
+        collapsed = collapse_warning(f"{phase} @ {done}", result)
+        if collapsed is not None and cfg.run.stop_on_collapse:
+            raise PolicyCollapsed(f"phase {phase} stopped at step {done} (--run.stop_on_collapse; its checkpoint is "
+                                  f"saved): {collapsed.removeprefix('warning: ')}")
 
     if eval_pending:  # stopped during this step's evaluation: redo it
         evaluate_and_save(first)
