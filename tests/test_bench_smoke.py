@@ -444,3 +444,13 @@ def test_own_sets_and_grad_snr(tmp_path):
     out = cli("bench.grad_snr", str(run), "--data", str(tmp_path / "poly"), "--batches", "2", "--prompts", "2",
               "--G", "2")
     assert re.search(r"^summary: signal share [0-9.]+ \(noise alone 0\.707\), cosine -?[0-9.]+", out, re.M), out
+
+
+def test_tower_probe(tmp_path):
+    """bench.tower_probe on a small polygons set: its table row and summary line."""
+    cli("bench.own_sets", "polygons", str(tmp_path / "poly"), "--n", "30")
+    out = cli("bench.tower_probe", str(tmp_path / "poly"), "--steps", "5")
+    row = next(line for line in out.splitlines() if line.startswith(str(tmp_path / "poly")))
+    train, test, classes, chance, probe, shuffled = row.split()[1:]
+    assert (int(train), int(test), int(classes)) == (27, 3, 6) and all(0 <= float(v) <= 1 for v in (chance, probe, shuffled))
+    assert "summary: 1 sets probed on tiny's frozen merged visual tokens" in out
