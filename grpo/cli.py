@@ -269,7 +269,7 @@ ended). Under torchrun the wait must stay under the process group's 2-hour timeo
 --sft-first auto|always|never: own data (--run.data) on a base that cannot answer it gets no RL
 signal. With auto (the default), a command that would start RL from the base first samples the
 base on 16 training prompts; if fewer than half get any correct completion, it runs the warm-up
-(SFT on the labels, 4.5 passes over the rows) and then phase B from it, with a KL term to the
+(SFT on the labels, 5.6 passes over the rows) and then phase B from it, with a KL term to the
 warm-up's policy (--optim.beta 1) that keeps RL from erasing what SFT taught; one line says
 what it chose and why. always: that plan without the probe; never: RL alone, as before.
 
