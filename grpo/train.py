@@ -12,14 +12,16 @@ staged, metric-gated curriculum of the staged-GRPO paper (docs/design.md):
     B       stage 1 .7 + stage 2 .3, correctness-heavy, from A:best_structure
     C       stage 2 .6 + stage 3 .4, tolerance on, from B:best_composite
 
-One GRPO step (one rollout batch of B prompts), steps 1-6 below, is grpo/step.py, the file
-to read first; ``run_grpo_phase`` here is the harness around it (the data stream, data
-parallelism, the non-finite guard, timing) and steps 7-10 (the log line, eval -> gates ->
-checkpoint):
+One GRPO step (optim.accumulation rollout batches of B prompts, 1 by default), steps 1-6
+below, is grpo/step.py, the file to read first; ``run_grpo_phase`` here is the harness
+around it (the data stream, data parallelism, the non-finite guard, timing) and steps 7-10
+(the log line, eval -> gates -> checkpoint):
 
     1. sample     G completions per prompt; each prompt (and its image) is encoded once and
                   its KV cache copied G times (grpo/rollout/sampler.py; the tiny preset decodes
-                  from a merged copy of the policy, grpo/rollout/merged.py). Images are resized
+                  from a merged copy of the policy, grpo/rollout/merged.py; NoisyRollout
+                  samples part of each group from a noisy copy of the image,
+                  grpo/rollout/noisy.py). Images are resized
                   into [model.min_pixels, model.max_pixels]; a prompt longer than
                   model.max_prompt_tokens is skipped and counted (grpo/model/prompts.py)
     2. reward     the verifier components (+ step / detail / rubric terms), weighted by the
@@ -28,8 +30,9 @@ checkpoint):
                   (grpo_kernels/grpo_advantages.py), once per batch
     4. log-probs  of the completion tokens under the policy (with grad) and, if beta > 0,
                   under the reference = the same model with LoRA switched off (grpo/model/logprobs.py)
-    5. loss       -min(ratio A, clip(ratio, 1 - eps_low, 1 + eps_high) A) + beta k3, mean per
-                  sequence then over the batch (grpo_kernels/grpo_loss.py: one fused pass)
+    5. loss       -min(ratio A, clip(ratio, 1 - eps_low, 1 + eps_high) A) + beta KL (k3 by
+                  default), mean per sequence then over the batch (grpo_kernels/grpo_loss.py:
+                  one fused pass on CUDA)
     6. step       backward into the LoRA parameters, clip the gradient norm, AdamW
     4-6 run mu = optim.updates_per_batch times on the same rollouts (PPO epochs)
     7. log        one JSON line (eval/plots.py documents the format)
@@ -52,8 +55,9 @@ clip never binds. With mu > 1 the first update still runs that way and keeps its
 updates 2..mu take the ratio against them and the clip binds. That costs no extra forward
 pass (TRL runs one without grad at sampling time); rewards, advantages and the reference
 log-probs are computed once per batch, and on a CPU, where rollouts dominate, it buys mu
-updates per rollout. A "step" (phase.steps, eval_every, checkpoints, the log line) is a
-rollout batch; the learning-rate schedule counts optimiser steps (grpo/run/schedule.py lr_at).
+updates per rollout. A "step" (phase.steps, eval_every, checkpoints, the log line) is
+optim.accumulation rollout batches (1 by default); the learning-rate schedule counts
+optimiser steps (grpo/run/schedule.py lr_at).
 
 Simplified, on purpose:
   - no value model (GRPO's point: the group mean is the baseline);
@@ -186,7 +190,7 @@ def no_prompt_message(draws: int, reason: str, cfg: TrainConfig) -> str:
 
 
 def run_grpo_phase(cfg: TrainConfig, files: RunFiles, device: str, dp: DataParallel | None = None) -> None:
-    """Train one GRPO phase for cfg.phase.steps rollout batches, from where it starts."""
+    """Train one GRPO phase for cfg.phase.steps steps (each optim.accumulation rollout batches), from where it starts."""
     phase, mu = cfg.phase.name, cfg.optim.updates_per_batch
     G, B = cfg.sampling.G, cfg.phase.prompts_per_step
     dp = dp if dp is not None else DataParallel(device=device)  # world 1 unless under torchrun

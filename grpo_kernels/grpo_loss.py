@@ -139,7 +139,7 @@ from grpo_kernels.grpo_advantages import (ADV_PREFIX, ADV_ROW, SCALES, Advantage
                                      group_zscore_triton, grpo_advantages_reference,
                                      prefix_advantages_reference)
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")  # the one list: grpo/config.py and grpo/distributed.py read it
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")  # the one list: grpo/config.py and grpo/batches.py read it
 IMPORTANCE = ("token", "sequence")
 CORRECTIONS = ("off", "token", "sequence")  # rollout correction level (sampler vs trainer)
 CORRECTION_MODES = ("truncate", "mask")
@@ -151,7 +151,7 @@ class LossOptions:
     """The loss's knobs (formulas: the module docstring); the defaults are GRPO's.
     grpo/step.py ``loss_options`` fills one from the config; checked when built."""
 
-    beta: float = 0.0  # weight of the k3 KL term against ref_logp (0: no reference needed)
+    beta: float = 0.0  # weight of the KL term (kl_estimator: k1, k2 or k3) against ref_logp (0: no reference needed)
     eps_low: float = 0.2  # the ratio's clip range is [1 - eps_low, 1 + eps_high]
     eps_high: float = 0.2
     loss_type: str = "grpo"  # aggregation: grpo | bnpo | dr_grpo | dapo

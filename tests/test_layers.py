@@ -417,3 +417,60 @@ def test_the_reading_path_check_fails_where_it_should():
     grown = problems(1, f"1-{n}")
     assert any("micro_batch_rows_fit" in p and "never runs" in p for p in grown), grown
     assert problems(1, batch_rows) == []
+
+
+# What the path's prose says of other files, checked where a machine can: a file it names
+# exists, a ``name`` it places in a file is defined there, and a module a comment says
+# "reads" a constant imports it.
+_FILE = r"\b(?:grpo|grpo_kernels|lora|data|eval|bench|docs|tests)/[\w/]+\.(?:py|md)\b"
+
+
+def _defines(path: Path, name: str) -> bool:
+    """Whether ``path`` defines ``name`` (or ``Cls.method``) at its top level."""
+    tree = ast.parse(path.read_text())
+    head, _, method = name.partition(".")
+    for n in tree.body:
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and n.name == head:
+            return not method or any(getattr(m, "name", None) == method for m in n.body)
+        if isinstance(n, (ast.Assign, ast.AnnAssign)) and not method:
+            targets = n.targets if isinstance(n, ast.Assign) else [n.target]
+            if any(isinstance(t, ast.Name) and t.id == head for t in targets):
+                return True
+    return False
+
+
+def prose_problems(path: str, text: str, root: Path = ROOT) -> list[str]:
+    """What ``text`` (the source of ``path``) says of other files that is not so."""
+    import re
+
+    problems = []
+    for m in re.finditer(rf"({_FILE})(?: ``([\w.]+)``)?", text):
+        target = root / m.group(1)
+        if not target.exists():
+            problems.append(f"{path} names {m.group(1)}, which does not exist")
+        elif m.group(2) and target.suffix == ".py" and not _defines(target, m.group(2)):
+            problems.append(f"{path} places ``{m.group(2)}`` in {m.group(1)}, which does not define it")
+    module = path.removesuffix(".py").replace("/", ".")
+    for line in text.splitlines():
+        assigned = re.match(r"^([A-Z_][A-Z0-9_]*) = .*#(.*)\bread(?:s)? it\b", line)
+        if not assigned:
+            continue
+        for reader in re.findall(_FILE, assigned.group(2)):
+            tree = ast.parse((root / reader).read_text())
+            if not any(isinstance(n, ast.ImportFrom) and n.module == module and
+                       assigned.group(1) in [a.name for a in n.names] for n in ast.walk(tree)):
+                problems.append(f"{path}: {reader} is said to read {assigned.group(1)} but does not import it")
+    return problems
+
+
+def test_the_path_says_true_things_of_other_files():
+    assert [p for path in PATH_FILES for p in prose_problems(path, (ROOT / path).read_text())] == []
+
+
+def test_the_prose_check_fails_where_it_should():
+    loss = "grpo_kernels/grpo_loss.py"
+    text = (ROOT / loss).read_text()
+    wrong = text.replace("grpo/batches.py read it", "grpo/distributed.py read it", 1)
+    assert any("distributed.py is said to read LOSS_TYPES" in p for p in prose_problems(loss, wrong))
+    assert any("does not exist" in p for p in prose_problems(loss, "see grpo/nowhere.py"))
+    assert any("does not define" in p for p in prose_problems(loss, "grpo/step.py ``no_such_name``"))

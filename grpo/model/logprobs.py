@@ -8,10 +8,9 @@ GRPO's loss needs, for every completion token o_t of every rollout,
 (and old_logp_t: update 1's logp_t, kept for updates 2..mu, grpo/step.py). One forward over
 prompt + completion gives all T of them. What this file does to make that cheap:
 
-- The vision tower is NOT rerun: the merged visual tokens computed once per prompt for
-  sampling (grpo/model/prompt_context.py PromptContext, frozen tower, no grad) are scattered into
-  the B prompt embeddings, which are then indexed to serve the B*G rows. A rerun would
-  cost 2G vision passes per prompt per step (policy + reference).
+- The vision tower runs per prompt, never per row: frozen (the default), not at all (its
+  tokens from sampling, grpo/model/prompt_context.py PromptContext, serve all B*G rows);
+  with LoRA in it (lora.vision / lora.merger), once per prompt in each pass (grpo/model/vision.py).
 - The prompt once per group (``shared_prefix``, the default, optim.shared_prefix): a group's
   G rows share the prompt, and causal attention means no prompt position sees a completion,
   so grpo/model/shared_prefix.py runs the B prompts once ([B, P, d]) next to the N

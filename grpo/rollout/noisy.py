@@ -96,10 +96,12 @@ def join_groups(clean: SampleOutput, noisy: SampleOutput, pad_id: int) -> Sample
 class NoisyRollout:
     """The rollout seam of grpo/step.py's Learner (``rollout(bundle, prompts, G=, ...)``) with
     NoisyRollout's mixed groups around any inner sampler (grpo/rollout/sampler.py's ``sample``
-    or a merged copy's). ``step`` is the phase step being sampled (the trainer sets it)."""
+    or a merged copy's). ``step`` is the phase step being sampled (the trainer sets it);
+    ``backend`` is the log-prob kernels' for the noisy rows' scoring pass (the Learner's)."""
 
-    def __init__(self, inner: Callable[..., SampleOutput], fraction: float, std: float, steps: int):
-        self.inner, self.fraction, self.std, self.steps = inner, fraction, std, steps
+    def __init__(self, inner: Callable[..., SampleOutput], fraction: float, std: float, steps: int,
+                 backend: str = "auto"):
+        self.inner, self.fraction, self.std, self.steps, self.backend = inner, fraction, std, steps, backend
         self.step = 0
 
     @property
@@ -113,5 +115,6 @@ class NoisyRollout:
         noisy = self.inner(bundle, noisy_prompts(prompts, self.sigma, generator), G=n, generator=generator, **kw)
         with torch.no_grad():  # the noisy rows as the clean-image policy scores them (module doc)
             noisy.logprobs = completion_logprobs(bundle.model, clean.context, noisy.completion_ids,
-                                                 noisy.completion_mask, n, temperature=kw.get("temperature", 1.0))
+                                                 noisy.completion_mask, n, temperature=kw.get("temperature", 1.0),
+                                                 backend=self.backend)
         return join_groups(clean, noisy, bundle.pad_token_id)
