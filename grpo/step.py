@@ -45,6 +45,7 @@ import torch
 from grpo.batches import MicroBatch, micro_batches
 from grpo.config import TrainConfig
 from grpo.model.logprobs import completion_logprobs, reference_logprobs
+from grpo.model.lr_groups import set_lr
 from grpo.model.prompts import encode_prompts
 from grpo.rewards import RewardBatch, RewardModel
 from grpo.rollout.dynamic_sampling import FillStats
@@ -232,8 +233,7 @@ def grpo_step(learner: Learner, draw: Callable[[int], Rollout], step: int, tempe
     result = StepResult(loss=0.0, grad_norm=None, fill=fill)
     for u in range(mu):
         lr = lr_at(step * mu + u, cfg)  # the schedule counts optimiser steps
-        for g in learner.opt.param_groups:
-            g["lr"] = lr * g.get("lr_scale", 1.0)  # the vision tower's LoRA: its own fraction (grpo/model/vision.py)
+        set_lr(learner.opt, lr)  # times each group's lr_scale (the vision tower's LoRA: grpo/model/vision.py)
         learner.opt.zero_grad(set_to_none=True)
         stats_u, loss_sum = [], 0.0
         for k, r in enumerate(batches):

@@ -41,9 +41,8 @@ prompt + completion gives all T of them. What this file does to make that cheap:
 
 Temperature: the logits are divided by the sampler's temperature (pass the same value),
 so this is the same function as the sampler's ``logprobs``; temperature 0 (greedy
-sampling) is scored at 1.
-
-The trainer calls these once per training micro-batch (``PromptContext.prompts``): N rows here.
+sampling) is scored at 1. The trainer calls these once per training micro-batch
+(``PromptContext.prompts``): N rows here.
 """
 
 from __future__ import annotations

@@ -70,7 +70,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from grpo.batches import groups_per_micro_batch, micro_batch_choices as fitting_rows
+from grpo.batches import groups_per_micro_batch, micro_batch_choices
 from grpo.config import ConfigError, TrainConfig
 
 GiB = 2**30
@@ -531,16 +531,11 @@ def need_bytes(plan: Plan) -> int:
     return int(plan.peak * (1 + ALLOCATOR_SLACK)) + CUDA_OVERHEAD
 
 
-def micro_batch_choices(cfg: TrainConfig) -> list[int]:
-    """optim.micro_batch_rows values the config accepts, largest first (whole groups that divide B x G)."""
-    return fitting_rows(cfg.phase.prompts_per_step, cfg.sampling.G)
-
-
 def largest_fitting(sh: Shapes, cfg: TrainConfig, budget: int, device: str = "cuda",
                     prompt_len: int | None = None, images: int = 1) -> tuple[int, Plan] | None:
     """(micro_batch_rows, plan) of the largest training micro-batch whose step needs at most
     ``budget`` bytes (``need_bytes``), or None when not even one group fits."""
-    for rows in micro_batch_choices(cfg):
+    for rows in micro_batch_choices(cfg.phase.prompts_per_step, cfg.sampling.G):
         plan = plan_step(sh, cfg, device=device, micro_batch_rows=rows, prompt_len=prompt_len, images=images)
         if need_bytes(plan) <= budget:
             return rows, plan
@@ -627,7 +622,7 @@ def out_of_memory_fix(sh: Shapes, cfg: TrainConfig, part: str, budget: int | Non
     phase = phase if phase in plan.phases else plan.peak_phase
     figure = (f"the memory plan puts {label} at {_size(plan.phase_bytes(phase))} ({phase}; peak "
               f"{_size(plan.peak)} in {plan.peak_phase}, micro-batch {plan.micro_batch_rows} of {plan.rows} rows)")
-    smaller = [r for r in micro_batch_choices(cfg) if r < plan.micro_batch_rows]
+    smaller = [r for r in micro_batch_choices(cfg.phase.prompts_per_step, cfg.sampling.G) if r < plan.micro_batch_rows]
     if budget is None:  # no device memory to plan against: the next smaller step
         fix = (f"rerun with --optim.micro_batch_rows {smaller[0]}" if phase == "policy" and smaller else
                f"lower --sampling.max_new_tokens (now {cfg.sampling.max_new_tokens}) in a new run directory")

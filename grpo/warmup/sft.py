@@ -58,6 +58,7 @@ from data.signals import STOP
 from grpo.config import ConfigError, TrainConfig, trains_from_scratch
 from grpo.model_eval import checkpoint_eval, print_eval
 from grpo.model.load import load_bundle
+from grpo.model.lr_groups import lr_groups, set_lr
 from grpo.model.policy import build_policy, input_bounds, load_base_weights
 from grpo.model.prompts import encode_prompts
 from grpo.run.files import RunFiles
@@ -243,11 +244,11 @@ def run_warmup(cfg: TrainConfig, files: RunFiles, device: str) -> None:
         head = PerceptionHead(model.config.text_config.hidden_size).to(device)
     params = [p for p in model.parameters() if p.requires_grad]
     visual = {id(p) for n, p in model.named_parameters() if ".visual." in f".{n}"}
-    groups = [{"params": [p for p in params if id(p) not in visual], "lr_scale": 1.0},
-              {"params": [p for p in params if id(p) in visual], "lr_scale": cfg.optim.vision_lr_scale},
-              {"params": list(head.parameters()) if head is not None else [], "lr_scale": 1.0}]
-    params += [p for p in groups[2]["params"]]
-    opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
+    head_params = list(head.parameters()) if head is not None else []
+    groups = lr_groups((None, [p for p in params if id(p) not in visual], 1.0),
+                       (None, [p for p in params if id(p) in visual], cfg.optim.vision_lr_scale), (None, head_params, 1.0))
+    params += head_params
+    opt = torch.optim.AdamW(groups, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
     style = SFTStyle() if tiny else None
     rng = random.Random(cfg.run.seed)
     stream = MixtureStream(train, cfg.phase.mixture, cfg.run.seed)  # the warm-up's own stage mixture
@@ -299,8 +300,7 @@ def run_warmup(cfg: TrainConfig, files: RunFiles, device: str) -> None:
     for k, stage, lr, examples, batch, labels, data in prefetch(batches()):
         t0 = time.time()
         batch = {key: v.to(device) for key, v in batch.items()}
-        for g in opt.param_groups:
-            g["lr"] = lr * g["lr_scale"]
+        set_lr(opt, lr)
         lm_loss, perc_loss = warmup_losses(model, batch, examples, head, labels)
         loss = lm_loss if perc_loss is None else lm_loss + cfg.optim.perception_weight * perc_loss
         opt.zero_grad(set_to_none=True)
