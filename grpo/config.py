@@ -319,7 +319,7 @@ class OptimConfig:
     entropy_coef: float = 0.0
     """Entropy bonus: loss -= entropy_coef * the policy's token entropy, aggregated over the loss's tokens as optim.loss_type aggregates (TRL's entropy_coef, verl's entropy_coeff); its gradient runs through the chunked LM-head pass (grpo/model/logprobs.py). In [0, 1]; 0 = off, no extra work."""
     kl_estimator: str = "k3"
-    """Per-token KL estimate in the beta term, d = ref - logp: k1 = -d, k2 = d^2/2 (its gradient is the KL's), k3 = exp(d) - d - 1 (DeepSeekMath's); grpo_kernels/grpo_loss.py compares them. Needs beta > 0 unless k3."""
+    """Per-token KL estimate in the beta term, d = ref - logp: k1 = -d, k2 = d^2/2 (its gradient is the KL's), k3 = exp(d) - d - 1 (DeepSeekMath's); docs/grpo_loss.md compares them. Needs beta > 0 unless k3."""
     adv_mode: str = "total"
     """Advantage source: total (z-score of the weighted reward) or components (sum_k w_k/sum(w) z(r_k), each term alone)."""
     adv_std_floor: float = 0.0

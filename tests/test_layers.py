@@ -178,7 +178,8 @@ PATH_FILES = ("grpo/step.py", "grpo/batches.py", "grpo/rollout/sampler.py", "grp
               "grpo/model/logprobs.py", "grpo_kernels/grpo_loss.py")
 # What the harness (grpo/train.py) hands or calls in grpo/step.py: the step, its draw, its two objects.
 PATH_ENTRIES = ("grpo_step", "sample_and_score", "Learner", "Hooks")
-PATH_CAP = 1100
+PATH_CAP = 1000
+RANGES_CAP, FILE_RANGES_CAP = 12, 3  # the path in few pieces
 
 
 class _Unit:
@@ -326,7 +327,8 @@ def reading_path_problems(table: list[tuple[str, str, str]], sources: dict[str, 
 
     - the files are PATH_FILES in order; every range "a-b" lies inside its file and is a whole
       block (blank or nothing just before and just after it); each row's count is the sum of
-      its ranges; the total is at most PATH_CAP and is the one the README states;
+      its ranges; the total is at most PATH_CAP and is the one the README states; at most
+      RANGES_CAP ranges in all and FILE_RANGES_CAP in one file;
     - (a) everything grpo/step.py calls directly in the path files (``_direct``) lies inside
       the read ranges; its callees' callees may sit outside, reached through the named function;
     - (b) nothing inside the read ranges is code the trainer's plain path never runs: every
@@ -359,6 +361,10 @@ def reading_path_problems(table: list[tuple[str, str, str]], sources: dict[str, 
         total += int(count)
     if total > PATH_CAP or stated_total != f"{total:,}":
         problems.append(f"the path is {total:,} lines (the README says {stated_total}; the cap is {PATH_CAP:,})")
+    pieces = {path: len(ranges.split(", ")) for path, ranges, _ in table}
+    if sum(pieces.values()) > RANGES_CAP or max(pieces.values()) > FILE_RANGES_CAP:
+        problems.append(f"the path is in {sum(pieces.values())} ranges, {max(pieces.values())} in one file "
+                        f"(caps: {RANGES_CAP}, {FILE_RANGES_CAP} a file)")
     reached = _reached(units, imports)
     direct = sorted(_direct(units, imports, reached), key=repr)
     problems += [f"step.py calls {u} directly, outside the read lines" for u in direct if not u.lines <= read[u.path]]

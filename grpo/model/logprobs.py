@@ -6,7 +6,9 @@ GRPO's loss needs, for every completion token o_t of every rollout,
     ref_logp_t = log pi_ref(o_t | q, image, o_<t)       reference, LoRA off, no grad
 
 (and old_logp_t: update 1's logp_t, kept for updates 2..mu, grpo/step.py). One forward over
-prompt + completion gives all T of them. What this file does to make that cheap:
+prompt + completion gives all T of them.
+
+What this file does to make that cheap (the reading path skips to the code):
 
 - The vision tower runs per prompt, never per row: frozen (the default), not at all (its
   tokens from sampling, grpo/model/prompt_context.py PromptContext, serve all B*G rows);

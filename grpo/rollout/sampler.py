@@ -330,7 +330,9 @@ def sampler_generator(generator: torch.Generator | None, seed: int | None, devic
     return generator
 
 
-def _check_args(G: int, max_new_tokens: int, temperature: float, top_k: int, top_p: float) -> None:
+def _check_args(bundle: ModelBundle, prompts: PromptBatch, G: int, max_new_tokens: int, temperature: float,
+                top_k: int, top_p: float, decode: str) -> None:
+    """``sample``'s arguments, refused in one line each."""
     if not isinstance(G, int) or G < 1:
         raise ValueError(f"G={G!r}: the group size must be an integer >= 1")
     if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
@@ -341,6 +343,12 @@ def _check_args(G: int, max_new_tokens: int, temperature: float, top_k: int, top
         raise ValueError(f"top_k={top_k!r}: must be an integer >= 0 (0 = off)")
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p={top_p!r}: must be in (0, 1] (1 = off)")
+    if decode not in ("auto", "static", "fused", "hf"):
+        raise ValueError(f"decode={decode!r}: use 'auto', 'static', 'fused' or 'hf'")
+    prompt_len = prompts.input_ids.shape[1]
+    if prompt_len + max_new_tokens > bundle.context_length:
+        raise ValueError(f"prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens} exceeds the model's "
+                         f"context of {bundle.context_length}; lower max_new_tokens or the image size")
 
 
 def stop_token_ids(bundle: ModelBundle) -> list[int]:
@@ -390,15 +398,8 @@ def sample(
     ``compact``: drop finished rows from the batch (see decode_n_tokens). ``hook``: another
     decode step (DecodeHook); it decodes every row to the end and ignores ``decode``.
     """
-    _check_args(G, max_new_tokens, temperature, top_k, top_p)
-    if decode not in ("auto", "static", "fused", "hf"):
-        raise ValueError(f"decode={decode!r}: use 'auto', 'static', 'fused' or 'hf'")
-    model = bundle.model
-    prompt_len = prompts.input_ids.shape[1]
-    if prompt_len + max_new_tokens > bundle.context_length:
-        raise ValueError(f"prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens} exceeds the model's "
-                         f"context of {bundle.context_length}; lower max_new_tokens or the image size")
-    device = model.device
+    _check_args(bundle, prompts, G, max_new_tokens, temperature, top_k, top_p, decode)
+    model, device = bundle.model, bundle.model.device
     generator = sampler_generator(generator, seed, device)  # refused unless on the model's device
 
     ctx = build_prompt_context(model, prompts)  # vision tower: once per prompt
@@ -428,15 +429,6 @@ def sample(
     stopped_before = (is_stop.long().cumsum(1) - is_stop.long()) > 0
     mask = (~stopped_before).long()
     texts = [bundle.decode(t[m.bool() & ~s].tolist()) for t, m, s in zip(tokens.cpu(), mask.cpu(), is_stop.cpu())]
-    return SampleOutput(
-        completion_ids=tokens,
-        completion_mask=mask,
-        logprobs=logps * mask,
-        filtered_logprobs=logqs * mask,
-        finished=done,
-        truncated=~done,
-        texts=texts,
-        prompt_index=rows,
-        G=G,
-        context=ctx,
-    )
+    return SampleOutput(completion_ids=tokens, completion_mask=mask, logprobs=logps * mask,
+                        filtered_logprobs=logqs * mask, finished=done, truncated=~done, texts=texts,
+                        prompt_index=rows, G=G, context=ctx)
