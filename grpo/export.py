@@ -150,7 +150,7 @@ def _summary(out: Path) -> str:
 def export(args: argparse.Namespace, done: list[Path]) -> list[str]:
     """Build the checkpoint's policy once and write what was asked; returns the lines to print.
     ``done`` collects each output once it is in place (a stop's line names them)."""
-    from grpo.config import from_json
+    from grpo.overrides import from_json
     from grpo.state.checkpoint import load_checkpoint
     from grpo.state.contents import adapter_tensors, base_checkpoint_of
     from lora import export_merged, save_adapter

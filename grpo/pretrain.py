@@ -74,7 +74,8 @@ def check_same_settings(run_dir: Path, argv: list[str]) -> None:
     if not saved.is_file():
         return
     from grpo.cli import phase_configs
-    from grpo.config import ConfigError, from_json, parse_override_args
+    from grpo.errors import ConfigError
+    from grpo.overrides import from_json, parse_override_args
 
     want = json.loads(phase_configs("warmup", "tiny", parse_override_args(argv[2:]))["warmup"].to_json())
     try:
@@ -153,7 +154,7 @@ def export(run_dir: Path, out: Path, wall_s: float, peak_mb: float, test_seed: i
     """warmup:latest of ``run_dir`` -> a verified model directory at ``out``."""
     import torch
 
-    from grpo.config import from_json
+    from grpo.overrides import from_json
     from grpo.model.load import load_bundle
     from grpo.model.policy import load_base_weights
     from grpo.state.checkpoint import load_checkpoint
@@ -313,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --test-per-stage {args.test_per_stage}: must be >= 1 (the card states test metrics)",
               file=sys.stderr)
         return 2
-    from grpo.config import ConfigError
+    from grpo.errors import ConfigError
 
     try:
         check_same_settings(Path(args.run_dir), _argv(args.run_dir, rest))

@@ -94,7 +94,8 @@ import torch
 from data.mixture import MixtureStream
 from data.signals import STOP
 from grpo import cli
-from grpo.config import ConfigError, TrainConfig
+from grpo.config import TrainConfig
+from grpo.errors import ConfigError
 from grpo.controller import Controller, GateThresholds
 from grpo.distributed import DataParallel
 from grpo.errors import NoRewardSpread, StepOutOfMemory

@@ -68,11 +68,11 @@ def check_options(o: LossOptions) -> None:
         raise ValueError(f"correction_cap must be a finite number > 1 (the largest ratio kept), got {cap!r}")
 
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")  # the one list: grpo/config.py and grpo/batches.py read it
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")  # the one list: grpo/config_checks.py and grpo/batches.py read it
 IMPORTANCE = ("token", "sequence")
 CORRECTIONS = ("off", "token", "sequence")  # rollout correction level (sampler vs trainer)
 CORRECTION_MODES = ("truncate", "mask")
-KL_ESTIMATORS = ("k1", "k2", "k3")  # Schulman's estimators of KL(pi || pi_ref); grpo/config.py reads it
+KL_ESTIMATORS = ("k1", "k2", "k3")  # Schulman's estimators of KL(pi || pi_ref); grpo/config_checks.py reads it
 
 
 @dataclass(frozen=True)

@@ -120,14 +120,18 @@ def test_the_walker_sees_lazy_imports_and_cycles():
     assert [t for n in ast.walk(lazy) for t in _imported(n)] == ["grpo.model.load", "grpo.model.load.load_bundle"]
 
 
-# Inside grpo: sub-packages by concept. Each may import grpo.config, grpo.errors and
-# grpo.batches (which import nothing else of grpo, but config reads batches' rule) and the units listed here, nothing else of grpo; the rest of
+# Inside grpo: sub-packages by concept. Each may import the configuration (grpo.config and
+# beside it grpo.config_checks, grpo.overrides, grpo.presets), grpo.errors and grpo.batches
+# (which import only each other, downwards) and the units listed here, nothing else of grpo; the rest of
 # grpo's top level (train, cli, evaluate, final_report, pretrain, distributed) is the harness and
 # the commands, which may import anything below them. grpo.step is the algorithm: it knows
 # nothing of checkpoints, processes, evaluation or the command line.
-GRPO_BASE = {"grpo.config", "grpo.errors", "grpo.batches"}
+GRPO_BASE = {"grpo.config", "grpo.config_checks", "grpo.overrides", "grpo.presets", "grpo.errors", "grpo.batches"}
 GRPO_ALLOWED = {
-    "grpo.config": {"grpo.batches"},
+    "grpo.config_checks": {"grpo.batches", "grpo.errors"},  # what a config may hold (config imports it)
+    "grpo.config": {"grpo.config_checks"},
+    "grpo.overrides": {"grpo.config", "grpo.errors"},
+    "grpo.presets": {"grpo.config", "grpo.config_checks", "grpo.overrides", "grpo.errors"},
     "grpo.batches": set(),  # the levels of a step's batch: the partition rule, the loss share
     "grpo.errors": set(),
     "grpo.run": set(),  # files, log records, progress, schedule, guard, stops, prefetch, phase data

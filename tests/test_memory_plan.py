@@ -16,7 +16,7 @@ from bench.memory import LiveBytes, measured_step, planned_phases, prompt_len_of
 from data.synthetic import generate
 from grpo.batches import micro_batch_choices
 from grpo.cli import phase_config
-from grpo.config import ConfigError
+from grpo.errors import ConfigError
 from grpo.model.policy import build_policy
 from grpo.run import memory_plan
 from grpo.run.memory_plan import GiB, check_fits, need_bytes, plan_step, shapes_of_model

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from data.synthetic import generate
-from grpo.config import phase_preset
+from grpo.presets import phase_preset
 from grpo.distributed import DataParallel
 from grpo.model.logprobs import completion_logprobs
 from grpo.model.policy import build_policy

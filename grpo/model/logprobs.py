@@ -39,7 +39,7 @@ What this file does to make that cheap (the reading path skips to the code):
   checkpointing (``model.gradient_checkpointing``) recomputes a decoder layer in backward
   only when the layer is training, and an eval-mode pass would silently keep every
   activation. Qwen2.5-VL has no dropout and GRPO phases refuse LoRA dropout
-  (grpo/config.py), so training mode is the same function as the sampler's eval mode.
+  (grpo/config_checks.py), so training mode is the same function as the sampler's eval mode.
 
 Temperature: the logits are divided by the sampler's temperature (pass the same value),
 so this is the same function as the sampler's ``logprobs``; temperature 0 (greedy

@@ -71,7 +71,8 @@ from dataclasses import dataclass, field
 import torch
 
 from grpo.batches import groups_per_micro_batch, micro_batch_choices
-from grpo.config import ConfigError, TrainConfig
+from grpo.config import TrainConfig
+from grpo.errors import ConfigError
 
 GiB = 2**30
 TEXT_TOKENS = 128  # text tokens of a prompt besides its images (the synthetic curriculum's: 45-61, tiny tokenizer)

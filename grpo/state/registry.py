@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from eval.scores import SCORE_KEYS
-from grpo.config import PHASES
+from grpo.config_checks import PHASES
 from grpo.state.layout import FORMAT_VERSION, READABLE_VERSIONS, REGISTRY, STATE_FILE, CheckpointError
 
 log = logging.getLogger(__name__)

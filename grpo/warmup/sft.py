@@ -55,7 +55,9 @@ from data.contract import format_response
 from data.mixture import MixtureStream
 from data.schema import Example
 from data.signals import STOP
-from grpo.config import ConfigError, TrainConfig, trains_from_scratch
+from grpo.config import TrainConfig
+from grpo.config_checks import trains_from_scratch
+from grpo.errors import ConfigError
 from grpo.model_eval import checkpoint_eval, print_eval
 from grpo.model.load import load_bundle
 from grpo.model.lr_groups import lr_groups, set_lr
