@@ -232,6 +232,33 @@ def main(argv: list[str] | None, run_phase: Callable[[TrainConfig, RunFiles, str
         STOP.uninstall()
 
 
+def _run_one_phase(phase: str, pcfg: TrainConfig, files: RunFiles, device: str, dp: DataParallel,
+                   run_phase: Callable[[TrainConfig, RunFiles, str, DataParallel], None]) -> None:
+    """One phase of the plan: its resolved config printed and saved, the seed and threads set,
+    the trackers told, then the phase run and timed."""
+    _stop_between(f"the start of phase {phase}", "everything before it is saved")
+    dp.barrier()  # every rank has read the run directory (and rank 0 finished writing it)
+    print(f"\n===== phase {phase} =====\nresolved config:\n{pcfg.to_json()}", flush=True)
+    if dp.is_main:
+        (files.root / f"config_{phase}.json").write_text(pcfg.to_json())
+    seed_everything(pcfg.run.seed)
+    set_threads(pcfg.run.cpu_threads)
+    files.track(reported_to(pcfg.run), pcfg.to_dict())
+    t_phase = time.time()
+    run_phase(pcfg, files, device, dp)
+    print(f"phase {phase} took {time.time() - t_phase:.0f}s", flush=True)
+
+
+def _final_report(files: RunFiles, phase: str, cfg: TrainConfig, device: str) -> None:
+    """The test-split report of the run's checkpoints (rank 0); a stop abandons it, every checkpoint saved."""
+    _stop_between("the final report", "every checkpoint is saved")
+    try:
+        write_final_report(files.root, phase, cfg, device)
+    except EvalAbandoned:
+        raise Stopped(stop_message("the final report (abandoned)", saved="every checkpoint is saved"),
+                      STOP.signum) from None
+
+
 def _main(argv: list[str], run_phase: Callable[[TrainConfig, RunFiles, str, DataParallel], None]) -> int:
     hf_logging.disable_progress_bar()  # one "Loading weights" bar per model load is noise in a training log
     keep_freed_memory()  # a step's buffers are reused by the next, not unmapped and faulted in again
@@ -263,25 +290,9 @@ def _main(argv: list[str], run_phase: Callable[[TrainConfig, RunFiles, str, Data
                   f"yet: running {' -> '.join(plan)}")
         t_run = time.time()
         for phase in plan:
-            _stop_between(f"the start of phase {phase}", "everything before it is saved")
-            pcfg = configs[phase]
-            dp.barrier()  # every rank has read the run directory (and rank 0 finished writing it)
-            print(f"\n===== phase {phase} =====\nresolved config:\n{pcfg.to_json()}", flush=True)
-            if dp.is_main:
-                (files.root / f"config_{phase}.json").write_text(pcfg.to_json())
-            seed_everything(pcfg.run.seed)
-            set_threads(pcfg.run.cpu_threads)
-            files.track(reported_to(pcfg.run), pcfg.to_dict())
-            t_phase = time.time()
-            run_phase(pcfg, files, device, dp)
-            print(f"phase {phase} took {time.time() - t_phase:.0f}s", flush=True)
+            _run_one_phase(phase, configs[phase], files, device, dp, run_phase)
         if dp.is_main and known.phase != "warmup" and cfg.run.test_per_stage > 0:
-            _stop_between("the final report", "every checkpoint is saved")
-            try:
-                write_final_report(files.root, known.phase, cfg, device)
-            except EvalAbandoned:
-                raise Stopped(stop_message("the final report (abandoned)", saved="every checkpoint is saved"),
-                              STOP.signum) from None
+            _final_report(files, known.phase, cfg, device)
         print(f"done in {time.time() - t_run:.0f}s; checkpoints and train_log.jsonl in {files.root}")
     except Stopped as stop:  # a loop saved the step it stopped at (under torchrun every rank stops there)
         if dp is None or dp.is_main:
