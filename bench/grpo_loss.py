@@ -98,7 +98,7 @@ def source(inp: dict, mode: dict) -> "gl.AdvantageSource":
 
 def triton_loss(logp, inp: dict, mode: dict) -> torch.Tensor:
     """The kernel path of grpo_loss without its input validation: advantages, then the loss."""
-    adv = gl.advantages_unchecked(source(inp, mode), G, logp.shape[1], "group", 1e-4, 0.0, "triton")
+    adv = gl.group_advantages(source(inp, mode), G, T=logp.shape[1], backend="triton", checked=False)
     loss, _ = gl._FusedGRPOLoss.apply(logp, dict(mask=inp["mask"], adv=adv, **loss_args(mode, inp)))
     return loss
 

@@ -424,7 +424,8 @@ def plan_runs(variants: Sequence[str], seeds: Sequence[int], out: Path, base: Se
     existing run directory made with other settings is refused here (BenchError, exit 2).
     """
     from grpo.cli import phase_configs
-    from grpo.config import ConfigError, parse_override_args
+    from grpo.errors import ConfigError
+    from grpo.overrides import parse_override_args
 
     def resolve(options: list[str], what: str, last: str = REQUESTED) -> dict:
         try:
@@ -581,7 +582,8 @@ def _phase_a_options(run: Run) -> list[str]:
     unprefixed phase-local options (steps, weights, ...) belong to B and B.-prefixed ones to
     B alone, so both are dropped; no report (B's run writes it)."""
     from grpo.cli import _phase_local, phase_configs
-    from grpo.config import PHASES, parse_override_args
+    from grpo.config_checks import PHASES
+    from grpo.overrides import parse_override_args
 
     keep = []
     for key, value in parse_override_args(run.options).items():

@@ -310,7 +310,9 @@ def planned_phases(plan: Plan) -> dict[str, int]:
 def config_from_argv(argv: list[str]):
     """The trainer's resolved config of the requested phase (grpo/cli.py's parsing)."""
     from grpo.cli import phase_configs
-    from grpo.config import PHASES, PRESETS, parse_override_args
+    from grpo.config_checks import PHASES
+    from grpo.overrides import parse_override_args
+    from grpo.presets import PRESETS
 
     ap = argparse.ArgumentParser(add_help=False)
     ap.add_argument("--phase", default="A", choices=[p for p in PHASES if p != "warmup"])
@@ -403,7 +405,7 @@ def qwen7b_measurement(cfg, layers: list[int], tokens: list[int], image_px: int)
     from bench._timing import print_table
     from bench.qwen7b_cpu import build_bundle, rss_bytes
     from data.synthetic import generate
-    from grpo.config import apply_overrides
+    from grpo.overrides import apply_overrides
 
     t0 = time.perf_counter()
     bundle, _ = build_bundle(max(layers), 1, image_px, checkpointing=cfg.model.gradient_checkpointing,
@@ -553,7 +555,7 @@ def gpu_check(budget_s: float, smoke: bool = False) -> int:
 
     from bench._timing import print_table
     from data.synthetic import generate
-    from grpo.config import apply_overrides
+    from grpo.overrides import apply_overrides
     from grpo.model.tiny import tiny_image_processor
 
     t0 = time.perf_counter()
@@ -664,7 +666,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(max(1, args.threads))
     if args.gpu_check:
         return gpu_check(args.budget_s, smoke=args.smoke)
-    from grpo.config import ConfigError
+    from grpo.errors import ConfigError
 
     try:
         cfg = config_from_argv(trainer_argv)

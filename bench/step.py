@@ -264,7 +264,7 @@ def step_config(B: int, G: int, max_new_tokens: int, beta: float, cap: float, sh
     """The trainer's config of the timed step: phase A's preset at these sizes, one pass over
     the rollout batch (no micro-batches, mu = 1, no accumulation), the sequence-level rollout
     correction capped at ``cap``, AdamW at lr 1e-5 without warm-up, the gradient clipped at 1."""
-    from grpo.config import phase_preset
+    from grpo.presets import phase_preset
 
     cfg = phase_preset("A")
     cfg.phase.prompts_per_step, cfg.sampling.G, cfg.sampling.max_new_tokens = B, G, max_new_tokens

@@ -36,17 +36,6 @@ def groups_per_micro_batch(B: int, G: int, rows: int) -> int:
     return B if rows == 0 or rows >= B * G else max(1, rows // G)
 
 
-def micro_batch_rows_fit(B: int, G: int, rows: int) -> bool:
-    """Whether optim.micro_batch_rows = ``rows`` cuts a rollout batch of B groups into equal
-    micro-batches of whole groups (the config refuses any other value)."""
-    return rows == 0 or rows >= B * G or (rows % G == 0 and (B * G) % rows == 0)
-
-
-def micro_batch_choices(B: int, G: int) -> list[int]:
-    """The optim.micro_batch_rows values that fit (``micro_batch_rows_fit``), largest first."""
-    return [G * k for k in range(B, 0, -1) if B % k == 0]
-
-
 def micro_batch_groups(B: int, G: int, rows: int) -> list[tuple[int, int]]:
     """(first group, end group) of each micro-batch of a rollout batch of B groups; the last
     one is shorter when the rule's size does not divide B (dynamic sampling's last batch)."""
@@ -111,3 +100,17 @@ def micro_batches(out: Any, mask: torch.Tensor, adv: Advantages, counts: list[fl
         parts.append(MicroBatch(out.context.prompts(g0, g1), out.completion_ids[rows], out.completion_mask[rows],
                                 mask[rows], adv.groups(g0, g1), cut(out.logprobs, rows), share))
     return parts
+
+
+# The config check and the memory plan ask which optim.micro_batch_rows values fit the partition rule.
+
+
+def micro_batch_rows_fit(B: int, G: int, rows: int) -> bool:
+    """Whether optim.micro_batch_rows = ``rows`` cuts a rollout batch of B groups into equal
+    micro-batches of whole groups (the config refuses any other value)."""
+    return rows == 0 or rows >= B * G or (rows % G == 0 and (B * G) % rows == 0)
+
+
+def micro_batch_choices(B: int, G: int) -> list[int]:
+    """The optim.micro_batch_rows values that fit (``micro_batch_rows_fit``), largest first."""
+    return [G * k for k in range(B, 0, -1) if B % k == 0]

@@ -3,7 +3,7 @@ loads, and errors as one line. ``python -m grpo.train`` calls ``main`` here with
 trainer's phase runner (kept as a parameter, so this module needs nothing from the loop).
 
 Phase planning: ``--phase B`` on an empty run directory runs A and B, because B starts from
-A:best_structure and A from the pretrained base (grpo/config.py phase_init; on tiny-random,
+A:best_structure and A from the pretrained base (grpo/presets.py phase_init; on tiny-random,
 which trains from scratch, A starts from warmup:latest, so the warm-up runs first); a phase
 whose start checkpoint exists, or an explicit ``--init``, runs alone. Every phase's
 config is built and validated before anything runs, so a bad ``--A.optim.lr`` on
@@ -24,9 +24,11 @@ from transformers.utils import logging as hf_logging
 
 from data.atomic import temp_path
 from data.signals import STOP, StopNow, exit_code, signal_name
-from grpo.config import (PERCEPTION_DEFAULTS, PHASES, PRESETS, ConfigError, TrainConfig, apply_overrides,
-                         describe_fields, parse_override_args, phase_init, phase_preset, preset_for_model,
-                         preset_overrides, reported_to, trains_from_scratch, weigh_plugins)
+from grpo.config import PERCEPTION_DEFAULTS, reported_to, TrainConfig, weigh_plugins
+from grpo.config_checks import PHASES, trains_from_scratch
+from grpo.errors import ConfigError
+from grpo.overrides import apply_overrides, describe_fields, parse_override_args
+from grpo.presets import phase_init, phase_preset, preset_for_model, preset_overrides, PRESETS
 from grpo.config_file import read_config_file
 from grpo.distributed import DataParallel, init_distributed, peer_lost
 from grpo.errors import NoRewardSpread, PolicyCollapsed, StepOutOfMemory, TrainingDiverged, inside, one_line

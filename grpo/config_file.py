@@ -26,7 +26,10 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from grpo.config import PHASES, ConfigError, TrainConfig, _dict_key, _fields, _parse_value, _resolve_key
+from grpo.config import TrainConfig
+from grpo.config_checks import PHASES
+from grpo.errors import ConfigError
+from grpo.overrides import _dict_key, _fields, _parse_value, _resolve_key
 
 YAML_SUFFIXES = (".yaml", ".yml")
 

@@ -84,7 +84,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from grpo.config import ConfigError
+from grpo.errors import ConfigError
 from grpo.watchdog import CollectiveWatch
 from grpo_kernels.grpo_advantages import batch_std
 

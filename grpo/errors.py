@@ -12,6 +12,10 @@ import os
 from pathlib import Path
 
 
+class ConfigError(ValueError):
+    """A bad configuration value or key; the message names it and says what to do (exit code 2)."""
+
+
 class TrainingDiverged(RuntimeError):
     """Losses stayed non-finite: the run stops (one line, exit code 1)."""
 

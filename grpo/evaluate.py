@@ -46,7 +46,8 @@ from data.signals import StopNow, exit_code, signal_name, signals_held, stops_at
 from eval.inputs import load_examples, read_completions
 from eval.report import control_summary, write_report
 from eval.results import EvalProtocol, EvalResult, evaluate_completions
-from grpo.config import ConfigError, from_json
+from grpo.errors import ConfigError
+from grpo.overrides import from_json
 from grpo.errors import inside, one_line
 from grpo.model_eval import evaluate_model
 from grpo.model.load import ModelLoadError

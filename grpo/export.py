@@ -151,7 +151,7 @@ def _summary(out: Path) -> str:
 def _loaded(path: Path, args: argparse.Namespace, outs: dict[str, Path]) -> tuple:
     """(config, policy) of a checkpoint directory, the export checked against the checkpoint
     before the (slow) policy build: ExportError for what it cannot give."""
-    from grpo.config import from_json
+    from grpo.overrides import from_json
     from grpo.state.checkpoint import load_checkpoint
     from grpo.state.contents import adapter_tensors, base_checkpoint_of
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from grpo.config import PHASES, TrainConfig
+from grpo.config import TrainConfig
+from grpo.config_checks import PHASES
 
 # The checkpoint of each phase that the next phase starts from (and C's final pick).
 REPORT_ALIAS = {"warmup": "latest", "A": "best_structure", "B": "best_composite", "C": "best_composite"}

@@ -27,7 +27,8 @@ from pathlib import Path
 
 import torch
 
-from grpo.config import ConfigError, TrainConfig
+from grpo.config import TrainConfig
+from grpo.errors import ConfigError
 from grpo.run.phase_data import fall_back_to_all
 
 SIGNAL_SHARE = 0.5  # below it, most groups teach RL nothing: warm up on the labels first

@@ -76,7 +76,8 @@ def check_same_settings(run_dir: Path, argv: list[str]) -> None:
     if not saved.is_file():
         return
     from grpo.cli import phase_configs
-    from grpo.config import ConfigError, from_json, parse_override_args
+    from grpo.errors import ConfigError
+    from grpo.overrides import from_json, parse_override_args
 
     want = json.loads(phase_configs("warmup", "tiny", parse_override_args(argv[2:]))["warmup"].to_json())
     try:
@@ -155,7 +156,7 @@ def export(run_dir: Path, out: Path, wall_s: float, peak_mb: float, test_seed: i
     """warmup:latest of ``run_dir`` -> a verified model directory at ``out``."""
     import torch
 
-    from grpo.config import from_json
+    from grpo.overrides import from_json
     from grpo.model.load import load_bundle
     from grpo.model.policy import load_base_weights
     from grpo.state.checkpoint import load_checkpoint
@@ -309,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     the wall-time record and the export's reading of it), then ``_pretrain``."""
     from data.signals import exit_code
     from grpo.cli import lock_wait, make_run_dir
-    from grpo.config import ConfigError
+    from grpo.errors import ConfigError
     from grpo.errors import inside, one_line
     from grpo.run.lock import RunDirBusy, acquire
     from grpo.run.stop import Stopped
@@ -349,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
 def _pretrain(args: argparse.Namespace, rest: list[str]) -> int:
     """The warm-up (the trainer's command line), the wall-time record, the export."""
     from grpo import cli
-    from grpo.config import ConfigError
+    from grpo.errors import ConfigError
     from grpo.model.load import ModelLoadError
     from grpo.train import run_phase
 

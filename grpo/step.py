@@ -23,10 +23,10 @@ model with LoRA switched off) and an entropy bonus.
 
 The fast paths plug in behind named seams, not as branches here:
 
-    Learner.rollout  who samples: the KV-cache sampler (grpo/rollout/sampler.py) or a merged
-                     copy of the policy (grpo/rollout/merged.py)
-    Learner.backend  who computes advantages and the loss: the Triton kernels on CUDA or their
-                     PyTorch references (grpo_kernels/), equal within the kernels' tested tolerances
+    Learner.rollout  who samples: the KV-cache sampler (grpo/rollout/sampler.py) or a merged copy
+                     of the policy (grpo/rollout/merged.py), either in NoisyRollout (grpo/rollout/noisy.py)
+    Learner.backend  who computes advantages, log-probs and the loss: the Triton kernels on CUDA
+                     or their PyTorch references (grpo_kernels/), equal within tested tolerances
     Learner.gather   how a step's rollout batches are collected: ``plain_batches``, or DAPO's
                      dynamic sampling (grpo/rollout/dynamic_sampling.py)
     Hooks            what the harness does around the step; the defaults are one process
@@ -45,6 +45,7 @@ import torch
 from grpo.batches import MicroBatch, micro_batches
 from grpo.config import TrainConfig
 from grpo.model.logprobs import completion_logprobs, reference_logprobs
+from grpo.model.lr_groups import set_lr
 from grpo.model.prompts import encode_prompts
 from grpo.rewards import RewardBatch, RewardModel
 from grpo.rollout.dynamic_sampling import FillStats
@@ -115,8 +116,8 @@ class Hooks:
 
 
 def sample_and_score(learner: Learner, examples: list, temperature: float, hooks: Hooks = Hooks()) -> Rollout:
-    """G completions for each of B prompts (their images encoded once, the KV cache of each
-    prompt copied G times), scored by the reward model. Rows N = B*G."""
+    """G completions for each of B prompts, scored; rows N = B*G. A prompt is encoded once, its KV
+    cache copied G times (NoisyRollout: a noisy copy too, its rows rescored on the clean image)."""
     cfg, G, L = learner.cfg, learner.cfg.sampling.G, learner.cfg.sampling.max_new_tokens
     with hooks.timed("sampling"):
         prompts = encode_prompts(learner.bundle, examples, on_bad_image="skip").to(learner.bundle.device)
@@ -209,7 +210,8 @@ def grpo_step(learner: Learner, draw: Callable[[int], Rollout], step: int, tempe
     """Rollout batches (draw(n): n prompts, sampled and scored) get advantages once; mu passes over the micro-batches."""
     cfg, model, params, G, mu, opts = (learner.cfg, learner.bundle.model, learner.params, learner.cfg.sampling.G,
                                        learner.cfg.optim.updates_per_batch, loss_options(learner.cfg))
-    passes = dict(temperature=temperature, chunk_tokens=cfg.optim.logits_chunk_tokens, shared_prefix=cfg.optim.shared_prefix)
+    passes = dict(temperature=temperature, chunk_tokens=cfg.optim.logits_chunk_tokens,
+                  shared_prefix=cfg.optim.shared_prefix, backend=learner.backend)
     entropy = "grad" if cfg.optim.entropy_coef > 0 else True  # the entropy bonus needs the entropies' gradient
 
     # ---- 1-2. sample B prompts x G completions and score them, every rollout batch first
@@ -231,8 +233,7 @@ def grpo_step(learner: Learner, draw: Callable[[int], Rollout], step: int, tempe
     result = StepResult(loss=0.0, grad_norm=None, fill=fill)
     for u in range(mu):
         lr = lr_at(step * mu + u, cfg)  # the schedule counts optimiser steps
-        for g in learner.opt.param_groups:
-            g["lr"] = lr * g.get("lr_scale", 1.0)  # the vision tower's LoRA: its own fraction (grpo/model/vision.py)
+        set_lr(learner.opt, lr)  # times each group's lr_scale (the vision tower's LoRA: grpo/model/vision.py)
         learner.opt.zero_grad(set_to_none=True)
         stats_u, loss_sum = [], 0.0
         for k, r in enumerate(batches):

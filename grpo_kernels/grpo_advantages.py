@@ -9,10 +9,9 @@ contiguous, and every reward column c is standardised within its group b:
 
 std is the *unbiased* (n - 1) standard deviation, like TRL's torch.std, and eps = 1e-4 by
 default (TRL). Only "valid" entries take part (a rubric item counts only in the rollouts
-the judge scored); invalid entries get z = 0. A group whose valid values are all equal, or
-that has fewer than two of them (G = 1: std undefined), gets z = 0 exactly and is flagged
-*constant*; we test max == min rather than std == 0 because the float mean of identical
-values is not always the value itself, which would leave (x - mean) / eps noise.
+the judge scored); invalid entries get z = 0. A group whose valid values are all equal
+(max == min), or that has fewer than two of them (G = 1), gets z = 0 exactly and is flagged
+*constant* (docs/grpo_advantages.md: why not std == 0).
 
 The advantages are weighted sums of such columns; an ``AdvantageSource`` names them:
 
@@ -20,28 +19,9 @@ The advantages are weighted sums of such columns; an ``AdvantageSource`` names t
     reward components [N, K], w [K]  A_i   = sum_k w_k z(r_k)_i        (each component alone)
     V-Rubrics prefix attribution     A_it  = a z(R_ans)_i + (1 - a) sum_j rho_ij z(s_j)_i 1[t <= t_end_ij]
 
-Tie-breakers that stay small: the std floor. Per-group std normalisation makes every
-group's advantages unit-sized, however small its spread. When the G completions of a
-prompt tie on correctness and format and differ only in a tie-breaker (brevity, weight .2),
-dividing by that group's tiny std turns "be a little shorter" into an advantage as large as
-"be right" in a group that splits on correctness (the per-question weighting Dr. GRPO
-criticises, and a suspect when completions shrink under a brevity term). ``std_floor`` divides by
-
-    max(std, std_floor) + eps               (scale="group" or "batch"; 0 = off, the default)
-
-so a group whose rewards spread less than the floor keeps its advantages in reward units
-(times 1 / floor) instead of being stretched to unit size, while a group whose std is above
-the floor is normalised exactly as before. It sits between GRPO (std always) and Dr. GRPO
-(scale="none", std never). Choosing it: a term of weight w that sets one completion of G
-apart by d has group std w d / sqrt(G) (unbiased), the smallest split that term can make;
-with G = 8, correctness (w = 4, d = 1) gives 1.41 and a brevity step (w = .2, d = .5) .035,
-so a floor of 1 leaves every correctness split as it was and scales a lone brevity
-difference down about 28-fold. The floor is in the units of the column it applies to (the
-weighted total, or one raw component in components mode).
-
-The kernel below computes w * z for every column, one program per column looping over the
-B groups: [N] floats, microseconds. The per-token prefix sum is done inside the loss kernel
-from these [N, 1+J] coefficients, so [N, T, J] never exists in memory.
+``std_floor`` (optim.adv_std_floor, 0 = off) divides by max(std, std_floor) + eps, so a
+tie-breaker's small spread stays small: docs/grpo_advantages.md says why and how to choose
+it, and how the kernel computes the columns.
 """
 
 from __future__ import annotations
@@ -157,29 +137,36 @@ class Advantages:
         return (self.constant != 0).all(1)
 
 
-# ---------------------------------------------------------------------------------------
-# Reference: the spec. Plain PyTorch, any device.
-# ---------------------------------------------------------------------------------------
-
-
-def batch_std(values: torch.Tensor, valid: torch.Tensor | None = None, std_floor: float = 0.0,
-              all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
-    """scale="batch"'s denominator: the unbiased std of each column of values [N, C] over its
-    valid rows -> [C], floored at std_floor. Two passes (the mean, then the squared
-    deviations) avoid the cancellation of a sum of squares. ``all_reduce`` (a sum over
-    processes, in place) makes it the std over every process's rows: grpo/distributed.py
-    passes its own, and this is then the global batch std of a data-parallel run."""
-    ok = torch.ones_like(values, dtype=torch.bool) if valid is None else valid.bool()
-    v = torch.where(ok, values, 0.0)
-    n_sum = torch.stack([ok.sum(0).to(v.dtype), v.sum(0)])  # [2, C]: valid count, sum
-    if all_reduce is not None:
-        n_sum = all_reduce(n_sum)
-    n, mean = n_sum[0], n_sum[1] / n_sum[0].clamp(min=1)
-    sq = torch.where(ok, v - mean, 0.0).square().sum(0)
-    if all_reduce is not None:
-        sq = all_reduce(sq)
-    std = (sq / (n - 1).clamp(min=1)).sqrt()
-    return std.clamp(min=std_floor) if std_floor > 0 else std
+def group_advantages(
+    src: "AdvantageSource", G: int, *, T: int | None = None, scale: str = "group", adv_eps: float = 1e-4,
+    adv_std_floor: float = 0.0, backend: str = "auto", checked: bool = True,
+) -> Advantages:
+    """GRPO's advantage step: z-scores within each prompt's G completions (module docstring)
+    of the reward columns ``src`` names, times their weights; the prefix mode needs ``T``.
+    ``backend`` picks who computes the z-scores: "auto" (CUDA -> the Triton kernel, else
+    ``group_zscore_reference``), "torch" or "triton"; either loss path reads the result.
+    Host syncs: the NaN check of the inputs (``checked=False`` skips the checks, for
+    bench/grpo_loss.py, which times the kernel alone)."""
+    if checked:
+        check_groups(src.columns.shape[0] if isinstance(src.columns, torch.Tensor) else 0, G)
+        check_source(src, T, scale, adv_eps, adv_std_floor)
+    values, N, eps, floor = src.columns, src.columns.shape[0], float(adv_eps), float(adv_std_floor)
+    if src.batch_std is not None:  # another's std (every rank's rows): r / (std + eps), centred below
+        values, scale, floor = (values.double() / (src.batch_std + eps)).to(values.dtype), "none", 0.0
+    # weights [C] -> [N, C] with stride 0 over rows: no copy
+    w = None if src.weights is None else src.weights.float()[None, :].expand(values.shape)
+    t_end = None
+    if src.prefix is not None:  # V-Rubrics: column 0 the answer reward (credits every token), 1.. the rubrics
+        p, J, device = src.prefix, values.shape[1] - 1, values.device
+        w = torch.cat([torch.full((N, 1), p.a, device=device), (1.0 - p.a) * p.rho.float().expand(N, J)], 1)
+        t_end = torch.cat([torch.full((N, 1), _INT32_MAX, dtype=torch.int32, device=device),
+                           p.t_end.clamp(-1, T).to(torch.int32)], 1)
+    if resolve_backend(backend, values.device) == "torch":
+        z, constant = group_zscore_reference(values, G, scale=scale, eps=eps, valid=src.valid, std_floor=floor)
+        coef, constant = (z if w is None else z * w), constant.float()
+    else:
+        coef, constant = group_zscore_triton(values, src.valid, w, G, scale, eps, floor)
+    return Advantages(G, "row" if src.prefix is None else "prefix", coef=coef, t_end=t_end, constant=constant)
 
 
 def group_zscore_reference(
@@ -213,8 +200,28 @@ def group_zscore_reference(
     return z.reshape(N, C), constant
 
 
+def batch_std(values: torch.Tensor, valid: torch.Tensor | None = None, std_floor: float = 0.0,
+              all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """scale="batch"'s denominator: the unbiased std of each column of values [N, C] over its
+    valid rows -> [C], floored at std_floor. Two passes (the mean, then the squared
+    deviations) avoid the cancellation of a sum of squares. ``all_reduce`` (a sum over
+    processes, in place) makes it the std over every process's rows: grpo/distributed.py
+    passes its own, and this is then the global batch std of a data-parallel run."""
+    ok = torch.ones_like(values, dtype=torch.bool) if valid is None else valid.bool()
+    v = torch.where(ok, values, 0.0)
+    n_sum = torch.stack([ok.sum(0).to(v.dtype), v.sum(0)])  # [2, C]: valid count, sum
+    if all_reduce is not None:
+        n_sum = all_reduce(n_sum)
+    n, mean = n_sum[0], n_sum[1] / n_sum[0].clamp(min=1)
+    sq = torch.where(ok, v - mean, 0.0).square().sum(0)
+    if all_reduce is not None:
+        sq = all_reduce(sq)
+    std = (sq / (n - 1).clamp(min=1)).sqrt()
+    return std.clamp(min=std_floor) if std_floor > 0 else std
+
+
 # ---------------------------------------------------------------------------------------
-# Public API: the advantage step of GRPO, checked once, for either loss path
+# Input checks
 # ---------------------------------------------------------------------------------------
 
 
@@ -296,49 +303,6 @@ def check_source(src: "AdvantageSource", T: int | None, scale: str, adv_eps: flo
         raise ValueError(f"adv_std_floor must be >= 0 (0 = off), got {std_floor}")
     if std_floor > 0 and scale == "none":
         raise ValueError(f"adv_std_floor = {std_floor} needs a std to floor: scale='none' divides by none")
-
-
-def group_advantages(
-    src: "AdvantageSource", G: int, *, T: int | None = None, scale: str = "group", adv_eps: float = 1e-4,
-    adv_std_floor: float = 0.0, backend: str = "auto",
-) -> Advantages:
-    """GRPO's advantage step: z-scores within each prompt's G completions (module docstring),
-    of the reward columns ``src`` names; the prefix mode needs ``T``. ``backend`` picks who
-    computes the z-scores: "auto" (CUDA -> the Triton kernel, else the reference), "torch"
-    or "triton"; either loss path reads the result. Host syncs: the NaN check of the inputs.
-    """
-    check_groups(src.columns.shape[0] if isinstance(src.columns, torch.Tensor) else 0, G)
-    check_source(src, T, scale, adv_eps, adv_std_floor)
-    return advantages_unchecked(src, G, T, scale, float(adv_eps), float(adv_std_floor), backend)
-
-
-def advantages_unchecked(src: "AdvantageSource", G: int, T: int | None, scale: str, eps: float, floor: float,
-                         backend: str) -> Advantages:
-    """``group_advantages`` after its checks (bench/grpo_loss.py times the two apart)."""
-    values, N = src.columns, src.columns.shape[0]
-    if src.batch_std is not None:  # another's std (every rank's rows): r / (std + eps), centred below
-        values, scale, floor = (values.double() / (src.batch_std + eps)).to(values.dtype), "none", 0.0
-    zscore = group_zscore_reference if resolve_backend(backend, values.device) == "torch" else group_zscore_triton
-    if src.prefix is None:
-        # weights [C] -> [N, C] with stride 0 over rows: no copy
-        w = None if src.weights is None else src.weights.float()[None, :].expand(values.shape)
-        coef, const = _weighted_zscore(zscore, values, src.valid, w, G, scale, eps, floor)
-        return Advantages(G, "row", coef=coef, constant=const)
-    # V-Rubrics: column 0 is the answer reward (credits every token), columns 1.. the rubrics.
-    p, J, device = src.prefix, values.shape[1] - 1, values.device
-    w = torch.cat([torch.full((N, 1), p.a, device=device), (1.0 - p.a) * p.rho.float().expand(N, J)], 1)
-    t_end = torch.cat([torch.full((N, 1), _INT32_MAX, dtype=torch.int32, device=device),
-                       p.t_end.clamp(-1, T).to(torch.int32)], 1)
-    coef, const = _weighted_zscore(zscore, values, src.valid, w, G, scale, eps, floor)
-    return Advantages(G, "prefix", coef=coef, t_end=t_end, constant=const)
-
-
-def _weighted_zscore(zscore, values, valid, weights, G, scale, eps, floor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(coef = w * z [N, C] fp32, constant [B, C] fp32) by the reference or the kernel."""
-    if zscore is group_zscore_triton:
-        return group_zscore_triton(values, valid, weights, G, scale, eps, floor)
-    z, constant = group_zscore_reference(values, G, scale=scale, eps=eps, valid=valid, std_floor=floor)
-    return (z if weights is None else z * weights), constant.float()
 
 
 # ---------------------------------------------------------------------------------------

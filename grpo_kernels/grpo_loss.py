@@ -1,26 +1,4 @@
-"""Fused GRPO loss: clipped ratio, KL (k1 / k2 / k3), aggregation and d loss / d logp in one pass.
-
-Why a kernel. Once the rollouts exist, GRPO's loss is a handful of element-wise ops over
-[N, T] token tensors (N = B*G completions, T tokens), plus a few reductions. Written in
-eager PyTorch each op is a full pass over memory, autograd keeps most intermediates for
-backward, and backward walks them all again. Here is the naive version (fp32, token
-importance, beta > 0), with what each line moves per token (B = bytes):
-
-    lp    = torch.where(m, logp, 0.0)                 # read 4 + 1 (mask), write 4
-    old   = torch.where(m, old_logp, 0.0)             # read 4 + 1, write 4
-    ratio = torch.exp(lp - old)                       # read 12, write 8 (difference, then exp)
-    pg1   = ratio * A                                 # read 8, write 4 (A expanded to [N, T])
-    pg2   = ratio.clamp(1 - eps_lo, 1 + eps_hi) * A   # read 12, write 8
-    pg    = -torch.minimum(pg1, pg2)                  # read 12, write 8
-    d     = torch.where(m, ref_logp, 0.0) - lp        # read 13, write 8
-    kl    = torch.exp(d) - d - 1                      # read 16, write 12
-    loss  = ((pg + beta * kl) * m).sum(-1) / n        # read 21, write 12
-
-about 170 B per token forward, and backward walks the saved intermediates again, in ~90
-kernel launches with the diagnostics (torch.profiler). The fused kernel reads logp, old
-and ref once (4 B each in fp32) and the mask (1 B), and writes d loss / d logp (4 B):
-~17 B per token; backward rescales that gradient once (read 4 B, write 2-4 B). At 7B rollout sizes the loss is
-bound by memory traffic, so the byte count is the speed (bench/grpo_loss.py measures it).
+"""The GRPO loss: clipped ratio, KL to the reference (k1 / k2 / k3), aggregation, in one pass.
 
 What is implemented (TRL's GRPO loss conventions; TRL's own defaults differ in places:
 its default aggregation is now "dapo", ours "grpo"):
@@ -29,27 +7,11 @@ its default aggregation is now "dapo", ours "grpo"):
     ratio_t    = exp(logp_t - old_t)                   importance="token"
     ratio_t    = exp(mean_t'(logp_t' - old_t'))        importance="sequence" (GSPO), every token
     pg_t       = -min(ratio_t * A_t, clip(ratio_t, 1 - eps_low, 1 + eps_high) * A_t)
+    pg_t       = w * pg_t      rollout correction: w = pi_old / pi_sampler, per token or sequence,
+                               a constant capped at C (truncate) or 0 above it (mask)
     kl_t       = k3: exp(d_t) - d_t - 1 (default), k1: -d_t, k2: d_t^2 / 2      d_t = ref_t - logp_t
-    kl_t       = ratio_t * k_t                         kl_bias_correction=True (see below)
+    kl_t       = ratio_t * k_t                         kl_bias_correction=True
     loss       = aggregate(pg_t + beta * kl_t) over active tokens (mask != 0)
-
-KL convention. The plain k3 term is DeepSeekMath's; its value estimates KL(pi || pi_ref)
-when the tokens come from pi itself, but its gradient, (1 - exp(ref_t - logp_t)) d logp_t,
-is not the gradient of that KL. ``kl_bias_correction=True`` is TRL's
-``use_bias_correction_kl`` (DeepSeek-V3.2's unbiased KL estimate): k3 weighted by the same
-importance ratio as the policy term, gradient through the ratio included. Its gradient is
-ratio_t (logp_t - ref_t) d logp_t, the importance-weighted gradient of KL(pi || pi_ref)
-for tokens drawn from the old policy. At mu = 1 the ratio is 1 in value, so the loss value
-is unchanged but the gradient is not: the plain term pushes with 1 - exp(ref - logp) ~
-(logp - ref) - (logp - ref)^2 / 2, the corrected one with exactly logp - ref. Default off
-(the DeepSeekMath form this project has always used; the TRL grpo_config.py we could read
-also documents it as off by default, but defaults move between TRL releases: check yours
-before comparing runs). kl_mean reports the KL term as it enters the loss (corrected or not).
-
-KL estimators (``kl_estimator``; verl's kl / mse / low_var_kl), on tokens from pi: k1 = -d, value
-unbiased, gradient 0 in expectation; k2 = d^2/2, value biased, gradient = grad KL(pi || pi_ref);
-k3, value unbiased and >= 0, gradient = grad KL(pi_ref || pi). kl_bias_correction: ratio_t * k_t
-for each, gradient ratio_t (k_t + dk_t/dlogp_t): importance-weighted grad KL(pi || pi_ref) for k1, k3.
 
 Aggregation ("loss_type"), with n_i active tokens in row i and M = sum_i n_i:
     grpo     mean_i( sum_t loss_it / n_i )      per-sequence mean, then mean over the N rows
@@ -58,68 +20,11 @@ Aggregation ("loss_type"), with n_i active tokens in row i and M = sum_i n_i:
     dapo     sum_it loss_it / num_active_tokens tokens of the whole accumulated batch
                                                 (default M, i.e. this micro-batch)
 
-Advantages: the loss takes them made, from ``group_advantages`` (the trainer makes them
-once per rollout batch, from one ``AdvantageSource``, and slices them per micro-batch).
-zero_spread_frac counts the groups whose advantages are all 0 (every reward column
-constant, G = 1 included).
-
-Several updates per batch (mu > 1, PPO epochs): pass old_logp = the log-probs of the
-policy that sampled the batch, detached; from the second update on the ratio differs from
-1 and the clip binds. kl_old_mean reports k3 of the current policy against old,
-mean_t (ratio_t - 1) - log ratio_t with token ratios (Schulman's approximate KL; 0 when
-old_logp is None).
-
-Rollout correction (sampler_logp, correction, correction_mode, correction_cap = C). When
-the completions come from another engine than the one computing logp (the merged bf16 copy
-of grpo/rollout/merged.py against the NF4 + LoRA trainer; vLLM in TRL), the tokens were drawn
-from pi_sampler, not from the trainer's pi_old, and the ratio against old alone ignores
-that. Per token w_t = pi_old(y_t) / pi_sampler(y_t) = exp(old_t - sampler_t) (old = the
-detached current log-probs when old_logp is None: the trainer at sampling time), per
-sequence w_i = exp(sum_t (old_t - sampler_t)), the likelihood ratio of the whole
-completion. The policy term becomes w * pg_t (the KL term is left alone), w a constant:
-no gradient flows through it. Two ways to bound it at C:
-
-    truncate (TIS)   w = min(ratio, C)                 every sample kept, big ratios capped
-    mask     (MIS)   w = ratio if ratio <= C, else 0   samples the trainer finds far likelier than the sampler dropped
-
-Trade-off. Token level keeps variance low (each factor is near 1) but is biased: the
-product of per-token corrections is not the sequence's likelihood ratio. Sequence level is
-the unbiased correction of a sequence-level reward, but its ratio is a product of T factors
-and its variance grows with the length, so a cap binds more often. Truncating keeps every
-sample and trades variance for bias (the capped part of the weight is lost); masking
-throws away the samples a big mismatch has made untrustworthy (more bias on the kept set's
-size, no bias from the kept samples' weights, and stabler with a large mismatch). TRL's
-default is sequence level, mask, C = 3. Diagnostics (always, when sampler_logp is given):
-is_kl, the k3 estimate (w - 1) - log w over tokens of KL(sampler || trainer) (unbiased for
-tokens drawn from the sampler, never negative), the mean and max ratio and the fraction
-above C at the correction's level (tokens when off).
-
-Gradient: only logp gets one. old_logp, ref_logp and all advantage inputs are constants
-(exactly as in GRPO). At a tie of the two min() branches the gradient is -A (torch.minimum
-gives half to each branch and both carry -A inside the clip range); a token whose clipped
-branch wins *and* whose ratio is outside the range gets 0.
-
-Kernels (forward: the z-score launch of group_advantages, then two here; backward one; no
-atomics, deterministic):
-    _grpo_loss_fwd_kernel grid (N,): one program per completion, BLOCK_T tokens at a
-       time. Pass 1 counts active tokens (and the sequence log-ratio); pass 2 computes
-       loss, stats and the per-token gradient; sequence importance adds pass 3, because
-       every token's gradient then depends on a sum over the whole row. Each row leaves
-       N_SLOTS partial sums (SLOT_*) for the finalisation.
-    _grpo_finalize_kernel grid (1,): sums the [N, N_SLOTS] row partials into the loss and
-       the N_STATS diagnostics (STAT_*).
-    _scale_grad_kernel (backward): grad * g * normaliser, cast to logp's dtype. The
-       normaliser of bnpo/dapo is known only after every row is done, and g only in
-       backward, so the forward stores the gradient without them.
-
-Gradient accumulation and micro-batches: this loss is the loss of the rows it is given;
-grpo/batches.py ``loss_share`` weighs it into the step's loss (dapo, given num_active_tokens =
-the active tokens of the whole step, is already normalised: weight 1).
-
-Simplified: the rollout correction caps the ratio from above only (IcePop also masks
-ratios below 1 / C); no "GSPO-token" variant, no entropy masking, no top-entropy token selection.
-Masked positions may hold anything (padding -inf, NaN); they are replaced by 0 before any
-arithmetic, so they never poison a sum (TRL multiplies by the mask, where inf * 0 = NaN).
+Only logp gets a gradient: old_logp, ref_logp, sampler_logp and the advantages are
+constants, as in GRPO. The PyTorch reference below is the spec; the Triton kernels after it
+compute the same numbers fused (CUDA, or TRITON_INTERPRET=1). Why (the bytes each version
+moves), the KL conventions and estimators, mu > 1, the rollout correction's trade-offs and
+the gradient at the clip: docs/grpo_loss.md.
 """
 
 from __future__ import annotations
@@ -134,16 +39,40 @@ import triton.language as tl
 from grpo_kernels._dispatch import check_launchable, last_dim_contiguous, next_pow2, resolve_backend
 # The advantage half lives in grpo_advantages; its public names are re-exported from here.
 from grpo_kernels.grpo_advantages import (ADV_PREFIX, ADV_ROW, SCALES, AdvantageSource, Advantages,  # noqa: F401
-                                     PrefixRubrics, _ADV_CODE, advantages_unchecked, check_groups, check_source,
+                                     PrefixRubrics, _ADV_CODE, check_groups, check_source,
                                      check_tensor, group_advantages, group_zscore_reference,
                                      group_zscore_triton, grpo_advantages_reference,
                                      prefix_advantages_reference)
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")  # the one list: grpo/config.py and grpo/distributed.py read it
+# LossOptions' check, above it: the default LossOptions() of the signatures below runs it at import.
+
+
+def check_options(o: LossOptions) -> None:
+    """The loss's options against the lists of allowed values (``LossOptions`` runs it when built)."""
+    if o.loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {o.loss_type!r}")
+    if o.importance not in IMPORTANCE:
+        raise ValueError(f"importance must be one of {IMPORTANCE}, got {o.importance!r}")
+    if o.beta < 0 or o.eps_low < 0 or o.eps_high < 0:
+        raise ValueError(f"beta, eps_low, eps_high must be >= 0, got {o.beta}, {o.eps_low}, {o.eps_high}")
+    if o.max_len is not None and (not isinstance(o.max_len, int) or o.max_len < 1):
+        raise ValueError(f"max_len must be a positive int (max completion length), got {o.max_len!r}")
+    if o.kl_estimator not in KL_ESTIMATORS:
+        raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {o.kl_estimator!r}")
+    if o.correction not in CORRECTIONS:
+        raise ValueError(f"correction must be one of {CORRECTIONS}, got {o.correction!r}")
+    if o.correction_mode not in CORRECTION_MODES:
+        raise ValueError(f"correction_mode must be one of {CORRECTION_MODES}, got {o.correction_mode!r}")
+    cap = o.correction_cap
+    if not (isinstance(cap, (int, float)) and math.isfinite(cap) and cap > 1):
+        raise ValueError(f"correction_cap must be a finite number > 1 (the largest ratio kept), got {cap!r}")
+
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")  # the one list: grpo/config_checks.py and grpo/batches.py read it
 IMPORTANCE = ("token", "sequence")
 CORRECTIONS = ("off", "token", "sequence")  # rollout correction level (sampler vs trainer)
 CORRECTION_MODES = ("truncate", "mask")
-KL_ESTIMATORS = ("k1", "k2", "k3")  # Schulman's estimators of KL(pi || pi_ref); grpo/config.py reads it
+KL_ESTIMATORS = ("k1", "k2", "k3")  # Schulman's estimators of KL(pi || pi_ref); grpo/config_checks.py reads it
 
 
 @dataclass(frozen=True)
@@ -151,7 +80,7 @@ class LossOptions:
     """The loss's knobs (formulas: the module docstring); the defaults are GRPO's.
     grpo/step.py ``loss_options`` fills one from the config; checked when built."""
 
-    beta: float = 0.0  # weight of the k3 KL term against ref_logp (0: no reference needed)
+    beta: float = 0.0  # weight of the KL term (kl_estimator: k1, k2 or k3) against ref_logp (0: no reference needed)
     eps_low: float = 0.2  # the ratio's clip range is [1 - eps_low, 1 + eps_high]
     eps_high: float = 0.2
     loss_type: str = "grpo"  # aggregation: grpo | bnpo | dr_grpo | dapo
@@ -164,48 +93,7 @@ class LossOptions:
     correction_cap: float = 3.0  # C > 1, the largest rollout ratio kept
 
     def __post_init__(self) -> None:
-        if self.loss_type not in LOSS_TYPES:
-            raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
-        if self.importance not in IMPORTANCE:
-            raise ValueError(f"importance must be one of {IMPORTANCE}, got {self.importance!r}")
-        if self.beta < 0 or self.eps_low < 0 or self.eps_high < 0:
-            raise ValueError(f"beta, eps_low, eps_high must be >= 0, got {self.beta}, {self.eps_low}, {self.eps_high}")
-        if self.max_len is not None and (not isinstance(self.max_len, int) or self.max_len < 1):
-            raise ValueError(f"max_len must be a positive int (max completion length), got {self.max_len!r}")
-        if self.kl_estimator not in KL_ESTIMATORS:
-            raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {self.kl_estimator!r}")
-        if self.correction not in CORRECTIONS:
-            raise ValueError(f"correction must be one of {CORRECTIONS}, got {self.correction!r}")
-        if self.correction_mode not in CORRECTION_MODES:
-            raise ValueError(f"correction_mode must be one of {CORRECTION_MODES}, got {self.correction_mode!r}")
-        cap = self.correction_cap
-        if not (isinstance(cap, (int, float)) and math.isfinite(cap) and cap > 1):
-            raise ValueError(f"correction_cap must be a finite number > 1 (the largest ratio kept), got {cap!r}")
-
-
-@dataclass
-class GRPOStats:
-    """Diagnostics from the same pass, detached 0-d fp32 tensors (no host sync)."""
-
-    kl_mean: torch.Tensor  # mean KL term vs ref over active tokens (k, or ratio * k; 0 without ref_logp)
-    clip_low_frac: torch.Tensor  # active tokens with ratio < 1 - eps_low and A < 0
-    clip_high_frac: torch.Tensor  # active tokens with ratio > 1 + eps_high and A > 0
-    zero_spread_frac: torch.Tensor  # groups with constant rewards (all their advantages 0)
-    adv_abs_mean: torch.Tensor  # mean |A_t| over active tokens
-    kl_old_mean: torch.Tensor  # mean k3 of the current policy vs old_logp: (ratio - 1) - log ratio
-    # Rollout mismatch (0, 1, 1, 0 without sampler_logp: the trainer is taken as the sampler).
-    is_kl: torch.Tensor  # mean k3 (w - 1) - log w of w = pi_train / pi_sampler per token: KL(sampler || trainer)
-    is_ratio_mean: torch.Tensor  # mean rollout ratio at the correction's level (token when off)
-    is_ratio_max: torch.Tensor  # max rollout ratio at that level
-    is_over_frac: torch.Tensor  # tokens / sequences whose ratio exceeds the cap (truncated or masked; off: would be)
-
-    def to_dict(self) -> dict[str, torch.Tensor]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
-
-# ---------------------------------------------------------------------------------------
-# Reference: the spec. Plain PyTorch, any device, differentiable w.r.t. logp.
-# ---------------------------------------------------------------------------------------
+        check_options(self)  # the values against the lists below
 
 
 def kl_estimate(d: torch.Tensor, estimator: str) -> torch.Tensor:
@@ -288,65 +176,9 @@ def grpo_loss_reference(
         if beta != 0.0:
             per_token = per_token + beta * kl
 
-    M = mf.sum().clamp(min=1)
     loss = aggregate(per_token, mask, o, num_active_tokens)
-
     with torch.no_grad():
-        stats = {
-            "kl_mean": (kl * mf).sum() / M,
-            "clip_low_frac": ((ratio < 1 - eps_low) & (A < 0) & m).sum() / M,
-            "clip_high_frac": ((ratio > 1 + eps_high) & (A > 0) & m).sum() / M,
-            "adv_abs_mean": (A.abs() * mf).sum() / M,
-            "kl_old_mean": ((torch.exp(token_log_ratio) - 1 - token_log_ratio) * mf).sum() / M,
-        }
-        n_units = units.sum().clamp(min=1)
-        unit_ratio = torch.exp(unit_lr)
-        stats.update(
-            is_kl=((torch.exp(is_lr) - 1 - is_lr) * mf).sum() / M,
-            is_ratio_mean=torch.where(units.any(), torch.where(units, unit_ratio, 0.0).sum() / n_units,
-                                      torch.ones((), device=lp.device)),  # branchless: torch.compile traces it whole
-            is_ratio_max=torch.where(units.any(), torch.where(units, unit_ratio, 0.0).max(),
-                                     torch.ones((), device=lp.device)),
-            is_over_frac=over.sum() / n_units)
-    return loss, stats
-
-
-# ---------------------------------------------------------------------------------------
-# Public API: validate once, then dispatch to the kernel or the reference
-# ---------------------------------------------------------------------------------------
-
-
-def _validate(logp, mask, adv, old_logp, ref_logp, sampler_logp, num_active_tokens, options: LossOptions) -> None:
-    """The tensors against each other and the options (the advantages were checked when made)."""
-    if not isinstance(logp, torch.Tensor) or logp.dim() != 2:
-        raise ValueError(f"logp must be a [N, T] tensor, got {getattr(logp, 'shape', type(logp))}")
-    if not isinstance(options, LossOptions):
-        raise TypeError(f"options must be a LossOptions, got {type(options).__name__}")
-    N, T = logp.shape
-    dev = logp.device
-    check_tensor("logp", logp, (N, T), dev, floating=True)
-    check_tensor("mask", mask, (N, T), dev, floating=False)
-    for name, x in (("old_logp", old_logp), ("ref_logp", ref_logp), ("sampler_logp", sampler_logp)):
-        if x is not None:
-            check_tensor(name, x, (N, T), dev, floating=True)
-    # Duck-typed: a test's reloaded (interpreted) module has its own class.
-    missing = [f for f in ("G", "mode", "coef", "t_end", "constant", "values") if not hasattr(adv, f)]
-    if missing:
-        raise TypeError(f"advantages must come from group_advantages, got {type(adv).__name__}")
-    check_groups(N, adv.G)
-    if adv.num_rows != N:
-        raise ValueError(f"advantages are for {adv.num_rows} rows, the loss has {N}")
-    if options.beta > 0 and ref_logp is None:
-        raise ValueError(f"beta = {options.beta} > 0 needs ref_logp (the reference policy's log-probs)")
-    if options.kl_bias_correction and ref_logp is None:
-        raise ValueError("kl_bias_correction=True weights the KL term, which needs ref_logp")
-    if isinstance(num_active_tokens, torch.Tensor):
-        if num_active_tokens.numel() != 1 or num_active_tokens.device != dev:
-            raise ValueError("num_active_tokens must be a number or a 1-element tensor on "
-                             f"{dev}, got shape {tuple(num_active_tokens.shape)} on "
-                             f"{num_active_tokens.device}")
-    elif num_active_tokens is not None and not num_active_tokens > 0:
-        raise ValueError(f"num_active_tokens must be > 0, got {num_active_tokens}")
+        return loss, _reference_stats(m, A, ratio, token_log_ratio, kl, is_lr, unit_lr, units, over, o)
 
 
 def grpo_loss(
@@ -384,6 +216,95 @@ def grpo_loss(
                            adv_abs_mean=s[STAT_ADV_ABS.value], kl_old_mean=s[STAT_KL_OLD.value],
                            is_kl=s[STAT_IS_KL.value], is_ratio_mean=s[STAT_IS_RATIO_MEAN.value],
                            is_ratio_max=s[STAT_IS_RATIO_MAX.value], is_over_frac=s[STAT_IS_OVER.value])
+
+
+@dataclass
+class GRPOStats:
+    """Diagnostics from the same pass, detached 0-d fp32 tensors (no host sync)."""
+
+    kl_mean: torch.Tensor  # mean KL term vs ref over active tokens (k, or ratio * k; 0 without ref_logp)
+    clip_low_frac: torch.Tensor  # active tokens with ratio < 1 - eps_low and A < 0
+    clip_high_frac: torch.Tensor  # active tokens with ratio > 1 + eps_high and A > 0
+    zero_spread_frac: torch.Tensor  # groups with constant rewards (all their advantages 0)
+    adv_abs_mean: torch.Tensor  # mean |A_t| over active tokens
+    kl_old_mean: torch.Tensor  # mean k3 of the current policy vs old_logp: (ratio - 1) - log ratio
+    # Rollout mismatch (0, 1, 1, 0 without sampler_logp: the trainer is taken as the sampler).
+    is_kl: torch.Tensor  # mean k3 (w - 1) - log w of w = pi_train / pi_sampler per token: KL(sampler || trainer)
+    is_ratio_mean: torch.Tensor  # mean rollout ratio at the correction's level (token when off)
+    is_ratio_max: torch.Tensor  # max rollout ratio at that level
+    is_over_frac: torch.Tensor  # tokens / sequences whose ratio exceeds the cap (truncated or masked; off: would be)
+
+    def to_dict(self) -> dict[str, torch.Tensor]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+# ---------------------------------------------------------------------------------------
+# The reference's diagnostics
+# ---------------------------------------------------------------------------------------
+
+
+def _reference_stats(m: torch.Tensor, A: torch.Tensor, ratio: torch.Tensor, token_log_ratio: torch.Tensor,
+                     kl: torch.Tensor, is_lr: torch.Tensor, unit_lr: torch.Tensor, units: torch.Tensor,
+                     over: torch.Tensor, o: LossOptions) -> dict[str, torch.Tensor]:
+    """``grpo_loss_reference``'s diagnostics (``GRPOStats`` but zero_spread_frac) from its
+    intermediates: means over the active tokens, the rollout ratio's at the correction's level."""
+    mf = m.float()
+    M = mf.sum().clamp(min=1)
+    stats = {
+        "kl_mean": (kl * mf).sum() / M,
+        "clip_low_frac": ((ratio < 1 - o.eps_low) & (A < 0) & m).sum() / M,
+        "clip_high_frac": ((ratio > 1 + o.eps_high) & (A > 0) & m).sum() / M,
+        "adv_abs_mean": (A.abs() * mf).sum() / M,
+        "kl_old_mean": ((torch.exp(token_log_ratio) - 1 - token_log_ratio) * mf).sum() / M,
+    }
+    n_units = units.sum().clamp(min=1)
+    unit_ratio = torch.exp(unit_lr)
+    stats.update(
+        is_kl=((torch.exp(is_lr) - 1 - is_lr) * mf).sum() / M,
+        is_ratio_mean=torch.where(units.any(), torch.where(units, unit_ratio, 0.0).sum() / n_units,
+                                  torch.ones((), device=m.device)),  # branchless: torch.compile traces it whole
+        is_ratio_max=torch.where(units.any(), torch.where(units, unit_ratio, 0.0).max(),
+                                 torch.ones((), device=m.device)),
+        is_over_frac=over.sum() / n_units)
+    return stats
+
+
+# ---------------------------------------------------------------------------------------
+# Input checks
+# ---------------------------------------------------------------------------------------
+
+
+def _validate(logp, mask, adv, old_logp, ref_logp, sampler_logp, num_active_tokens, options: LossOptions) -> None:
+    """The tensors against each other and the options (the advantages were checked when made)."""
+    if not isinstance(logp, torch.Tensor) or logp.dim() != 2:
+        raise ValueError(f"logp must be a [N, T] tensor, got {getattr(logp, 'shape', type(logp))}")
+    if not isinstance(options, LossOptions):
+        raise TypeError(f"options must be a LossOptions, got {type(options).__name__}")
+    N, T = logp.shape
+    dev = logp.device
+    check_tensor("logp", logp, (N, T), dev, floating=True)
+    check_tensor("mask", mask, (N, T), dev, floating=False)
+    for name, x in (("old_logp", old_logp), ("ref_logp", ref_logp), ("sampler_logp", sampler_logp)):
+        if x is not None:
+            check_tensor(name, x, (N, T), dev, floating=True)
+    # Duck-typed: a test's reloaded (interpreted) module has its own class.
+    missing = [f for f in ("G", "mode", "coef", "t_end", "constant", "values") if not hasattr(adv, f)]
+    if missing:
+        raise TypeError(f"advantages must come from group_advantages, got {type(adv).__name__}")
+    check_groups(N, adv.G)
+    if adv.num_rows != N:
+        raise ValueError(f"advantages are for {adv.num_rows} rows, the loss has {N}")
+    if options.beta > 0 and ref_logp is None:
+        raise ValueError(f"beta = {options.beta} > 0 needs ref_logp (the reference policy's log-probs)")
+    if options.kl_bias_correction and ref_logp is None:
+        raise ValueError("kl_bias_correction=True weights the KL term, which needs ref_logp")
+    if isinstance(num_active_tokens, torch.Tensor):
+        if num_active_tokens.numel() != 1 or num_active_tokens.device != dev:
+            raise ValueError("num_active_tokens must be a number or a 1-element tensor on "
+                             f"{dev}, got shape {tuple(num_active_tokens.shape)} on "
+                             f"{num_active_tokens.device}")
+    elif num_active_tokens is not None and not num_active_tokens > 0:
+        raise ValueError(f"num_active_tokens must be > 0, got {num_active_tokens}")
 
 
 # ---------------------------------------------------------------------------------------

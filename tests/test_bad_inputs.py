@@ -32,7 +32,7 @@ import grpo.state.durable as durable
 from grpo.state.checkpoint import load_checkpoint, save_checkpoint
 from grpo.state.layout import ADAPTER_FILE, CheckpointError
 from grpo.state.registry import read_registry
-from grpo.config import parse_override_args
+from grpo.overrides import parse_override_args
 from lora import LoRAConfig, inject_lora, load_adapter, save_adapter
 from train_helpers import run_main
 

@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from bench import learning
-from grpo.config import PHASE_WEIGHTS, parse_override_args
+from grpo.config import PHASE_WEIGHTS
+from grpo.overrides import parse_override_args
 from grpo.cli import phase_configs
 
 VARIANTS = "correctness0,random,frozen"

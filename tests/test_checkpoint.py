@@ -20,7 +20,8 @@ from grpo.state.layout import CheckpointError
 from grpo.state.registry import SelectorError, read_registry, resolve
 from grpo.state.resume import resume_point
 from grpo.state.rng import capture_rng, restore_rng
-from grpo.config import ConfigError, TrainConfig
+from grpo.config import TrainConfig
+from grpo.errors import ConfigError
 from grpo.controller import Controller
 
 REPO = Path(__file__).resolve().parents[1]

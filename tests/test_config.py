@@ -2,16 +2,10 @@
 
 import pytest
 
-from grpo.config import (
-    PHASE_WEIGHTS,
-    ConfigError,
-    TrainConfig,
-    apply_overrides,
-    describe_fields,
-    from_json,
-    parse_override_args,
-    phase_preset,
-)
+from grpo.config import PHASE_WEIGHTS, TrainConfig
+from grpo.errors import ConfigError
+from grpo.overrides import apply_overrides, describe_fields, from_json, parse_override_args
+from grpo.presets import phase_preset
 
 
 def test_phase_presets_carry_the_design_weights():

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from grpo.cli import command_overrides, phase_configs
-from grpo.config import ConfigError
+from grpo.errors import ConfigError
 from grpo.config_file import read_config_file
 from train_helpers import run_main
 

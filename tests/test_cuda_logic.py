@@ -14,7 +14,7 @@ import logging
 import pytest
 import torch
 
-from grpo.config import ConfigError
+from grpo.errors import ConfigError
 from grpo.run.memory_plan import GiB
 
 

@@ -418,7 +418,7 @@ def _micro_batch_cases(dp, bundle, examples) -> dict:
     trained in one pass and a group at a time: the all-reduced gradients must agree."""
     import copy
 
-    from grpo.config import phase_preset
+    from grpo.presets import phase_preset
     from grpo.rewards import RewardModel
     from grpo.rewards.compose import RewardBatch
     from grpo.step import Hooks, Learner, grpo_step, sample_and_score

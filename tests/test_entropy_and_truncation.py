@@ -26,7 +26,9 @@ import pytest
 import torch
 from PIL import Image
 
-from grpo.config import ConfigError, apply_overrides, parse_override_args, phase_preset
+from grpo.errors import ConfigError
+from grpo.overrides import apply_overrides, parse_override_args
+from grpo.presets import phase_preset
 from grpo.distributed import DataParallel
 from grpo.model.load import ModelBundle, load_bundle
 from grpo.model.logprobs import completion_hidden_states, completion_logprobs

@@ -18,7 +18,9 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_res
 
 from data.schema import Example
 from data.synthetic import generate
-from grpo.config import PRESETS, TrainConfig, apply_overrides
+from grpo.config import TrainConfig
+from grpo.overrides import apply_overrides
+from grpo.presets import PRESETS
 from grpo.model.load import ModelLoadError, load_bundle, set_input_bounds
 from grpo.model.prompts import NoPromptsLeft, PromptCounts, encode_prompts
 from grpo.run.records import prompts_summary

@@ -120,14 +120,18 @@ def test_the_walker_sees_lazy_imports_and_cycles():
     assert [t for n in ast.walk(lazy) for t in _imported(n)] == ["grpo.model.load", "grpo.model.load.load_bundle"]
 
 
-# Inside grpo: sub-packages by concept. Each may import grpo.config, grpo.errors and
-# grpo.batches (which import nothing else of grpo, but config reads batches' rule) and the units listed here, nothing else of grpo; the rest of
+# Inside grpo: sub-packages by concept. Each may import the configuration (grpo.config and
+# beside it grpo.config_checks, grpo.overrides, grpo.presets), grpo.errors and grpo.batches
+# (which import only each other, downwards) and the units listed here, nothing else of grpo; the rest of
 # grpo's top level (train, cli, evaluate, final_report, pretrain, distributed) is the harness and
 # the commands, which may import anything below them. grpo.step is the algorithm: it knows
 # nothing of checkpoints, processes, evaluation or the command line.
-GRPO_BASE = {"grpo.config", "grpo.errors", "grpo.batches"}
+GRPO_BASE = {"grpo.config", "grpo.config_checks", "grpo.overrides", "grpo.presets", "grpo.errors", "grpo.batches"}
 GRPO_ALLOWED = {
-    "grpo.config": {"grpo.batches"},
+    "grpo.config_checks": {"grpo.batches", "grpo.errors"},  # what a config may hold (config imports it)
+    "grpo.config": {"grpo.config_checks"},
+    "grpo.overrides": {"grpo.config", "grpo.errors"},
+    "grpo.presets": {"grpo.config", "grpo.config_checks", "grpo.overrides", "grpo.errors"},
     "grpo.batches": set(),  # the levels of a step's batch: the partition rule, the loss share
     "grpo.errors": set(),
     "grpo.run": set(),  # files, log records, progress, schedule, guard, stops, prefetch, phase data
@@ -178,7 +182,8 @@ PATH_FILES = ("grpo/step.py", "grpo/batches.py", "grpo/rollout/sampler.py", "grp
               "grpo/model/logprobs.py", "grpo_kernels/grpo_loss.py")
 # What the harness (grpo/train.py) hands or calls in grpo/step.py: the step, its draw, its two objects.
 PATH_ENTRIES = ("grpo_step", "sample_and_score", "Learner", "Hooks")
-PATH_CAP = 1100
+PATH_CAP = 1000
+RANGES_CAP, FILE_RANGES_CAP = 12, 3  # the path in few pieces
 
 
 class _Unit:
@@ -326,7 +331,8 @@ def reading_path_problems(table: list[tuple[str, str, str]], sources: dict[str, 
 
     - the files are PATH_FILES in order; every range "a-b" lies inside its file and is a whole
       block (blank or nothing just before and just after it); each row's count is the sum of
-      its ranges; the total is at most PATH_CAP and is the one the README states;
+      its ranges; the total is at most PATH_CAP and is the one the README states; at most
+      RANGES_CAP ranges in all and FILE_RANGES_CAP in one file;
     - (a) everything grpo/step.py calls directly in the path files (``_direct``) lies inside
       the read ranges; its callees' callees may sit outside, reached through the named function;
     - (b) nothing inside the read ranges is code the trainer's plain path never runs: every
@@ -359,6 +365,10 @@ def reading_path_problems(table: list[tuple[str, str, str]], sources: dict[str, 
         total += int(count)
     if total > PATH_CAP or stated_total != f"{total:,}":
         problems.append(f"the path is {total:,} lines (the README says {stated_total}; the cap is {PATH_CAP:,})")
+    pieces = {path: len(ranges.split(", ")) for path, ranges, _ in table}
+    if sum(pieces.values()) > RANGES_CAP or max(pieces.values()) > FILE_RANGES_CAP:
+        problems.append(f"the path is in {sum(pieces.values())} ranges, {max(pieces.values())} in one file "
+                        f"(caps: {RANGES_CAP}, {FILE_RANGES_CAP} a file)")
     reached = _reached(units, imports)
     direct = sorted(_direct(units, imports, reached), key=repr)
     problems += [f"step.py calls {u} directly, outside the read lines" for u in direct if not u.lines <= read[u.path]]
@@ -417,3 +427,60 @@ def test_the_reading_path_check_fails_where_it_should():
     grown = problems(1, f"1-{n}")
     assert any("micro_batch_rows_fit" in p and "never runs" in p for p in grown), grown
     assert problems(1, batch_rows) == []
+
+
+# What the path's prose says of other files, checked where a machine can: a file it names
+# exists, a ``name`` it places in a file is defined there, and a module a comment says
+# "reads" a constant imports it.
+_FILE = r"\b(?:grpo|grpo_kernels|lora|data|eval|bench|docs|tests)/[\w/]+\.(?:py|md)\b"
+
+
+def _defines(path: Path, name: str) -> bool:
+    """Whether ``path`` defines ``name`` (or ``Cls.method``) at its top level."""
+    tree = ast.parse(path.read_text())
+    head, _, method = name.partition(".")
+    for n in tree.body:
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and n.name == head:
+            return not method or any(getattr(m, "name", None) == method for m in n.body)
+        if isinstance(n, (ast.Assign, ast.AnnAssign)) and not method:
+            targets = n.targets if isinstance(n, ast.Assign) else [n.target]
+            if any(isinstance(t, ast.Name) and t.id == head for t in targets):
+                return True
+    return False
+
+
+def prose_problems(path: str, text: str, root: Path = ROOT) -> list[str]:
+    """What ``text`` (the source of ``path``) says of other files that is not so."""
+    import re
+
+    problems = []
+    for m in re.finditer(rf"({_FILE})(?: ``([\w.]+)``)?", text):
+        target = root / m.group(1)
+        if not target.exists():
+            problems.append(f"{path} names {m.group(1)}, which does not exist")
+        elif m.group(2) and target.suffix == ".py" and not _defines(target, m.group(2)):
+            problems.append(f"{path} places ``{m.group(2)}`` in {m.group(1)}, which does not define it")
+    module = path.removesuffix(".py").replace("/", ".")
+    for line in text.splitlines():
+        assigned = re.match(r"^([A-Z_][A-Z0-9_]*) = .*#(.*)\bread(?:s)? it\b", line)
+        if not assigned:
+            continue
+        for reader in re.findall(_FILE, assigned.group(2)):
+            tree = ast.parse((root / reader).read_text())
+            if not any(isinstance(n, ast.ImportFrom) and n.module == module and
+                       assigned.group(1) in [a.name for a in n.names] for n in ast.walk(tree)):
+                problems.append(f"{path}: {reader} is said to read {assigned.group(1)} but does not import it")
+    return problems
+
+
+def test_the_path_says_true_things_of_other_files():
+    assert [p for path in PATH_FILES for p in prose_problems(path, (ROOT / path).read_text())] == []
+
+
+def test_the_prose_check_fails_where_it_should():
+    loss = "grpo_kernels/grpo_loss.py"
+    text = (ROOT / loss).read_text()
+    wrong = text.replace("grpo/batches.py read it", "grpo/distributed.py read it", 1)
+    assert any("distributed.py is said to read LOSS_TYPES" in p for p in prose_problems(loss, wrong))
+    assert any("does not exist" in p for p in prose_problems(loss, "see grpo/nowhere.py"))
+    assert any("does not define" in p for p in prose_problems(loss, "grpo/step.py ``no_such_name``"))

@@ -249,11 +249,11 @@ def test_refilled_batches_hold_only_groups_with_spread_in_stream_order():
     B, acc = 4, 2
     first = [stream.draw(B) for _ in range(acc)]
     micro, stats = fill_batch(first, stream.draw, spread_of, B, max_refills=5, pad_id=0)
-    assert [sum(r.n_groups for r in micro)] == [8] and [r.n_groups for r in micro] == [4, 4]
+    assert [sum(len(r.examples) for r in micro)] == [8] and [len(r.examples) for r in micro] == [4, 4]
     pids = [p for r in micro for p in check_aligned(r)]
     assert pids == [p for p in range(stream.next) if p % 3 != 0]  # every kept one, in stream order
     for r in micro:  # nothing without spread reached the batch
-        assert groups_with_spread(r.scores.total, r.out.G) == list(range(r.n_groups))
+        assert groups_with_spread(r.scores.total, r.out.G) == list(range(len(r.examples)))
     # round 0: 8 prompts, 0, 3, 6 tie -> deficit 3; refill 8, 9, 10 -> 9 ties -> deficit 1; 11
     assert stream.calls == [4, 4, 3, 1]
     assert (stats.rounds, stats.refills, stats.sampled_groups, stats.kept_groups) == (3, 2, 12, 8)

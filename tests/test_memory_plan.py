@@ -14,8 +14,9 @@ import torch
 
 from bench.memory import LiveBytes, measured_step, planned_phases, prompt_len_of, saved_per_layer
 from data.synthetic import generate
+from grpo.batches import micro_batch_choices
 from grpo.cli import phase_config
-from grpo.config import ConfigError
+from grpo.errors import ConfigError
 from grpo.model.policy import build_policy
 from grpo.run import memory_plan
 from grpo.run.memory_plan import GiB, check_fits, need_bytes, plan_step, shapes_of_model
@@ -342,7 +343,7 @@ def test_out_of_memory_in_the_training_pass_names_the_micro_batch_that_fits(qwen
     cfg, model = qwen7b_preset
     sh = shapes_of_model(model, cfg)
     plan = plan_step(sh, cfg)
-    smaller = [r for r in memory_plan.micro_batch_choices(cfg) if r < plan.micro_batch_rows]
+    smaller = [r for r in micro_batch_choices(cfg.phase.prompts_per_step, cfg.sampling.G) if r < plan.micro_batch_rows]
     assert smaller, plan.micro_batch_rows  # the preset's micro-batch has a smaller choice
     budget = (need_bytes(plan) + need_bytes(plan_step(sh, cfg, micro_batch_rows=smaller[0]))) // 2
     assert need_bytes(plan_step(sh, cfg, micro_batch_rows=smaller[0])) < budget < need_bytes(plan)

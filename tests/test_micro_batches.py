@@ -30,7 +30,7 @@ import math
 import pytest
 import torch
 
-from grpo.config import phase_preset
+from grpo.presets import phase_preset
 from grpo.model.logprobs import completion_logprobs
 from grpo.batches import loss_share, micro_batch_choices, micro_batch_groups, micro_batch_rows_fit
 from grpo.step import Hooks, grpo_step
@@ -234,7 +234,7 @@ def test_micro_batches_with_vision_adapters_equal_the_one_pass_update():
 
 
 def test_micro_batch_rows_must_be_whole_groups_dividing_the_batch():
-    from grpo.config import ConfigError
+    from grpo.errors import ConfigError
 
     cfg = _config()
     for bad in (-1, 3, 8):  # negative; not whole groups; 8 does not divide 3 x 4 = 12

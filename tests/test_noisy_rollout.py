@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from data.synthetic import generate
-from grpo.config import ConfigError, phase_preset
+from grpo.errors import ConfigError
+from grpo.presets import phase_preset
 from grpo.model.logprobs import completion_logprobs
 from grpo.model.policy import build_policy
 from grpo.model.prompts import encode_prompts

@@ -121,7 +121,7 @@ def test_minimal_jsonl_trains_with_one_command(minimal_dir, tmp_path, capsys):
     report = json.loads((run / "report" / "report.json").read_text())
     assert "held-out test rows" in json.dumps(report) and "[test] base" in out
     # the report's rows are the held-out tenth, which no phase trained on
-    from grpo.config import from_json
+    from grpo.overrides import from_json
     from grpo.run.phase_data import load_training_data, report_examples
 
     cfg = from_json((run / "config_A.json").read_text())
@@ -239,7 +239,9 @@ def test_rows_of_two_images_beside_rows_of_one_train_with_one_command(tmp_path):
     steps = [r for r in log_lines(run) if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2] and any(r["prompts"]["visual_tokens_max"] == 32 for r in steps)
     assert "[test] base" in out and (run / "report" / "report.json").is_file()
-    from grpo.config import ConfigError, apply_overrides, phase_preset
+    from grpo.errors import ConfigError
+    from grpo.overrides import apply_overrides
+    from grpo.presets import phase_preset
     from grpo.run.phase_data import load_own_data
 
     write_images_jsonl(tmp_path / "pairs", [r for r in rows if len(r[1]) == 2])
@@ -406,7 +408,9 @@ def test_convert_reads_the_hub_layout_and_a_datasets_directory(tmp_path, capsys)
 
 
 def test_stage_all_parses_and_a_datasets_directory_without_the_package_is_one_line(tmp_path, monkeypatch):
-    from grpo.config import ConfigError, apply_overrides, phase_preset
+    from grpo.errors import ConfigError
+    from grpo.overrides import apply_overrides
+    from grpo.presets import phase_preset
 
     cfg = apply_overrides(phase_preset("A"), {"phase.mixture": "1=0.5,all=0.5", "run.data": "x"}).validate()
     assert cfg.phase.mixture == {1: 0.5, "all": 0.5}

@@ -23,7 +23,7 @@ import torch
 
 import grpo.step as step_module
 from data.synthetic import generate
-from grpo.config import phase_preset
+from grpo.presets import phase_preset
 from grpo.model.logprobs import completion_logprobs
 from grpo.model.policy import build_policy
 from grpo.model.prompt_context import build_prompt_context

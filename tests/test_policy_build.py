@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from data.synthetic import generate
-from grpo.config import phase_preset
+from grpo.presets import phase_preset
 from grpo.model.load import load_bundle
 from grpo.model.policy import build_policy
 from grpo.model.prompts import encode_prompts

@@ -12,7 +12,8 @@ import json
 import pytest
 
 import grpo.cli
-from grpo.config import ConfigError, preset_for_model
+from grpo.errors import ConfigError
+from grpo.presets import preset_for_model
 from grpo.model.shipped import SHIPPED_DIR
 from train_helpers import run_main
 

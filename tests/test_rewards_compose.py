@@ -10,7 +10,9 @@ from hypothesis import strategies as st
 
 from data.contract import format_response
 from data.schema import Example, Intermediate, RubricItem
-from grpo.config import PHASE_WEIGHTS, ConfigError, RewardConfig, phase_preset
+from grpo.config import PHASE_WEIGHTS, RewardConfig
+from grpo.errors import ConfigError
+from grpo.presets import phase_preset
 from grpo.rewards import COMPONENT_BOUNDS, KNOWN_COMPONENTS, RUBRIC_RELEASE_WEIGHTS, RewardModel
 
 ALL = {name: 1.0 for name in KNOWN_COMPONENTS}

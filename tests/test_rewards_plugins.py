@@ -10,7 +10,10 @@ import torch
 import plugin_rewards
 from data.schema import Example
 from grpo.cli import phase_configs
-from grpo.config import PHASE_WEIGHTS, ConfigError, RewardConfig, apply_overrides, parse_override_args, phase_preset
+from grpo.config import PHASE_WEIGHTS, RewardConfig
+from grpo.errors import ConfigError
+from grpo.overrides import apply_overrides, parse_override_args
+from grpo.presets import phase_preset
 from grpo.controller import Controller
 from grpo.rewards import RewardModel
 from grpo.state.checkpoint import load_checkpoint

@@ -6,7 +6,8 @@ import torch
 
 from data.contract import format_response
 from data.schema import Example, RubricItem
-from grpo.config import ConfigError, RewardConfig
+from grpo.config import RewardConfig
+from grpo.errors import ConfigError
 from grpo.rewards import RewardModel, RuleJudge, TokenLocator, Verdict, judge_from_item_fn, locate, partial_ratio
 from grpo.rewards.rubrics import check_rubrics, rubric_rho, score_rubrics, sentence_spans
 

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from grpo.model import shipped
-from grpo.config import ConfigError, trains_from_scratch
+from grpo.config_checks import trains_from_scratch
+from grpo.errors import ConfigError
 from grpo.model.load import ModelLoadError, load_bundle
 from grpo.rewards import RewardBatch
 from train_helpers import log_lines, run_main

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from data.synthetic import generate
-from grpo.config import phase_preset
+from grpo.presets import phase_preset
 from grpo.distributed import DataParallel
 from grpo.model.logprobs import completion_logprobs
 from grpo.model.policy import build_policy
@@ -76,3 +76,31 @@ def test_the_default_hooks_are_a_one_process_data_parallel(loss_type):
     values = torch.randn(8, 3, generator=g)
     assert Hooks().batch_std(values, 0.0) is None and DataParallel().global_batch_std(values) is None
     assert Hooks().global_loss(1.25) == DataParallel().all_reduce_sum(1.25)
+
+
+def test_the_backend_seam_reaches_every_kernel_the_step_calls(monkeypatch):
+    """Learner.backend is what the advantages, the loss and every log-prob pass (the policy's,
+    the reference's and NoisyRollout's scoring of its noisy rows) are computed with."""
+    import grpo.model.logprobs as logprobs
+    import grpo.step as step
+    from grpo.rollout.noisy import NoisyRollout
+    from grpo.rollout.sampler import sample
+
+    seen: dict[str, set[str]] = {"advantages": set(), "loss": set(), "logprobs": set()}
+
+    def recording(part, fn):
+        def call(*args, backend="auto", **kw):
+            seen[part].add(backend)
+            return fn(*args, backend=backend, **kw)
+        return call
+
+    monkeypatch.setattr(step, "group_advantages", recording("advantages", step.group_advantages))
+    monkeypatch.setattr(step, "grpo_loss", recording("loss", step.grpo_loss))
+    monkeypatch.setattr(logprobs, "token_logprobs", recording("logprobs", logprobs.token_logprobs))
+    torch.manual_seed(0)
+    ln = learner()
+    ln.cfg.optim.beta = 0.04  # the reference pass too
+    ln.rollout = NoisyRollout(sample, 0.5, 0.1, steps=4, backend=ln.backend)
+    examples = iter(generate("train", 1, 16, seed=0))
+    grpo_step(ln, lambda n: sample_and_score(ln, [next(examples) for _ in range(n)], 1.0), step=0, temperature=1.0)
+    assert seen == {"advantages": {"torch"}, "loss": {"torch"}, "logprobs": {"torch"}}

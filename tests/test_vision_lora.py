@@ -12,12 +12,13 @@ import pytest
 import torch
 
 from data.synthetic import generate
-from grpo.config import ConfigError, phase_preset
+from grpo.errors import ConfigError
+from grpo.presets import phase_preset
 from grpo.model.logprobs import completion_logprobs, reference_logprobs
 from grpo.model.policy import build_policy, check_policy_config
 from grpo.model.prompts import encode_prompts
 from grpo.model.vision import VISUAL, has_tower_lora, optimizer_groups, vision_subtrees
-from grpo.rollout.dynamic_sampling import _select_context, concat_rollouts
+from grpo.rollout.dynamic_sampling import concat_rollouts
 from grpo.rollout.merged import MergedRollout
 from grpo.rollout.sampler import Rollout, sample, stop_token_ids
 from lora import disable_adapters, load_lora_state_dict, lora_modules, lora_state_dict
@@ -137,7 +138,7 @@ def test_micro_batches_and_dynamic_selections_keep_their_prompts_images(policy):
         part = completion_logprobs(model, ctx.prompts(1, 3), out.completion_ids[G:], out.completion_mask[G:], G)
         assert torch.equal(part, whole[G:])
         # dynamic sampling: prompts 2 and 0 selected, then joined with prompt 1's rollout
-        pick = _select_context(ctx, torch.tensor([2, 0]))
+        pick = ctx.select([2, 0], trim=True)
         rows = torch.tensor([2 * G, 2 * G + 1, 0, 1])
         sel = completion_logprobs(model, pick, out.completion_ids[rows], out.completion_mask[rows], G)
         assert torch.allclose(sel, whole[rows], rtol=0, atol=1e-5)

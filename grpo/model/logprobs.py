@@ -6,12 +6,13 @@ GRPO's loss needs, for every completion token o_t of every rollout,
     ref_logp_t = log pi_ref(o_t | q, image, o_<t)       reference, LoRA off, no grad
 
 (and old_logp_t: update 1's logp_t, kept for updates 2..mu, grpo/step.py). One forward over
-prompt + completion gives all T of them. What this file does to make that cheap:
+prompt + completion gives all T of them.
 
-- The vision tower is NOT rerun: the merged visual tokens computed once per prompt for
-  sampling (grpo/model/prompt_context.py PromptContext, frozen tower, no grad) are scattered into
-  the B prompt embeddings, which are then indexed to serve the B*G rows. A rerun would
-  cost 2G vision passes per prompt per step (policy + reference).
+What this file does to make that cheap (the reading path skips to the code):
+
+- The vision tower runs per prompt, never per row: frozen (the default), not at all (its
+  tokens from sampling, grpo/model/prompt_context.py PromptContext, serve all B*G rows);
+  with LoRA in it (lora.vision / lora.merger), once per prompt in each pass (grpo/model/vision.py).
 - The prompt once per group (``shared_prefix``, the default, optim.shared_prefix): a group's
   G rows share the prompt, and causal attention means no prompt position sees a completion,
   so grpo/model/shared_prefix.py runs the B prompts once ([B, P, d]) next to the N
@@ -38,13 +39,12 @@ prompt + completion gives all T of them. What this file does to make that cheap:
   checkpointing (``model.gradient_checkpointing``) recomputes a decoder layer in backward
   only when the layer is training, and an eval-mode pass would silently keep every
   activation. Qwen2.5-VL has no dropout and GRPO phases refuse LoRA dropout
-  (grpo/config.py), so training mode is the same function as the sampler's eval mode.
+  (grpo/config_checks.py), so training mode is the same function as the sampler's eval mode.
 
 Temperature: the logits are divided by the sampler's temperature (pass the same value),
 so this is the same function as the sampler's ``logprobs``; temperature 0 (greedy
-sampling) is scored at 1.
-
-The trainer calls these once per training micro-batch (``PromptContext.prompts``): N rows here.
+sampling) is scored at 1. The trainer calls these once per training micro-batch
+(``PromptContext.prompts``): N rows here.
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ def check_policy_config(cfg: TrainConfig) -> None:
     Without this, `--lora.targets nosuch_proj` surfaced when phase A injected LoRA, after
     the whole warm-up had run.
     """
-    from grpo.config import ConfigError
+    from grpo.errors import ConfigError
     from grpo.model.load import model_skeleton
     from grpo.model.vision import vision_subtrees
     from lora.inject import find_target_names
@@ -105,7 +105,7 @@ def build_policy(cfg: TrainConfig, device: str, base_ckpt: Path | None = None, v
 
 def load_policy(path: str | Path, run_dir: str | Path | None = None, device: str = "cpu") -> Any:
     """The policy a checkpoint describes (base chain + its adapter), ready to sample."""
-    from grpo.config import from_json
+    from grpo.overrides import from_json
     from grpo.state.checkpoint import load_checkpoint
     from lora import load_lora_state_dict
 

@@ -35,6 +35,7 @@ image of the batch at once, ``image_embeds`` holds prompt 0's images' tokens, th
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -66,25 +67,32 @@ class PromptContext:
 
     def prompts(self, start: int, stop: int) -> "PromptContext":
         """The context of prompts start..stop-1 alone (a training micro-batch of whole groups).
-
-        The visual tokens are stored concatenated in prompt order, so prompt b's rows of
-        ``image_embeds`` (all its images') start after the visual tokens of prompts 0..b-1. The padded length P
-        is kept: every position id is explicit, so a shorter slice would be equally right,
-        but equal shapes keep a micro-batch's numbers those of the whole batch."""
+        The padded length P is kept: every position id is explicit, so a shorter slice would be
+        equally right, but equal shapes keep a micro-batch's numbers those of the whole batch."""
         if not 0 <= start < stop <= self.B:
             raise ValueError(f"prompts({start}, {stop}): need 0 <= start < stop <= B = {self.B}")
-        if (start, stop) == (0, self.B):
-            return self
+        return self if (start, stop) == (0, self.B) else self.select(range(start, stop))
+
+    def select(self, prompts: Sequence[int], trim: bool = False) -> "PromptContext":
+        """The context of ``prompts`` (indices, in order) alone. The visual tokens are stored
+        concatenated in prompt order, so prompt b's rows of ``image_embeds`` (all its images')
+        start after the visual tokens of prompts 0..b-1. ``trim``: cut the leading columns that
+        are padding in every kept prompt (left padding: they only cost attention work)."""
+        prompts = list(prompts)
         n_vis = self.image_mask.sum(1).tolist()  # [B] visual tokens per prompt (a host sync)
-        first, last = sum(n_vis[:start]), sum(n_vis[:stop])
+        start = [sum(n_vis[:p]) for p in prompts]
+        vis = [i for p, s in zip(prompts, start) for i in range(s, s + n_vis[p])]
+        idx = torch.tensor(prompts, dtype=torch.long, device=self.input_ids.device)
+        am = self.attention_mask[idx]
+        first = int((am.sum(0) > 0).nonzero()[0]) if trim and am.numel() else 0
         return PromptContext(
-            input_ids=self.input_ids[start:stop],
-            attention_mask=self.attention_mask[start:stop],
-            position_ids=self.position_ids[:, start:stop],
-            next_position=self.next_position[start:stop],
-            image_embeds=self.image_embeds[first:last],
-            image_mask=self.image_mask[start:stop],
-            vision=self.vision_of(range(start, stop)),
+            input_ids=self.input_ids[idx, first:],
+            attention_mask=am[:, first:],
+            position_ids=self.position_ids[:, idx, first:],
+            next_position=self.next_position[idx],
+            image_embeds=self.image_embeds[torch.tensor(vis, dtype=torch.long, device=self.image_embeds.device)],
+            image_mask=self.image_mask[idx, first:],
+            vision=self.vision_of(prompts),
         )
 
     def vision_of(self, prompts) -> VisionInputs | None:

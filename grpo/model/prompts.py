@@ -204,6 +204,33 @@ def resize_direction(bundle: ModelBundle, image, grid: torch.Tensor) -> int:
     return -1 if area < rounded else (1 if area > rounded else 0)
 
 
+def _prompt_tokens(bundle: ModelBundle, question: str | None, n_images: int, grid: torch.Tensor,
+                   i: int) -> tuple[list[int], int]:
+    """(token ids, visual tokens) of one prompt: its chat text with each image's placeholder
+    expanded to the image's visual tokens (one per 2x2 group of patches, ``grid`` [k, 3])."""
+    image_pad = "<|image_pad|>"
+    text = prompt_text(bundle, question, n_images)
+    per_image = (grid.prod(-1) // bundle.merge_size**2).tolist()  # one LM token per 2x2 group of patches
+    # The k-th placeholder becomes image k's tokens (splitting first: a replaced run would
+    # be found again by the next replace).
+    parts = text.split(image_pad)
+    if len(parts) != n_images + 1:
+        raise ValueError(f"encode_prompts: item {i}: the chat template wrote {len(parts) - 1} image placeholders "
+                         f"for {n_images} images")
+    text = parts[0] + "".join(image_pad * n + part for n, part in zip(per_image, parts[1:]))
+    return bundle.tokenizer(text, add_special_tokens=False)["input_ids"], sum(per_image)
+
+
+def _left_padded(rows: list[list[int]], P: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask) [B, P] of token rows padded on the left to P."""
+    input_ids = torch.full((len(rows), P), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), P), dtype=torch.long)
+    for b, r in enumerate(rows):
+        input_ids[b, P - len(r):] = torch.tensor(r, dtype=torch.long)
+        attention_mask[b, P - len(r):] = 1
+    return input_ids, attention_mask
+
+
 def encode_prompts(
     bundle: ModelBundle,
     items,
@@ -229,8 +256,6 @@ def encode_prompts(
     if not pairs:
         raise ValueError("encode_prompts: no prompts given")
     cap = getattr(bundle, "max_prompt_tokens", 0) if max_prompt_tokens is None else int(max_prompt_tokens)
-    tok, merge2 = bundle.tokenizer, bundle.merge_size**2
-    image_pad = "<|image_pad|>"
     rows, pixels, grids, kept, skipped, counts = [], [], [], [], [], PromptCounts()
     for i, (images, question) in enumerate(pairs):
         if not image_only and (not isinstance(question, str) or not question.strip()):
@@ -243,17 +268,7 @@ def encode_prompts(
             skipped.append((i, str(e)))
             counts.skipped_image += 1
             continue
-        text = prompt_text(bundle, None if image_only else question, len(images))
-        per_image = (grid.prod(-1) // merge2).tolist()  # one LM token per 2x2 group of patches
-        n_vis = sum(per_image)
-        # The k-th placeholder becomes image k's tokens (splitting first: a replaced run would
-        # be found again by the next replace).
-        parts = text.split(image_pad)
-        if len(parts) != len(images) + 1:
-            raise ValueError(f"encode_prompts: item {i}: the chat template wrote {len(parts) - 1} image placeholders "
-                             f"for {len(images)} images")
-        text = parts[0] + "".join(image_pad * n + part for n, part in zip(per_image, parts[1:]))
-        row = tok(text, add_special_tokens=False)["input_ids"]
+        row, n_vis = _prompt_tokens(bundle, None if image_only else question, len(images), grid, i)
         if cap and len(row) > cap:  # the memory bound: a longer prompt never reaches the model
             why = f"prompt of {len(row)} tokens ({n_vis} visual) > max_prompt_tokens={cap}"
             if on_bad_image == "raise":
@@ -278,12 +293,7 @@ def encode_prompts(
         raise ValueError(f"encode_prompts: a prompt is {P} tokens, longer than the model's context "
                          f"({bundle.context_length}); shorten the question, lower --model.max_pixels "
                          "or set --model.max_prompt_tokens")
-    B = len(rows)
-    input_ids = torch.full((B, P), bundle.pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((B, P), dtype=torch.long)
-    for b, r in enumerate(rows):
-        input_ids[b, P - len(r):] = torch.tensor(r, dtype=torch.long)
-        attention_mask[b, P - len(r):] = 1
+    input_ids, attention_mask = _left_padded(rows, P, bundle.pad_token_id)
     mm_token_type_ids = (input_ids == bundle.image_token_id).to(torch.long) * attention_mask
     return PromptBatch(
         input_ids=input_ids,

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from grpo.model.lr_groups import lr_groups
 from lora.inject import LoRAConfig, count_parameters, freeze_all_but_lora, inject_lora, lora_modules, training_mode
 
 VISUAL = "model.visual"  # Qwen2.5-VL's vision tower, merger included (transformers 5's module tree)
@@ -157,7 +158,7 @@ def optimizer_groups(model: nn.Module, params: list[nn.Parameter], optim: Any) -
     """AdamW's parameter groups: ``params`` as they are without tower LoRA (one group, the
     language model's lr); else one group each for the language model's, the blocks' (lr_scale
     = optim.vision_lr_scale) and the merger's adapters (optim.merger_lr_scale), in that order,
-    those that exist. grpo/step.py sets a group's lr to the schedule's lr times its lr_scale."""
+    those that exist (grpo/model/lr_groups.py ``lr_groups``; ``set_lr`` sets their lr)."""
     if not has_tower_lora(model):
         return params
     kind = {}
@@ -165,5 +166,4 @@ def optimizer_groups(model: nn.Module, params: list[nn.Parameter], optim: Any) -
         k = "merger" if name.startswith(MERGER + ".") else "vision" if name.startswith(VISUAL + ".") else "language"
         kind[id(m.lora_A)] = kind[id(m.lora_B)] = k
     scales = {"language": 1.0, "vision": optim.vision_lr_scale, "merger": optim.merger_lr_scale}
-    groups = [{"params": [p for p in params if kind[id(p)] == k], "lr_scale": scales[k], "name": k} for k in scales]
-    return [g for g in groups if g["params"]]
+    return lr_groups(*((k, [p for p in params if kind[id(p)] == k], scale) for k, scale in scales.items()))

@@ -76,8 +76,10 @@ import torch
 from data.contract import normalize_number, parse_response
 from data.schema import Example
 from eval.reasoning import arithmetic_right
-from grpo.config import KNOWN_COMPONENTS, ConfigError, RewardConfig, check_weights  # noqa: F401 (re-exported)
-from grpo.config import overlong_buffer
+from grpo.config import RewardConfig
+from grpo.config_checks import check_weights, KNOWN_COMPONENTS
+from grpo.errors import ConfigError
+from grpo.config_checks import overlong_buffer
 from grpo.rewards.detail import DETAIL_MAX, W_LEVEL, detail_reward
 from grpo.rewards.overlong import soft_overlong
 from grpo.rewards.plugins import load_plugins, score_plugin
@@ -86,7 +88,7 @@ from grpo.rewards.rubrics import Judge, PrefixInputs, RubricScore, RuleJudge, To
 from grpo.rewards.steps import STEP_ALPHA, has_content, step_rar, step_rvr
 from grpo.rewards.verifier import VERIFIER_COMPONENTS, verify
 
-# The component names are the config's vocabulary (rewards.weights keys): grpo/config.py
+# The component names are the config's vocabulary (rewards.weights keys): grpo/config_checks.py
 # owns them; the verifier's six come first.
 assert KNOWN_COMPONENTS[: len(VERIFIER_COMPONENTS)] == VERIFIER_COMPONENTS
 COMPONENT_BOUNDS: dict[str, tuple[float, float]] = {

@@ -27,7 +27,8 @@ from numbers import Real
 from typing import Any
 
 from data.schema import Example
-from grpo.config import ConfigError, plugin_target
+from grpo.config_checks import plugin_target
+from grpo.errors import ConfigError
 
 RewardFn = Callable[[list[Example], list[str]], Sequence[float]]
 

@@ -67,9 +67,9 @@ from typing import Any
 
 import torch
 
-from grpo.model.prompt_context import PromptContext, group_rows
+from grpo.model.prompt_context import PromptContext
 from grpo.model.vision import VisionInputs
-from grpo.rollout.sampler import Rollout, SampleOutput
+from grpo.rollout.sampler import Rollout, SampleOutput, pad_right
 from grpo_kernels.grpo_advantages import check_groups, group_zscore_reference
 
 
@@ -146,27 +146,6 @@ def groups_in_band(correct: torch.Tensor, G: int, low: float, high: float) -> li
 # ----------------------------------------------------------------------------- merging rollouts
 
 
-def _select_context(ctx: PromptContext, prompts: torch.Tensor) -> PromptContext:
-    """The per-prompt tensors of ``prompts`` (indices, in order), leading all-pad columns cut."""
-    n_vis = ctx.image_mask.sum(1)  # visual rows of each prompt in image_embeds, prompt order
-    start = torch.cumsum(n_vis, 0) - n_vis
-    vis = torch.cat([torch.arange(int(start[p]), int(start[p] + n_vis[p]), device=ctx.image_embeds.device)
-                     for p in prompts.tolist()]) if len(prompts) else torch.zeros(0, dtype=torch.long)
-    am = ctx.attention_mask[prompts]
-    # Left padding: every prompt ends at column P-1; columns that are padding in every
-    # kept row only cost attention work.
-    first = int((am.sum(0) > 0).nonzero()[0]) if am.numel() else 0
-    return PromptContext(
-        input_ids=ctx.input_ids[prompts, first:],
-        attention_mask=am[:, first:],
-        position_ids=ctx.position_ids[:, prompts, first:],
-        next_position=ctx.next_position[prompts],
-        image_embeds=ctx.image_embeds[vis],
-        image_mask=ctx.image_mask[prompts, first:],
-        vision=ctx.vision_of(prompts.tolist()),
-    )
-
-
 def _select_rewards(scores: Any, rows: torch.Tensor) -> Any:
     idx = rows.cpu()
     prefix = scores.prefix
@@ -181,19 +160,12 @@ def _select_rewards(scores: Any, rows: torch.Tensor) -> Any:
 def select_groups(r: Rollout, groups: Sequence[int]) -> Rollout:
     """The rollout restricted to ``groups`` (prompt indices, in order); all of them -> ``r`` itself."""
     groups = list(groups)
-    if groups == list(range(r.n_groups)):
+    if groups == list(range(len(r.examples))):
         return r
     out, G = r.out, r.out.G
     dev = out.completion_ids.device
-    g = torch.tensor(groups, dtype=torch.long, device=dev)
-    rows = (g[:, None] * G + torch.arange(G, device=dev)).flatten()
-    sub = SampleOutput(
-        completion_ids=out.completion_ids[rows], completion_mask=out.completion_mask[rows],
-        logprobs=out.logprobs[rows], filtered_logprobs=out.filtered_logprobs[rows],
-        finished=out.finished[rows], truncated=out.truncated[rows],
-        texts=[out.texts[i] for i in rows.tolist()], prompt_index=group_rows(len(groups), G, dev), G=G,
-        context=_select_context(out.context, g.to(out.context.input_ids.device)),
-    )
+    rows = (torch.tensor(groups, dtype=torch.long, device=dev)[:, None] * G + torch.arange(G, device=dev)).flatten()
+    sub = SampleOutput.from_rows([out], out.context.select(groups, trim=True), rows)
     return Rollout([r.examples[i] for i in groups], sub, _select_rewards(r.scores, rows))
 
 
@@ -202,14 +174,6 @@ def _pad_left(x: torch.Tensor, P: int, value: int | bool) -> torch.Tensor:
     if pad == 0:
         return x
     return torch.cat([torch.full((*x.shape[:-1], pad), value, dtype=x.dtype, device=x.device), x], -1)
-
-
-def pad_right(x: torch.Tensor, T: int, value: float | int | bool) -> torch.Tensor:
-    """``x`` [..., t] padded with ``value`` on the right to [..., T] (completions of several samplings)."""
-    pad = T - x.shape[-1]
-    if pad == 0:
-        return x
-    return torch.cat([x, torch.full((*x.shape[:-1], pad), value, dtype=x.dtype, device=x.device)], -1)
 
 
 def _concat_rewards(parts: Sequence[Any]) -> Any:
@@ -234,9 +198,7 @@ def concat_rollouts(rs: Sequence[Rollout], pad_id: int) -> Rollout:
     if len(rs) == 1:
         return rs[0]
     outs = [r.out for r in rs]
-    G = outs[0].G
     P = max(o.context.P for o in outs)  # the longest prompt
-    T = max(o.completion_ids.shape[1] for o in outs)
     ctxs = [o.context for o in outs]
     ctx = PromptContext(
         input_ids=torch.cat([_pad_left(c.input_ids, P, pad_id) for c in ctxs]),
@@ -247,16 +209,7 @@ def concat_rollouts(rs: Sequence[Rollout], pad_id: int) -> Rollout:
         image_mask=torch.cat([_pad_left(c.image_mask, P, False) for c in ctxs]),
         vision=VisionInputs.cat([c.vision for c in ctxs]),
     )
-    dev = outs[0].completion_ids.device
-    n_prompts = sum(r.n_groups for r in rs)
-    out = SampleOutput(
-        completion_ids=torch.cat([pad_right(o.completion_ids, T, pad_id) for o in outs]),
-        completion_mask=torch.cat([pad_right(o.completion_mask, T, 0) for o in outs]),
-        logprobs=torch.cat([pad_right(o.logprobs, T, 0.0) for o in outs]),
-        filtered_logprobs=torch.cat([pad_right(o.filtered_logprobs, T, 0.0) for o in outs]),
-        finished=torch.cat([o.finished for o in outs]), truncated=torch.cat([o.truncated for o in outs]),
-        texts=[t for o in outs for t in o.texts], prompt_index=group_rows(n_prompts, G, dev), G=G, context=ctx,
-    )
+    out = SampleOutput.from_rows(outs, ctx, pad_id=pad_id)
     return Rollout([e for r in rs for e in r.examples], out, _concat_rewards([r.scores for r in rs]))
 
 
@@ -284,12 +237,12 @@ def fill_batch(
                 inside = set(band(r))
                 stats.out_of_band += sum(g not in inside for g in keep)
                 keep = [g for g in keep if g in inside]
-            stats.sampled_groups += r.n_groups
+            stats.sampled_groups += len(r.examples)
             stats.kept_groups += len(keep)
             pool.append((r, keep))
 
     take(first)
-    if all(len(k) == r.n_groups == B for r, k in pool):  # nothing to drop, nothing missing
+    if all(len(k) == len(r.examples) == B for r, k in pool):  # nothing to drop, nothing missing
         return list(first), stats
     while stats.kept_groups < stats.target and stats.refills < max_refills:
         stats.rounds += 1

@@ -42,7 +42,6 @@ import torch
 
 from grpo.model.logprobs import completion_logprobs
 from grpo.model.prompts import PromptBatch
-from grpo.rollout.dynamic_sampling import pad_right
 from grpo.rollout.sampler import SampleOutput
 
 
@@ -72,34 +71,22 @@ def join_groups(clean: SampleOutput, noisy: SampleOutput, pad_id: int) -> Sample
     """One output of G = clean.G + noisy.G rows per prompt, each group's clean rows first, on
     the clean output's prompt context (what the log-prob passes read)."""
     B, Gc, Gn = clean.context.B, clean.G, noisy.G
-    G, T = Gc + Gn, max(clean.completion_ids.shape[1], noisy.completion_ids.shape[1])
-    dev = clean.completion_ids.device
+    G, dev = Gc + Gn, clean.completion_ids.device
     # row j of the joined batch: prompt j // G; clean row b*Gc + k for k < Gc, else noisy b*Gn + k - Gc
     b, k = torch.arange(B * G, device=dev) // G, torch.arange(B * G, device=dev) % G
-    is_noisy = k >= Gc
-    src = torch.where(is_noisy, B * Gc + b * Gn + k - Gc, b * Gc + k)  # into cat([clean rows, noisy rows])
-
-    def take(name: str, pad: Any) -> torch.Tensor:
-        a, z = getattr(clean, name), getattr(noisy, name)
-        if a.dim() == 2:
-            a, z = pad_right(a, T, pad), pad_right(z, T, pad)
-        return torch.cat([a, z])[src]
-
-    texts = clean.texts + noisy.texts
-    return SampleOutput(
-        completion_ids=take("completion_ids", pad_id), completion_mask=take("completion_mask", 0),
-        logprobs=take("logprobs", 0.0), filtered_logprobs=take("filtered_logprobs", 0.0),
-        finished=take("finished", False), truncated=take("truncated", False),
-        texts=[texts[i] for i in src.tolist()], prompt_index=b, G=G, context=clean.context)
+    src = torch.where(k >= Gc, B * Gc + b * Gn + k - Gc, b * Gc + k)  # into the clean rows, then the noisy
+    return SampleOutput.from_rows([clean, noisy], clean.context, src, pad_id=pad_id, G=G)
 
 
 class NoisyRollout:
     """The rollout seam of grpo/step.py's Learner (``rollout(bundle, prompts, G=, ...)``) with
     NoisyRollout's mixed groups around any inner sampler (grpo/rollout/sampler.py's ``sample``
-    or a merged copy's). ``step`` is the phase step being sampled (the trainer sets it)."""
+    or a merged copy's). ``step`` is the phase step being sampled (the trainer sets it);
+    ``backend`` is the log-prob kernels' for the noisy rows' scoring pass (the Learner's)."""
 
-    def __init__(self, inner: Callable[..., SampleOutput], fraction: float, std: float, steps: int):
-        self.inner, self.fraction, self.std, self.steps = inner, fraction, std, steps
+    def __init__(self, inner: Callable[..., SampleOutput], fraction: float, std: float, steps: int,
+                 backend: str = "auto"):
+        self.inner, self.fraction, self.std, self.steps, self.backend = inner, fraction, std, steps, backend
         self.step = 0
 
     @property
@@ -113,5 +100,6 @@ class NoisyRollout:
         noisy = self.inner(bundle, noisy_prompts(prompts, self.sigma, generator), G=n, generator=generator, **kw)
         with torch.no_grad():  # the noisy rows as the clean-image policy scores them (module doc)
             noisy.logprobs = completion_logprobs(bundle.model, clean.context, noisy.completion_ids,
-                                                 noisy.completion_mask, n, temperature=kw.get("temperature", 1.0))
+                                                 noisy.completion_mask, n, temperature=kw.get("temperature", 1.0),
+                                                 backend=self.backend)
         return join_groups(clean, noisy, bundle.pad_token_id)

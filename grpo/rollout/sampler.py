@@ -56,7 +56,7 @@ Simplified: one host sync per step for the stop check, no speculative decoding, 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -67,6 +67,22 @@ from grpo.model.prompt_context import PromptContext, build_prompt_context, group
 from grpo.model.prompts import PromptBatch
 from grpo.rollout import static_cache
 from lora import frozen_adapter_casts
+
+
+@dataclass
+class Rollout:
+    """A scored rollout: one sampler call's prompts, completions and rewards (G rows a prompt)."""
+
+    examples: list[Any]  # one per prompt the sampler kept, in row-group order
+    out: SampleOutput
+    scores: Any  # grpo.rewards.RewardBatch of out's rows
+    prompts: Any = None  # grpo.model.prompts.PromptCounts of the call's prompts (entered, resized, skipped)
+
+
+def content_tokens(out: SampleOutput) -> list[int]:
+    """Completion tokens per row without the stop token: what the brevity and truncation rules
+    count (tok >= L is truncated: L - 1 tokens and a stop did not hit the budget, L without one did)."""
+    return (out.lengths - out.finished.long()).tolist()
 
 
 @dataclass
@@ -97,27 +113,36 @@ class SampleOutput:
         ``completion_mask`` either way (the row's log-probs stay the policy's)."""
         return self.completion_mask * ~self.truncated[:, None] if mask_truncated else self.completion_mask
 
+    @classmethod
+    def from_rows(cls, outs: Sequence["SampleOutput"], context: PromptContext, rows: torch.Tensor | None = None,
+                  *, pad_id: int = 0, G: int | None = None) -> "SampleOutput":
+        """One output from the rows of ``outs``: their completions padded on the right to the
+        longest (token ``pad_id``, mask 0, log-prob 0; outputs of one length pad nothing) and
+        stacked in order, then ``rows`` of them taken (None: all), as groups of ``G`` (default
+        outs[0].G) on ``context``'s prompts: how dynamic sampling selects and joins rollouts and
+        NoisyRollout joins its clean and noisy rows (the sampler builds its own from the decode
+        loop)."""
+        T = max(o.completion_ids.shape[1] for o in outs)
 
-@dataclass
-class Rollout:
-    """A scored rollout: one sampler call's prompts, completions and rewards (rows grouped by
-    prompt, G each)."""
+        def stack(name: str, pad: float | int | bool) -> torch.Tensor:
+            x = torch.cat([pad_right(t, T, pad) if t.dim() == 2 else t for t in (getattr(o, name) for o in outs)])
+            return x if rows is None else x[rows]
 
-    examples: list[Any]  # one per prompt the sampler kept, in row-group order
-    out: SampleOutput
-    scores: Any  # grpo.rewards.RewardBatch of out's rows
-    prompts: Any = None  # grpo.model.prompts.PromptCounts of the call's prompts (entered, resized, skipped)
-
-    @property
-    def n_groups(self) -> int:
-        return self.out.completion_ids.shape[0] // self.out.G
+        texts = [t for o in outs for t in o.texts]
+        G = outs[0].G if G is None else G
+        return cls(completion_ids=stack("completion_ids", pad_id), completion_mask=stack("completion_mask", 0),
+                   logprobs=stack("logprobs", 0.0), filtered_logprobs=stack("filtered_logprobs", 0.0),
+                   finished=stack("finished", False), truncated=stack("truncated", False),
+                   texts=texts if rows is None else [texts[i] for i in rows.tolist()],
+                   prompt_index=group_rows(context.B, G, outs[0].completion_ids.device), G=G, context=context)
 
 
-def content_tokens(out: SampleOutput) -> list[int]:
-    """Completion tokens per row without the stop token: what the brevity and truncation
-    rules count (tok >= L is truncated). A row that stopped after L - 1 tokens did not hit
-    the budget; one that produced L tokens without stopping did."""
-    return (out.lengths - out.finished.long()).tolist()
+def pad_right(x: torch.Tensor, T: int, value: float | int | bool) -> torch.Tensor:
+    """``x`` [..., t] padded with ``value`` on the right to [..., T] (completions of several samplings)."""
+    pad = T - x.shape[-1]
+    if pad == 0:
+        return x
+    return torch.cat([x, torch.full((*x.shape[:-1], pad), value, dtype=x.dtype, device=x.device)], -1)
 
 
 # ----------------------------------------------------------------------------- model calls
@@ -305,7 +330,9 @@ def sampler_generator(generator: torch.Generator | None, seed: int | None, devic
     return generator
 
 
-def _check_args(G: int, max_new_tokens: int, temperature: float, top_k: int, top_p: float) -> None:
+def _check_args(bundle: ModelBundle, prompts: PromptBatch, G: int, max_new_tokens: int, temperature: float,
+                top_k: int, top_p: float, decode: str) -> None:
+    """``sample``'s arguments, refused in one line each."""
     if not isinstance(G, int) or G < 1:
         raise ValueError(f"G={G!r}: the group size must be an integer >= 1")
     if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
@@ -316,6 +343,12 @@ def _check_args(G: int, max_new_tokens: int, temperature: float, top_k: int, top
         raise ValueError(f"top_k={top_k!r}: must be an integer >= 0 (0 = off)")
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p={top_p!r}: must be in (0, 1] (1 = off)")
+    if decode not in ("auto", "static", "fused", "hf"):
+        raise ValueError(f"decode={decode!r}: use 'auto', 'static', 'fused' or 'hf'")
+    prompt_len = prompts.input_ids.shape[1]
+    if prompt_len + max_new_tokens > bundle.context_length:
+        raise ValueError(f"prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens} exceeds the model's "
+                         f"context of {bundle.context_length}; lower max_new_tokens or the image size")
 
 
 def stop_token_ids(bundle: ModelBundle) -> list[int]:
@@ -365,15 +398,8 @@ def sample(
     ``compact``: drop finished rows from the batch (see decode_n_tokens). ``hook``: another
     decode step (DecodeHook); it decodes every row to the end and ignores ``decode``.
     """
-    _check_args(G, max_new_tokens, temperature, top_k, top_p)
-    if decode not in ("auto", "static", "fused", "hf"):
-        raise ValueError(f"decode={decode!r}: use 'auto', 'static', 'fused' or 'hf'")
-    model = bundle.model
-    prompt_len = prompts.input_ids.shape[1]
-    if prompt_len + max_new_tokens > bundle.context_length:
-        raise ValueError(f"prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens} exceeds the model's "
-                         f"context of {bundle.context_length}; lower max_new_tokens or the image size")
-    device = model.device
+    _check_args(bundle, prompts, G, max_new_tokens, temperature, top_k, top_p, decode)
+    model, device = bundle.model, bundle.model.device
     generator = sampler_generator(generator, seed, device)  # refused unless on the model's device
 
     ctx = build_prompt_context(model, prompts)  # vision tower: once per prompt
@@ -403,15 +429,6 @@ def sample(
     stopped_before = (is_stop.long().cumsum(1) - is_stop.long()) > 0
     mask = (~stopped_before).long()
     texts = [bundle.decode(t[m.bool() & ~s].tolist()) for t, m, s in zip(tokens.cpu(), mask.cpu(), is_stop.cpu())]
-    return SampleOutput(
-        completion_ids=tokens,
-        completion_mask=mask,
-        logprobs=logps * mask,
-        filtered_logprobs=logqs * mask,
-        finished=done,
-        truncated=~done,
-        texts=texts,
-        prompt_index=rows,
-        G=G,
-        context=ctx,
-    )
+    return SampleOutput(completion_ids=tokens, completion_mask=mask, logprobs=logps * mask,
+                        filtered_logprobs=logqs * mask, finished=done, truncated=~done, texts=texts,
+                        prompt_index=rows, G=G, context=ctx)

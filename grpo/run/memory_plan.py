@@ -70,8 +70,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from grpo.batches import groups_per_micro_batch, micro_batch_choices as fitting_rows
-from grpo.config import ConfigError, TrainConfig
+from grpo.batches import groups_per_micro_batch, micro_batch_choices
+from grpo.config import TrainConfig
+from grpo.errors import ConfigError
 
 GiB = 2**30
 TEXT_TOKENS = 128  # text tokens of a prompt besides its images (the synthetic curriculum's: 45-61, tiny tokenizer)
@@ -428,6 +429,57 @@ class Plan:
         return " + ".join(f"{ph} {self.phase_bytes(ph) / GiB:.1f}" for ph in self.phases)
 
 
+def _add_resident(plan: Plan, sh: Shapes, cfg: TrainConfig) -> None:
+    """What a step holds throughout: the base weights, the adapter and its optimiser, the merged copy."""
+    plan.add("base weights, 4-bit (NF4 codes + statistics)", "resident", sh.quantized_bytes)
+    plan.add("base weights, dense (embeddings, lm_head, vision, norms)", "resident", sh.dense_bytes)
+    plan.add("LoRA + grads + AdamW moments", "resident", sh.lora_params * sh.lora_bytes * 4,
+             f"{sh.lora_params:,} params x 4 tensors")
+    if sh.reference_lora_params:
+        plan.add("reference adapter (the warm-up's, frozen)", "resident", sh.reference_lora_params * sh.lora_bytes,
+                 f"{sh.reference_lora_params:,} params")
+    if cfg.sampling.rollout == "merged":
+        plan.add("merged rollout copy", "resident", sh.merged_params * sh.compute_bytes,
+                 "the adapted projections in the compute dtype")
+
+
+def _add_sampling(plan: Plan, sh: Shapes, cfg: TrainConfig, P: int, dequant: int) -> None:
+    """Sampling: the KV cache of N rows at full length, built from the B-prompt prefill (of
+    P tokens each), the decode's transients and one dequantised NF4 weight."""
+    s, b, B = cfg.sampling, sh.compute_bytes, cfg.phase.prompts_per_step
+    N, S = B * s.G, P + s.max_new_tokens  # rows, the sampler's sequence
+    kv_per_token = 2 * sh.layers * sh.kv_dim * b  # K and V of every layer
+    S_cache = S if s.rollout == "plain" else -(-S // 64) * 64  # the merged copy rounds to 64 columns
+    cache = N * S_cache * kv_per_token
+    plan.add("KV cache (N rows x prompt + budget)", "sampling", cache, f"{kv_per_token // 1024} KiB/token")
+    plan.add("prefill cache of the B prompts (copied into it)", "sampling", B * P * kv_per_token)
+    if s.rollout == "plain":
+        plan.add("cache compaction (rows gathered while the old cache lives)", "sampling", 0.375 * cache,
+                 "worst case: a quarter of the rows stopped")
+    plan.add("prefill: one layer's activations (B prompts)", "sampling", B * P * layer_transient_no_grad_per_token(sh))
+    plan.add("decode logits transients", "sampling", N * decode_bytes_per_row(sh))
+    plan.add("dequantised NF4 weight (one projection)", "sampling", dequant)
+
+
+def _add_vision(plan: Plan, sh: Shapes, cfg: TrainConfig, images: int, m: int) -> None:
+    """lora.vision / lora.merger: the training passes run the tower again on the images of a
+    micro-batch of m rows: the patches each pass keeps, the tower's saved activations."""
+    o, b, G, B = cfg.optim, sh.compute_bytes, cfg.sampling.G, cfg.phase.prompts_per_step
+    N = B * G
+    patches = images * visual_tokens(cfg) * sh.vision_merge**2  # of one prompt
+    mb_prompts = max(1, m // G)
+    # the batch's patches, kept by its prompt context; cut into micro-batches, each micro-batch's
+    # context holds a copy of its own prompts' (all cut at once, grpo/step.py): the batch's twice
+    pixels = (2 if m < N else 1) * B * patches * sh.vision_patch_elems * b
+    for phase in ("reference", "policy") if o.beta > 0 else ("policy",):
+        plan.add(f"{phase}: the images' patches (the tower runs again)", phase, pixels)
+    ckpt = cfg.model.gradient_checkpointing
+    per_patch = vision_checkpointed_per_patch(sh) if ckpt else vision_saved_per_patch(sh)
+    plan.add("policy: the vision tower's " + ("kept inputs (checkpointed)" if ckpt else "saved activations"),
+             "policy", mb_prompts * patches * per_patch + vision_lora_copies(sh, ckpt),
+             f"{mb_prompts} prompts x {patches:,} patches x {per_patch:,} B")
+
+
 def plan_step(sh: Shapes, cfg: TrainConfig, *, device: str = "cuda", micro_batch_rows: int | None = None,
               prompt_len: int | None = None, images: int = 1) -> Plan:
     """The predicted peak of one GRPO step of ``cfg`` on a model of shapes ``sh``.
@@ -441,38 +493,15 @@ def plan_step(sh: Shapes, cfg: TrainConfig, *, device: str = "cuda", micro_batch
     m = o.micro_batch_rows if micro_batch_rows is None else micro_batch_rows
     m = groups_per_micro_batch(B, G, m) * G  # the partition rule (grpo/batches.py)
     P = prompt_tokens(cfg, images) if prompt_len is None else prompt_len
-    S = P + T  # the sampler's sequence
     d, b, L, V = sh.hidden, sh.compute_bytes, sh.layers, sh.vocab
     plan = Plan(micro_batch_rows=m, rows=N, prompt_tokens=P, completion_tokens=T, device=device)
 
-    # ---- resident
-    plan.add("base weights, 4-bit (NF4 codes + statistics)", "resident", sh.quantized_bytes)
-    plan.add("base weights, dense (embeddings, lm_head, vision, norms)", "resident", sh.dense_bytes)
-    plan.add("LoRA + grads + AdamW moments", "resident", sh.lora_params * sh.lora_bytes * 4,
-             f"{sh.lora_params:,} params x 4 tensors")
-    if sh.reference_lora_params:
-        plan.add("reference adapter (the warm-up's, frozen)", "resident", sh.reference_lora_params * sh.lora_bytes,
-                 f"{sh.reference_lora_params:,} params")
-    if s.rollout == "merged":
-        plan.add("merged rollout copy", "resident", sh.merged_params * b,
-                 "the adapted projections in the compute dtype")
-
-    # ---- sampling: the KV cache of N rows at full length, built from the B-prompt prefill
-    kv_per_token = 2 * L * sh.kv_dim * b  # K and V of every layer
-    S_cache = S if s.rollout == "plain" else -(-S // 64) * 64  # the merged copy rounds to 64 columns
-    cache = N * S_cache * kv_per_token
-    plan.add("KV cache (N rows x prompt + budget)", "sampling", cache, f"{kv_per_token // 1024} KiB/token")
-    plan.add("prefill cache of the B prompts (copied into it)", "sampling", B * P * kv_per_token)
-    if s.rollout == "plain":
-        plan.add("cache compaction (rows gathered while the old cache lives)", "sampling", 0.375 * cache,
-                 "worst case: a quarter of the rows stopped")
-    plan.add("prefill: one layer's activations (B prompts)", "sampling", B * P * layer_transient_no_grad_per_token(sh))
-    plan.add("decode logits transients", "sampling", N * decode_bytes_per_row(sh))
+    _add_resident(plan, sh, cfg)
     # bitsandbytes multiplies a batch of rows by an NF4 weight by dequantising it whole first
     # (on CUDA inside its gemm op; a CPU forward runs a fused kernel, its backward dequantises too)
     dequant_bwd = sh.largest_projection * b if sh.quantized_bytes else 0
     dequant = dequant_bwd if device == "cuda" else 0
-    plan.add("dequantised NF4 weight (one projection)", "sampling", dequant)
+    _add_sampling(plan, sh, cfg, P, dequant)
 
     # ---- training passes over one micro-batch of m rows (m / G prompts)
     chunk = min(m, max(1, o.logits_chunk_tokens // T)) * T  # completion tokens per LM-head chunk
@@ -488,18 +517,7 @@ def plan_step(sh: Shapes, cfg: TrainConfig, *, device: str = "cuda", micro_batch
         plan.add("reference: one logits chunk", "reference", chunk * logits_bytes_per_token(sh, device, False))
     plan.add("policy: micro-batch inputs + mask", "policy", inputs + mask)
     if sh.vision_trains:  # lora.vision / lora.merger: the passes run the tower again on their prompts' images
-        patches = images * visual_tokens(cfg) * sh.vision_merge**2  # of one prompt
-        mb_prompts = max(1, m // G)
-        # the batch's patches, kept by its prompt context; cut into micro-batches, each micro-batch's
-        # context holds a copy of its own prompts' (all cut at once, grpo/step.py): the batch's twice
-        pixels = (2 if m < N else 1) * B * patches * sh.vision_patch_elems * b
-        for phase in ("reference", "policy") if o.beta > 0 else ("policy",):
-            plan.add(f"{phase}: the images' patches (the tower runs again)", phase, pixels)
-        ckpt = cfg.model.gradient_checkpointing
-        per_patch = vision_checkpointed_per_patch(sh) if ckpt else vision_saved_per_patch(sh)
-        plan.add("policy: the vision tower's " + ("kept inputs (checkpointed)" if ckpt else "saved activations"),
-                 "policy", mb_prompts * patches * per_patch + vision_lora_copies(sh, ckpt),
-                 f"{mb_prompts} prompts x {patches:,} patches x {per_patch:,} B")
+        _add_vision(plan, sh, cfg, images, m)
     saved = tokens * layer_saved_per_token(sh, repeated_kv=not o.shared_prefix) + kv_extra
     if cfg.model.gradient_checkpointing:
         plan.add("policy: layer inputs kept by checkpointing", "policy", L * tokens * b * d,
@@ -536,16 +554,11 @@ def need_bytes(plan: Plan) -> int:
     return int(plan.peak * (1 + ALLOCATOR_SLACK)) + CUDA_OVERHEAD
 
 
-def micro_batch_choices(cfg: TrainConfig) -> list[int]:
-    """optim.micro_batch_rows values the config accepts, largest first (whole groups that divide B x G)."""
-    return fitting_rows(cfg.phase.prompts_per_step, cfg.sampling.G)
-
-
 def largest_fitting(sh: Shapes, cfg: TrainConfig, budget: int, device: str = "cuda",
                     prompt_len: int | None = None, images: int = 1) -> tuple[int, Plan] | None:
     """(micro_batch_rows, plan) of the largest training micro-batch whose step needs at most
     ``budget`` bytes (``need_bytes``), or None when not even one group fits."""
-    for rows in micro_batch_choices(cfg):
+    for rows in micro_batch_choices(cfg.phase.prompts_per_step, cfg.sampling.G):
         plan = plan_step(sh, cfg, device=device, micro_batch_rows=rows, prompt_len=prompt_len, images=images)
         if need_bytes(plan) <= budget:
             return rows, plan
@@ -632,7 +645,7 @@ def out_of_memory_fix(sh: Shapes, cfg: TrainConfig, part: str, budget: int | Non
     phase = phase if phase in plan.phases else plan.peak_phase
     figure = (f"the memory plan puts {label} at {_size(plan.phase_bytes(phase))} ({phase}; peak "
               f"{_size(plan.peak)} in {plan.peak_phase}, micro-batch {plan.micro_batch_rows} of {plan.rows} rows)")
-    smaller = [r for r in micro_batch_choices(cfg) if r < plan.micro_batch_rows]
+    smaller = [r for r in micro_batch_choices(cfg.phase.prompts_per_step, cfg.sampling.G) if r < plan.micro_batch_rows]
     if budget is None:  # no device memory to plan against: the next smaller step
         fix = (f"rerun with --optim.micro_batch_rows {smaller[0]}" if phase == "policy" and smaller else
                f"lower --sampling.max_new_tokens (now {cfg.sampling.max_new_tokens}) in a new run directory")

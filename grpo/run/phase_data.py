@@ -24,7 +24,8 @@ from data.schema import Example
 from data.sources import load_source
 from data.stages import ALL, has_stage_metadata, is_numeric_free_form, select_stage
 from data.synthetic import generate
-from grpo.config import PHASE_DEFAULTS, ConfigError, TrainConfig
+from grpo.config import PHASE_DEFAULTS, TrainConfig
+from grpo.errors import ConfigError
 
 VAL_EVERY = 5  # own data: one training row of a stage in five is held out for the checkpoint eval
 

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import torch
 
-from grpo.config import ConfigError
+from grpo.errors import ConfigError
 
 
 def pick_device(name: str) -> str:

@@ -9,18 +9,18 @@ from grpo.config import TrainConfig
 
 
 def updates_per_batch(cfg: TrainConfig) -> int:
-    """mu: optimiser steps per rollout batch in a GRPO phase (the SFT warm-up takes one per batch)."""
+    """mu: optimiser steps per step in a GRPO phase (the SFT warm-up takes one per step)."""
     return 1 if cfg.phase.name == "warmup" else cfg.optim.updates_per_batch
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
     """Learning rate for optimiser step ``step`` (0-based): linear warm-up, then the schedule.
 
-    phase.steps counts rollout batches; a GRPO phase takes mu = optim.updates_per_batch
-    optimiser steps per batch, so the schedule (and optim.warmup_steps) runs over
-    phase.steps x mu optimiser steps, and batch s's updates are optimiser steps s*mu ..
-    s*mu + mu - 1. A pure function of the step, so resuming needs only the step to restore
-    the schedule (checkpoints fall on batch boundaries).
+    phase.steps counts steps (each of optim.accumulation rollout batches); a GRPO phase takes
+    mu = optim.updates_per_batch optimiser steps per step, so the schedule (and
+    optim.warmup_steps) runs over phase.steps x mu optimiser steps, and step s's updates are
+    optimiser steps s*mu .. s*mu + mu - 1. A pure function of the step, so resuming needs only
+    the step to restore the schedule (checkpoints fall on step boundaries).
     """
     o, total = cfg.optim, max(1, cfg.phase.steps * updates_per_batch(cfg))
     if step < o.warmup_steps:

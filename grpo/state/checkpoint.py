@@ -73,7 +73,7 @@ from safetensors.torch import save as st_save
 
 from data.atomic import fsync_dir, temp_path
 from eval.scores import SCORE_KEYS
-from grpo.config import PHASES
+from grpo.config_checks import PHASES
 from grpo.state import durable  # durable.write_bytes: looked up at each call, one seam for every byte
 from grpo.state.durable import join_tensors, json_bytes, replace_json, sha256, split_tensors
 from grpo.state.layout import (ADAPTER_FILE, FORMAT_VERSION, OPTIM_JSON, OPTIM_TENSORS, READABLE_VERSIONS, REGISTRY,
@@ -189,8 +189,21 @@ def save_checkpoint(
 
     name = step_dirname(step)
     final = phase_dir / name
-    tmp = temp_path(final)
-    # Serialise everything before touching the disk, so a TypeError costs no cleanup.
+    files = _checkpoint_files(phase, step, tensors, optimizer, dict(
+        format_version=FORMAT_VERSION, phase=phase, step=step, data_position=int(data_position),
+        scheduler=scheduler_state, controller=controller_state, metrics=metrics, scores=dict(scores),
+        rng=rng if rng is not None else capture_rng(), config=config, extra=extra or {}))
+    _write_directory(files, final, phase_dir, replaces)
+    # The directory is complete: now make it exist, in one atomic registry replace.
+    _register(reg, phase_dir, name, step, scores, sha256(files[STATE_FILE]), periodic, replaces, keep_last)
+    return final
+
+
+def _checkpoint_files(phase: str, step: int, tensors: dict[str, torch.Tensor],
+                      optimizer: torch.optim.Optimizer | None, state: dict) -> dict[str, bytes]:
+    """Every file of a checkpoint as bytes, serialised before anything touches the disk (a
+    TypeError costs no cleanup): the adapter, the optimiser's tensors and structure, and
+    ``state`` completed with the other files' sizes and digests, the time and torch's version."""
     adapter = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in tensors.items()}
     payloads = {ADAPTER_FILE: adapter}
     if optimizer is not None:
@@ -207,24 +220,20 @@ def save_checkpoint(
     if optimizer is not None:
         files[OPTIM_JSON] = json_bytes(opt_structure, "optimizer state")
     state = {
-        "format_version": FORMAT_VERSION,
-        "phase": phase,
-        "step": step,
-        "data_position": int(data_position),
-        "scheduler": scheduler_state,
-        "controller": controller_state,
-        "metrics": metrics,
-        "scores": dict(scores),
-        "rng": rng if rng is not None else capture_rng(),
-        "config": config,
-        "extra": extra or {},
+        **state,
         # checked on load: the size catches truncation, the digest every other change
         "files": {n: {"size": len(b), "sha256": sha256(b)} for n, b in files.items()},
         "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "torch_version": torch.__version__,
     }
     files[STATE_FILE] = json_bytes(state, "checkpoint state (scheduler/controller/metrics/extra)")
+    return files
 
+
+def _write_directory(files: dict[str, bytes], final: Path, phase_dir: Path, replaces: bool) -> None:
+    """``files`` into a temporary directory, made durable, then renamed to ``final`` (which a
+    periodic checkpoint of the same step ``replaces``); on an OSError nothing is left."""
+    tmp = temp_path(final)
     try:
         tmp.mkdir()
         for fname, data in files.items():
@@ -241,10 +250,14 @@ def save_checkpoint(
             f"could not write checkpoint {final} ({why}); nothing was registered and earlier checkpoints "
             f"are intact. Free space (or pass keep_last to prune) and save again.") from e
 
-    # The directory is complete: now make it exist, in one atomic registry replace.
+
+def _register(reg: dict, phase_dir: Path, name: str, step: int, scores: dict, state_sha256: str, periodic: bool,
+              replaces: bool, keep_last: int | None) -> None:
+    """The written checkpoint into the registry (one atomic replace), its aliases moved, the
+    checkpoints pruned removed after the registry forgot them."""
     if replaces:
         reg["checkpoints"].pop()
-    entry = {"step": step, "dir": name, "scores": dict(scores), "state_sha256": sha256(files[STATE_FILE])}
+    entry = {"step": step, "dir": name, "scores": dict(scores), "state_sha256": state_sha256}
     if periodic:
         entry["periodic"] = True
     reg["checkpoints"].append(entry)  # the digest closes the chain
@@ -255,13 +268,12 @@ def save_checkpoint(
         replace_json(phase_dir / REGISTRY, reg)
     except OSError as e:
         raise CheckpointError(
-            f"checkpoint {final} was written but {phase_dir / REGISTRY} could not be updated ({e}); "
+            f"checkpoint {phase_dir / name} was written but {phase_dir / REGISTRY} could not be updated ({e}); "
             f"the registry still lists only the earlier checkpoints. Free space and save again.") from e
     for d in doomed:  # after the registry forgot them: a kill here leaves only leftovers
         shutil.rmtree(phase_dir / d, ignore_errors=True)
     for p in phase_dir.glob(f".tmp-replaced-{name}-*"):
         shutil.rmtree(p, ignore_errors=True)
-    return final
 
 
 # ----------------------------------------------------------------------------- load

@@ -12,7 +12,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from grpo.config import PHASES, ConfigError, TrainConfig
+from grpo.config import TrainConfig
+from grpo.config_checks import PHASES
+from grpo.errors import ConfigError
 from grpo.state.checkpoint import read_state
 from grpo.state.layout import CheckpointError
 from grpo.state.registry import read_registry

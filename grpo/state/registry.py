@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from eval.scores import SCORE_KEYS
-from grpo.config import PHASES
+from grpo.config_checks import PHASES
 from grpo.run.lock import LOCK_FILE
 from grpo.state.layout import FORMAT_VERSION, READABLE_VERSIONS, REGISTRY, STATE_FILE, CheckpointError
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from data.atomic import fsync_dir
-from grpo.config import trains_from_scratch
+from grpo.config_checks import trains_from_scratch
 from grpo.state.checkpoint import LoadedCheckpoint, load_checkpoint, read_state, registry_entry
 from grpo.state.durable import replace_json
 from grpo.state.layout import REGISTRY, CheckpointError

@@ -17,7 +17,9 @@ from typing import Any
 
 import torch
 
-from grpo.config import ConfigError, TrainConfig, phase_init
+from grpo.config import TrainConfig
+from grpo.errors import ConfigError
+from grpo.presets import phase_init
 from grpo.run.files import RunFiles
 from grpo.state.checkpoint import LoadedCheckpoint, load_checkpoint, save_checkpoint
 from grpo.state.contents import adapter_tensors, base_checkpoint_of

@@ -45,7 +45,8 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 from dataclasses import dataclass
 
 import torch
@@ -55,9 +56,12 @@ from data.contract import format_response
 from data.mixture import MixtureStream
 from data.schema import Example
 from data.signals import STOP
-from grpo.config import ConfigError, TrainConfig, trains_from_scratch
+from grpo.config import TrainConfig
+from grpo.config_checks import trains_from_scratch
+from grpo.errors import ConfigError
 from grpo.model_eval import checkpoint_eval, print_eval
 from grpo.model.load import load_bundle
+from grpo.model.lr_groups import lr_groups, set_lr
 from grpo.model.policy import build_policy, input_bounds, load_base_weights
 from grpo.model.prompts import encode_prompts
 from grpo.run.files import RunFiles
@@ -219,43 +223,95 @@ def _resume_warmup(files: RunFiles, model, head, opt, stream: MixtureStream, rng
     return r.step
 
 
-def run_warmup(cfg: TrainConfig, files: RunFiles, device: str) -> None:
-    """R1-VL policy warm-up. For the tiny model: all weights, a perception (caption) stage
-    first, dense perception labels throughout, imperfect contract on purpose (module docstring).
-    Rank 0 only: the warm-up is not data-parallel."""
-    train, val = load_training_data(cfg)
+def _warmup_model(cfg: TrainConfig, device: str, tiny: bool, train: dict) -> tuple[Any, PerceptionHead | None]:
+    """The model the warm-up trains: from scratch every weight (the perception head beside it
+    when optim.perception_weight > 0), else a LoRA on the pretrained model (the contract kept
+    strict)."""
     dtype = getattr(torch, cfg.model.dtype)
     bundle = load_bundle(cfg.model.name, dtype=dtype, device=device, seed=cfg.run.seed, **input_bounds(cfg))
-    model = bundle.model
-    # tiny-random (or any directory build_tiny_model wrote) starts from random weights.
-    tiny = trains_from_scratch(cfg.model.name)
     if not tiny:  # a pretrained model: warm up a LoRA, keep the contract strict
         bundle = build_policy(cfg, device)
-        model = bundle.model
     elif cfg.model.gradient_checkpointing:  # build_policy enables it for the LoRA path
-        enable_gradient_checkpointing(model)
+        enable_gradient_checkpointing(bundle.model)
     head = None
     if tiny and cfg.optim.perception_weight > 0:
         if not any(ex.marks for s in train for ex in train[s]):  # a family may draw none (geometry)
             raise ConfigError(f"--run.data {cfg.run.data}: the examples carry no renderer marks, so the perception "
                               f"loss has no labels; use the synthetic curriculum or set --warmup.optim.perception_weight 0")
         torch.manual_seed(cfg.run.seed)
-        head = PerceptionHead(model.config.text_config.hidden_size).to(device)
+        head = PerceptionHead(bundle.model.config.text_config.hidden_size).to(device)
+    return bundle, head
+
+
+def _warmup_optimizer(model: torch.nn.Module, head: PerceptionHead | None,
+                      cfg: TrainConfig) -> tuple[list[torch.nn.Parameter], torch.optim.Optimizer]:
+    """(every trained parameter, AdamW over them): the language model's at lr, the tower's at
+    optim.vision_lr_scale x lr, the perception head's at lr."""
     params = [p for p in model.parameters() if p.requires_grad]
     visual = {id(p) for n, p in model.named_parameters() if ".visual." in f".{n}"}
-    groups = [{"params": [p for p in params if id(p) not in visual], "lr_scale": 1.0},
-              {"params": [p for p in params if id(p) in visual], "lr_scale": cfg.optim.vision_lr_scale},
-              {"params": list(head.parameters()) if head is not None else [], "lr_scale": 1.0}]
-    params += [p for p in groups[2]["params"]]
-    opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
-    style = SFTStyle() if tiny else None
-    rng = random.Random(cfg.run.seed)
+    head_params = list(head.parameters()) if head is not None else []
+    groups = lr_groups((None, [p for p in params if id(p) not in visual], 1.0),
+                       (None, [p for p in params if id(p) in visual], cfg.optim.vision_lr_scale), (None, head_params, 1.0))
+    return params + head_params, torch.optim.AdamW(groups, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
+
+
+def _log_warmup_step(files: RunFiles, bar: Progress, cfg: TrainConfig, k: int, total: int, stage: str, lr: float,
+                     t0: float, lm_loss: torch.Tensor, perc_loss: torch.Tensor | None, gnorm: torch.Tensor) -> None:
+    """One warm-up step's log record and progress line (printed every run.log_every steps
+    when no terminal shows the bar)."""
+    record = dict(phase="warmup", step=k + 1, stage=stage, sft_loss=lm_loss.item(), grad_norm=float(gnorm),
+                  lr=lr, time=dict(step=time.time() - t0))
+    if perc_loss is not None:
+        record["perception_loss"] = perc_loss.item()
+    files.write_log(record)
+    info = (f"{'captions' if stage == 'perception' else 'reasoning'}: lm loss {lm_loss.item():.3f}"
+            + (f", perception loss {perc_loss.item():.3f}" if perc_loss is not None else ""))
+    bar.update(k + 1, info)
+    if (k + 1) % cfg.run.log_every == 0 and not bar.tty:
+        eta = bar.eta(k + 1)  # a log read without a terminal still says how long is left
+        print(f"[warmup {k + 1}/{total}] {info}  eta {eta / 60:.0f} min" if eta == eta
+              else f"[warmup {k + 1}/{total}] {info}", flush=True)
+
+
+def _evaluate_and_save(cfg: TrainConfig, files: RunFiles, bundle: Any, eval_examples: list, done: int, tiny: bool,
+                       save_progress: Callable[[int], None], opt: torch.optim.Optimizer) -> None:
+    """The warm-up's end: the checkpoint-side evaluation, then its checkpoint (``done`` counts
+    every optimiser step, captions included). A stop abandons the evaluation and leaves the
+    last step saved as periodic, so a resume redoes it."""
+    try:
+        result = checkpoint_eval(bundle, eval_examples, cfg)
+    except EvalAbandoned:
+        if not _latest_is_periodic_at(files, done):
+            save_progress(done)
+        raise Stopped(stop_message(f"warmup step {done} (its evaluation abandoned)"), STOP.signum) from None
+    print_eval("warmup", done, result)
+    files.write_log(dict(event="eval", phase="warmup", step=done, metrics=result.flat()))
+    files.write_samples("warmup", done, result.records, eval_examples)
+    model = bundle.model
+    tensors = base_tensors(model) if tiny else adapter_tensors(lora_state_dict(model))
+    # an adapter warm-up keeps AdamW's moments: RL may continue them (optim.warmup_moments)
+    save_checkpoint(files.root, "warmup", done, tensors=tensors, optimizer=None if tiny else opt,
+                    scheduler_state={"step": done}, controller_state={}, data_position=0,
+                    metrics=result.flat(), scores=result.scores, config_json=cfg.to_json(),
+                    extra={"kind": "base" if tiny else "adapter", "base": None})
+
+
+def run_warmup(cfg: TrainConfig, files: RunFiles, device: str) -> None:
+    """R1-VL policy warm-up. For the tiny model: all weights, a perception (caption) stage
+    first, dense perception labels throughout, imperfect contract on purpose (module docstring).
+    Rank 0 only: the warm-up is not data-parallel."""
+    train, val = load_training_data(cfg)
+    tiny = trains_from_scratch(cfg.model.name)  # tiny-random (or a directory build_tiny_model wrote): random weights
+    bundle, head = _warmup_model(cfg, device, tiny, train)
+    model = bundle.model
+    params, opt = _warmup_optimizer(model, head, cfg)
+    style, rng = SFTStyle() if tiny else None, random.Random(cfg.run.seed)  # the worked answers' style and its draws
     stream = MixtureStream(train, cfg.phase.mixture, cfg.run.seed)  # the warm-up's own stage mixture
     B, n_caption = cfg.phase.prompts_per_step, cfg.phase.perception_steps if tiny else 0  # B as in GRPO: examples a step
     total = n_caption + cfg.phase.steps
+    what = f"all weights, perception labels {'on' if head else 'off'}, imperfect contract on purpose" if tiny else "LoRA"
     print(f"warm-up: {n_caption} perception steps on image captions, then {cfg.phase.steps} SFT steps on worked "
-          f"reasoning, x {B} examples ({'all weights, perception labels ' + ('on' if head else 'off') + ', imperfect contract on purpose' if tiny else 'LoRA'})",
-          flush=True)
+          f"reasoning, x {B} examples ({what})", flush=True)
     guard = StepGuard([(n, p) for n, p in model.named_parameters() if p.requires_grad], opt, files, cfg)
     model.train()
 
@@ -299,8 +355,7 @@ def run_warmup(cfg: TrainConfig, files: RunFiles, device: str) -> None:
     for k, stage, lr, examples, batch, labels, data in prefetch(batches()):
         t0 = time.time()
         batch = {key: v.to(device) for key, v in batch.items()}
-        for g in opt.param_groups:
-            g["lr"] = lr * g["lr_scale"]
+        set_lr(opt, lr)
         lm_loss, perc_loss = warmup_losses(model, batch, examples, head, labels)
         loss = lm_loss if perc_loss is None else lm_loss + cfg.optim.perception_weight * perc_loss
         opt.zero_grad(set_to_none=True)
@@ -312,18 +367,7 @@ def run_warmup(cfg: TrainConfig, files: RunFiles, device: str) -> None:
                          f"[warmup {k + 1}] non-finite update ({len(bad)} tensors, e.g. {bad[0]}): step undone")
         else:
             guard.succeeded()
-        record = dict(phase="warmup", step=k + 1, stage=stage, sft_loss=lm_loss.item(), grad_norm=float(gnorm),
-                      lr=lr, time=dict(step=time.time() - t0))
-        if perc_loss is not None:
-            record["perception_loss"] = perc_loss.item()
-        files.write_log(record)
-        info = (f"{'captions' if stage == 'perception' else 'reasoning'}: lm loss {lm_loss.item():.3f}"
-                + (f", perception loss {perc_loss.item():.3f}" if perc_loss is not None else ""))
-        bar.update(k + 1, info)
-        if (k + 1) % cfg.run.log_every == 0 and not bar.tty:
-            eta = bar.eta(k + 1)  # a log read without a terminal still says how long is left
-            print(f"[warmup {k + 1}/{total}] {info}  eta {eta / 60:.0f} min" if eta == eta
-                  else f"[warmup {k + 1}/{total}] {info}", flush=True)
+        _log_warmup_step(files, bar, cfg, k, total, stage, lr, t0, lm_loss, perc_loss, gnorm)
         if STOP.requested or (k + 1 < total and clock.due(k + 1)):  # the last step is saved with its eval below
             save_progress(k + 1)
             if STOP.requested:
@@ -331,20 +375,4 @@ def run_warmup(cfg: TrainConfig, files: RunFiles, device: str) -> None:
                 raise Stopped(stop_message(f"warmup step {k + 1}"), STOP.signum)
     bar.close()
     model.eval()
-    done = total  # the checkpoint's step counts every optimiser step, captions included
-    try:
-        eval_examples = eval_subset(cfg, val)
-        result = checkpoint_eval(bundle, eval_examples, cfg)
-    except EvalAbandoned:  # saved as a periodic checkpoint of the last step: a resume redoes the evaluation
-        if not _latest_is_periodic_at(files, done):
-            save_progress(done)
-        raise Stopped(stop_message(f"warmup step {done} (its evaluation abandoned)"), STOP.signum) from None
-    print_eval("warmup", done, result)
-    files.write_log(dict(event="eval", phase="warmup", step=done, metrics=result.flat()))
-    files.write_samples("warmup", done, result.records, eval_examples)
-    tensors = base_tensors(model) if tiny else adapter_tensors(lora_state_dict(model))
-    # an adapter warm-up keeps AdamW's moments: RL may continue them (optim.warmup_moments)
-    save_checkpoint(files.root, "warmup", done, tensors=tensors, optimizer=None if tiny else opt,
-                    scheduler_state={"step": done}, controller_state={}, data_position=0,
-                    metrics=result.flat(), scores=result.scores, config_json=cfg.to_json(),
-                    extra={"kind": "base" if tiny else "adapter", "base": None})
+    _evaluate_and_save(cfg, files, bundle, eval_subset(cfg, val), total, tiny, save_progress, opt)
