@@ -6,9 +6,10 @@
 
 What it runs
 ------------
-Each run is the README's own-data command, ``python -m grpo.train --phase B --run.data DATA``
-(the shipped base -> A -> B with the defaults, then the end-of-run report on the data's
-held-out tenth), plus ``--run.seed k`` and the arm's options (ARMS), as a subprocess with
+Each run is RL from the base on own data, ``python -m grpo.train --phase B --run.data DATA
+--sft-first never`` (the shipped base -> A -> B with the defaults, then the end-of-run report on
+the data's held-out tenth: the own-data command as it was before it learned to warm up on the
+labels first where the base has no signal, grpo/own_data.py), plus ``--run.seed k`` and the arm's options (ARMS), as a subprocess with
 its own run directory ``<out>/<arm>/seed<k>/`` (the trainer's console output beside it, in
 ``seed<k>.out``). A run whose report exists is finished and never rerun; an interrupted one
 is continued by the trainer itself (the same command resumes). The run directory is held
@@ -109,8 +110,8 @@ def test_rows(data: Path, out: Path) -> Path:
 
 
 def command(arm: str, seed: int, data: Path, run_dir: Path, extra: list[str]) -> list[str]:
-    return [sys.executable, "-m", "grpo.train", "--phase", "B", "--run.data", str(data), "--run.seed", str(seed),
-            "--run.run_dir", str(run_dir), *ARMS[arm][1], *extra]
+    return [sys.executable, "-m", "grpo.train", "--phase", "B", "--run.data", str(data), "--sft-first", "never",
+            "--run.seed", str(seed), "--run.run_dir", str(run_dir), *ARMS[arm][1], *extra]
 
 
 def _call(argv: list[str], log: Path, what: str, lock: RunLock | None = None) -> None:
@@ -335,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     trace_seed = seeds[0] if args.trace_seed is None else args.trace_seed
     lines = ["## bench.collapse", "", f"data {args.data}; trainer: python -m grpo.train --phase B --run.data DATA "
-             f"--run.seed k [arm options] {' '.join(args.trainer_args)}".rstrip(), ""]
+             f"--sft-first never --run.seed k [arm options] {' '.join(args.trainer_args)}".rstrip(), ""]
     lines += summary(results, args.samples)
     for arm in arms:
         if trace_seed in results[arm]:

@@ -142,7 +142,8 @@ def control_summary(name: str, result: EvalResult) -> list[str]:
         [f"control: {result.blind_gap}"] + ([w] if (w := gap_warning(name, result.blind_gap)) else [])
     if result.records:
         distinct, share, top = result.answer_spread()
-        lines.append(f"answers: {distinct} distinct, the most common {top!r} in {share:.0%}")
+        lines.append(f"answers: {distinct} distinct, the most common {top!r} in {share:.0%}" if distinct
+                     else "answers: none parsed")
         if (w := collapse_warning(name, result)) is not None:
             lines.append(w)
     return lines
