@@ -150,6 +150,9 @@ def _run(rollout_and_state, cfg, checkpointing=False, dtype=torch.float32):
     ln = _learner(cfg, state, checkpointing)
     if dtype != torch.float32:
         ln.bundle.model.to(dtype)  # the same Parameter objects: the optimiser still holds them
+        for m in ln.bundle.model.modules():  # rotary angles stay fp32, as transformers computes them: 5.17
+            if isinstance(getattr(m, "inv_freq", None), torch.Tensor):  # multiplies inv_freq.float() by fp32
+                m.inv_freq = m.inv_freq.to(torch.float32)  # positions (a matmul, no promotion)
         rollout = copy.deepcopy(rollout)
         rollout.out.context.image_embeds = rollout.out.context.image_embeds.to(dtype)
     hooks = _Record()
