@@ -81,10 +81,10 @@ def _lines(path: Path) -> list[dict]:
 
 def test_rows(data: Path, out: Path) -> Path:
     """``out/test_rows``: the data's held-out rows (the report's) as their own set, written once."""
-    from data.atomic import new_directory
     from data.holdout import split_test
     from data.jsonl import DATA_FILE
     from data.sources import load_source, source_kind
+    from grpo_infra.atomic import new_directory
 
     target = out / "test_rows"
     if (target / DATA_FILE).is_file():
@@ -147,6 +147,11 @@ def ensure(arm: str, seed: int, args: argparse.Namespace, rows: Path) -> Path:
                *_trace_selectors(run_dir)], log, f"{arm} seed {seed}'s trace")
         tmp.rename(trace)
     return run_dir
+
+
+def _window_mean(window: list[dict], key: str) -> float:
+    """The mean of ``key`` over a window of log records (nan for an empty one)."""
+    return sum(r[key] for r in window) / len(window) if window else float("nan")
 
 
 def _sampled(samples: Path) -> dict[str, float]:
@@ -212,9 +217,9 @@ def trace_rows(run_dir: Path) -> list[list[str]]:
             phase, step = sel.split(":")
             window = [r for r in log if "reward" in r and r["phase"] == phase and int(step) - TRACE_EVERY < r["step"]
                       <= int(step)]
-            mean = (lambda k: sum(r[k] for r in window) / len(window)) if window else (lambda k: float("nan"))
             em = evals.get((phase, int(step)))
-            cells = [sel, "" if em is None else f"{em:.3f}", f"{mean('entropy'):.3f}", f"{mean('zero_spread'):.2f}",
+            cells = [sel, "" if em is None else f"{em:.3f}", f"{_window_mean(window, 'entropy'):.3f}",
+                     f"{_window_mean(window, 'zero_spread'):.2f}",
                      f"{window[-1]['temperature']:.1f}" if window else ""]
         out.append(cells + [f"{m['overall']['metrics']['exact_match']:.3f}", f"{s['per_prompt']:.2f}",
                             str(s["overall"]), f"{m['overall']['metrics']['pass_at_k']:.3f}"])

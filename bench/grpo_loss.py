@@ -27,8 +27,18 @@ import argparse
 
 import torch
 
-from bench._timing import (device_name, fmt, fmt_bytes, gbps, measure, peak_bandwidth, print_compile_time,
-                           print_table, time_fn, timing_cells)
+from bench._timing import (
+    device_name,
+    fmt,
+    fmt_bytes,
+    gbps,
+    measure,
+    peak_bandwidth,
+    print_compile_time,
+    print_table,
+    time_fn,
+    timing_cells,
+)
 from grpo_kernels import grpo_loss as gl
 
 GPU_SHAPES = [(8, 512), (16, 1024), (32, 2048), (64, 4096)]
@@ -125,7 +135,7 @@ def bench_case(N: int, T: int, mode_name: str, providers: dict, device: str, arg
     peak_bw = peak_bandwidth(device)
     rows = []
     for name, loss_fn in providers.items():
-        def step():
+        def step(loss_fn=loss_fn):  # bound now: measure() calls it within this iteration anyway
             logp.grad = None
             loss_fn(logp, inp, mode).backward()
         row = dict(shape=f"N={N} T={T}", mode=mode_name, provider=name)

@@ -39,8 +39,18 @@ import argparse
 
 import torch
 
-from bench._timing import (device_name, fmt, fmt_bytes, gbps, measure, peak_bandwidth, print_compile_time,
-                           print_table, time_fn, timing_cells)
+from bench._timing import (
+    device_name,
+    fmt,
+    fmt_bytes,
+    gbps,
+    measure,
+    peak_bandwidth,
+    print_compile_time,
+    print_table,
+    time_fn,
+    timing_cells,
+)
 from grpo_kernels import logprob as lp
 
 V_QWEN = 151_936
@@ -77,7 +87,7 @@ def bench_hidden(N: int, T: int, V: int, d: int, dtype, providers: list[str], de
     logits_bytes = N * T * V * torch.finfo(dtype).bits // 8
     rows = []
     for name in providers:
-        def step():
+        def step(name=name):  # bound now: measured within this iteration anyway
             hidden.grad = None
             HIDDEN_PROVIDERS[name](hidden, weight, y).reshape(-1).backward(dlogp)
 
@@ -105,7 +115,7 @@ def bench_shape(N: int, T: int, V: int, dtype, providers: dict, device: str, arg
         for pass_name in ("fwd", "fwd+bwd"):
             x = logits.detach().requires_grad_(pass_name == "fwd+bwd")
 
-            def step():
+            def step(fn=fn, x=x, pass_name=pass_name):  # bound now: measured within this iteration anyway
                 x.grad = None
                 out = fn(x, y)
                 if pass_name == "fwd+bwd":
