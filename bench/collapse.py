@@ -9,9 +9,9 @@ What it runs
 Each run is RL from the base on own data, ``python -m grpo.train --phase B --run.data DATA
 --sft-first never`` (the shipped base -> A -> B with the defaults, then the end-of-run report on
 the data's held-out tenth: the own-data command as it was before it learned to warm up on the
-labels first where the base has no signal, grpo/own_data.py), plus ``--run.seed k`` and the arm's options (ARMS), as a subprocess with
-its own run directory ``<out>/<arm>/seed<k>/`` (the trainer's console output beside it, in
-``seed<k>.out``). A run whose report exists is finished and never rerun; an interrupted one
+labels first where the base has no signal, grpo/own_data.py), plus ``--run.seed k`` and the
+arm's options (ARMS), as a subprocess with its own run directory ``<out>/<arm>/seed<k>/`` (the
+trainer's console output beside it, in ``seed<k>.out``). A run whose report exists is finished and never rerun; an interrupted one
 is continued by the trainer itself (the same command resumes). The run directory is held
 (grpo/run/lock.py) while its trainer (handed the lock) and its trace run. ``--trainer-args`` appends
 options to every run (the smoke test shrinks the phases with it).
@@ -84,10 +84,10 @@ def _lines(path: Path) -> list[dict]:
 
 def test_rows(data: Path, out: Path) -> Path:
     """``out/test_rows``: the data's held-out rows (the report's) as their own set, written once."""
-    from data.atomic import new_directory
     from data.holdout import split_test
     from data.jsonl import DATA_FILE
     from data.sources import load_source, source_kind
+    from grpo_infra.atomic import new_directory
 
     target = out / "test_rows"
     if (target / DATA_FILE).is_file():
@@ -166,6 +166,11 @@ def _ensure(arm: str, seed: int, args: argparse.Namespace, rows: Path, run_dir: 
         tmp.rename(trace)
 
 
+def _window_mean(window: list[dict], key: str) -> float:
+    """The mean of ``key`` over a window of log records (nan for an empty one)."""
+    return sum(r[key] for r in window) / len(window) if window else float("nan")
+
+
 def _sampled(samples: Path) -> dict[str, float]:
     """Distinct parsed answers per prompt (mean) and over the set, from one selector's samples file."""
     per: dict[str, set] = {}
@@ -229,9 +234,9 @@ def trace_rows(run_dir: Path) -> list[list[str]]:
             phase, step = sel.split(":")
             window = [r for r in log if "reward" in r and r["phase"] == phase and int(step) - TRACE_EVERY < r["step"]
                       <= int(step)]
-            mean = (lambda k: sum(r[k] for r in window) / len(window)) if window else (lambda k: float("nan"))
             em = evals.get((phase, int(step)))
-            cells = [sel, "" if em is None else f"{em:.3f}", f"{mean('entropy'):.3f}", f"{mean('zero_spread'):.2f}",
+            cells = [sel, "" if em is None else f"{em:.3f}", f"{_window_mean(window, 'entropy'):.3f}",
+                     f"{_window_mean(window, 'zero_spread'):.2f}",
                      f"{window[-1]['temperature']:.1f}" if window else ""]
         out.append(cells + [f"{m['overall']['metrics']['exact_match']:.3f}", f"{s['per_prompt']:.2f}",
                             str(s["overall"]), f"{m['overall']['metrics']['pass_at_k']:.3f}"])

@@ -28,6 +28,7 @@ import sys
 
 import torch
 
+from data.mixture import MixtureStream
 from grpo.cli import phase_config
 from grpo.model.policy import build_policy
 from grpo.rewards import RewardModel
@@ -36,7 +37,6 @@ from grpo.state.checkpoint import load_checkpoint
 from grpo.state.contents import adapter_tensors
 from grpo.state.registry import resolve
 from grpo.step import Learner, grpo_step, sample_and_score
-from data.mixture import MixtureStream
 from lora import load_lora_state_dict, lora_parameters
 
 

@@ -27,8 +27,7 @@ import argparse
 
 import torch
 
-from bench._timing import (device_name, fmt, fmt_bytes, gbps, measure, peak_bandwidth, print_compile_time,
-                           print_table, time_fn, timing_cells)
+from bench import _timing as timing
 from grpo_kernels import grpo_loss as gl
 
 GPU_SHAPES = [(8, 512), (16, 1024), (32, 2048), (64, 4096)]
@@ -122,26 +121,26 @@ def bench_case(N: int, T: int, mode_name: str, providers: dict, device: str, arg
     mode = MODES[mode_name]
     inp = make_inputs(N, T, device, mode["source"])
     logp = inp["logp"].clone().requires_grad_()
-    peak_bw = peak_bandwidth(device)
+    peak_bw = timing.peak_bandwidth(device)
     rows = []
     for name, loss_fn in providers.items():
-        def step():
+        def step(loss_fn=loss_fn):  # bound now: measure() calls it within this iteration anyway
             logp.grad = None
             loss_fn(logp, inp, mode).backward()
         row = dict(shape=f"N={N} T={T}", mode=mode_name, provider=name)
         if name == "compiled":
-            print_compile_time(f"N={N} T={T} {mode_name}", step, device)
-        measured = measure(step, device, warmup=args.warmup, reps=args.reps)
+            timing.print_compile_time(f"N={N} T={T} {mode_name}", step, device)
+        measured = timing.measure(step, device, warmup=args.warmup, reps=args.reps)
         if measured is None:
             rows.append({**row, "median ms": "OOM"})
             continue
         t, mem = measured
-        bw = gbps(min_bytes(N, T, mode), t.median_ms)
-        rows.append({**row, **timing_cells(t), "GB/s": fmt(bw, ".4g"),
-                     "% peak": fmt(None if peak_bw is None else 100 * bw * 1e9 / peak_bw, ".3g"),
-                     "peak mem": fmt_bytes(mem), "_ms": t.median_ms, "_bw": bw})
-    t = time_fn(lambda: validation_only(logp, inp, mode), device, warmup=1, reps=args.reps)
-    rows.append(dict(shape=f"N={N} T={T}", mode=mode_name, provider="(validation)", **timing_cells(t)))
+        bw = timing.gbps(min_bytes(N, T, mode), t.median_ms)
+        rows.append({**row, **timing.timing_cells(t), "GB/s": timing.fmt(bw, ".4g"),
+                     "% peak": timing.fmt(None if peak_bw is None else 100 * bw * 1e9 / peak_bw, ".3g"),
+                     "peak mem": timing.fmt_bytes(mem), "_ms": t.median_ms, "_bw": bw})
+    t = timing.time_fn(lambda: validation_only(logp, inp, mode), device, warmup=1, reps=args.reps)
+    rows.append(dict(shape=f"N={N} T={T}", mode=mode_name, provider="(validation)", **timing.timing_cells(t)))
     return rows
 
 
@@ -171,7 +170,7 @@ def main() -> None:
     shapes = GPU_SHAPES if on_gpu else CPU_SHAPES
     shapes = shapes[-2:] if args.quick else shapes
     shapes = [tuple(s) for s in args.shape] if args.shape else shapes
-    print(f"# grpo_loss forward+backward on {device_name(args.device)}, G={G}, fp32 log-probs")
+    print(f"# grpo_loss forward+backward on {timing.device_name(args.device)}, G={G}, fp32 log-probs")
     if not on_gpu:
         print("# CPU run: scaled-down shapes; the Triton numbers need a GPU"
               + (" (Triton here runs in the interpreter: a smoke test)" if args.force_triton else "")
@@ -183,14 +182,14 @@ def main() -> None:
     rows = []
     for N, T, mode_name in cases:  # each case's table as soon as it is measured
         case = bench_case(N, T, mode_name, providers, args.device, args)
-        print_table(case, ["shape", "mode", "provider", "median ms", "p20", "p80", "GB/s", "% peak", "peak mem"])
+        timing.print_table(case, ["shape", "mode", "provider", "median ms", "p20", "p80", "GB/s", "% peak", "peak mem"])
         rows += case
 
     N, T = shapes[-1]
     last = {r["provider"]: r for r in rows if r["shape"] == f"N={N} T={T}" and r["mode"] == "grpo/token/kl"}
     ms = {k: v.get("_ms") for k, v in last.items()}
     if on_gpu and ms.get("triton"):
-        peak_bw = peak_bandwidth(args.device)
+        peak_bw = timing.peak_bandwidth(args.device)
         pct = "" if peak_bw is None else f", {100 * last['triton']['_bw'] * 1e9 / peak_bw:.0f}% of peak"
         vs_c = f", {ms['compiled'] / ms['triton']:.2f}x compiled" if ms.get("compiled") else ""
         print(f"summary: grpo_loss fwd+bwd N={N} T={T}: triton {ms['triton']:.3f} ms = "

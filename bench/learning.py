@@ -125,10 +125,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from data.atomic import new_directory, replace_file
-from data.signals import STOP, StopNow, exit_code
 from grpo.run.lock import LOCK_FILE, RunDirBusy, RunLock, acquire
 from grpo.run.stop import EvalAbandoned
+from grpo_infra.atomic import new_directory, replace_file
+from grpo_infra.signals import STOP, StopNow, exit_code
 
 DEFAULT_OUT = Path("bench/results/learning")
 QUICK_OUT = Path("bench/results/learning-quick")
@@ -735,7 +735,7 @@ def sampled_metrics(run: Run, selector: str, k: int, cache_dir: Path) -> dict[st
     paired gap; cached by the checkpoint's state.json digest and the protocol."""
     from eval.blind import blind_gap, shuffle_images
     from eval.results import EvalProtocol
-    from grpo.model_eval import evaluate_model
+    from grpo.evaluation.model_eval import evaluate_model
     from grpo.state.registry import resolve
 
     cfg = run.configs["B"]

@@ -39,8 +39,7 @@ import argparse
 
 import torch
 
-from bench._timing import (device_name, fmt, fmt_bytes, gbps, measure, peak_bandwidth, print_compile_time,
-                           print_table, time_fn, timing_cells)
+from bench import _timing as timing
 from grpo_kernels import logprob as lp
 
 V_QWEN = 151_936
@@ -77,18 +76,18 @@ def bench_hidden(N: int, T: int, V: int, d: int, dtype, providers: list[str], de
     logits_bytes = N * T * V * torch.finfo(dtype).bits // 8
     rows = []
     for name in providers:
-        def step():
+        def step(name=name):  # bound now: measured within this iteration anyway
             hidden.grad = None
             HIDDEN_PROVIDERS[name](hidden, weight, y).reshape(-1).backward(dlogp)
 
         row = dict(shape=f"N={N} T={T} V={V} d={d}", provider=name, **{"pass": "fwd+bwd"})
-        measured = measure(step, device, warmup=args.warmup, reps=args.reps)
+        measured = timing.measure(step, device, warmup=args.warmup, reps=args.reps)
         hidden.grad = None
         if measured is None:
             rows.append({**row, "median ms": "OOM"})
             continue
         t, mem = measured
-        rows.append({**row, **timing_cells(t), "peak mem": fmt_bytes(mem),
+        rows.append({**row, **timing.timing_cells(t), "peak mem": timing.fmt_bytes(mem),
                      "extra mem": "" if mem is None else f"{100 * mem / logits_bytes:.1f}%"})
     return rows
 
@@ -99,13 +98,13 @@ def bench_shape(N: int, T: int, V: int, dtype, providers: dict, device: str, arg
     y = torch.randint(0, V, (N, T), generator=g, device=device)
     dlogp = torch.randn(N, T, generator=g, device=device)
     logits_bytes = logits.numel() * logits.element_size()
-    peak_bw = peak_bandwidth(device)
+    peak_bw = timing.peak_bandwidth(device)
     rows = []
     for name, fn in providers.items():
         for pass_name in ("fwd", "fwd+bwd"):
             x = logits.detach().requires_grad_(pass_name == "fwd+bwd")
 
-            def step():
+            def step(fn=fn, x=x, pass_name=pass_name):  # bound now: measured within this iteration anyway
                 x.grad = None
                 out = fn(x, y)
                 if pass_name == "fwd+bwd":
@@ -113,22 +112,22 @@ def bench_shape(N: int, T: int, V: int, dtype, providers: dict, device: str, arg
 
             row = dict(shape=f"N={N} T={T} V={V}", provider=name, **{"pass": pass_name})
             if name == "compiled":
-                print_compile_time(f"N={N} T={T} {pass_name}", step, device)
-            measured = measure(step, device, warmup=args.warmup, reps=args.reps)
+                timing.print_compile_time(f"N={N} T={T} {pass_name}", step, device)
+            measured = timing.measure(step, device, warmup=args.warmup, reps=args.reps)
             x.grad = None
             if measured is None:
                 rows.append({**row, "median ms": "OOM"})
                 continue
             t, mem = measured
             extra = None if mem is None else mem - (logits_bytes if pass_name == "fwd+bwd" else 0)
-            bw = gbps((1 if pass_name == "fwd" else 3) * logits_bytes, t.median_ms)
-            rows.append({**row, **timing_cells(t), "GB/s": fmt(bw, ".4g"),
-                         "% peak": fmt(None if peak_bw is None else 100 * bw * 1e9 / peak_bw, ".3g"),
-                         "peak mem": fmt_bytes(mem),
+            bw = timing.gbps((1 if pass_name == "fwd" else 3) * logits_bytes, t.median_ms)
+            rows.append({**row, **timing.timing_cells(t), "GB/s": timing.fmt(bw, ".4g"),
+                         "% peak": timing.fmt(None if peak_bw is None else 100 * bw * 1e9 / peak_bw, ".3g"),
+                         "peak mem": timing.fmt_bytes(mem),
                          "extra mem": "" if extra is None else f"{100 * extra / logits_bytes:.1f}%",
                          "_ms": t.median_ms, "_bw": bw, "_extra": extra})
-    t = time_fn(lambda: lp._validate(logits, y, TEMPERATURE), device, warmup=1, reps=args.reps)
-    rows.append(dict(shape=f"N={N} T={T} V={V}", provider="(validation)", **{"pass": ""}, **timing_cells(t)))
+    t = timing.time_fn(lambda: lp._validate(logits, y, TEMPERATURE), device, warmup=1, reps=args.reps)
+    rows.append(dict(shape=f"N={N} T={T} V={V}", provider="(validation)", **{"pass": ""}, **timing.timing_cells(t)))
     return rows
 
 
@@ -164,7 +163,7 @@ def main() -> None:
     shapes = GPU_SHAPES if on_gpu else CPU_SHAPES
     shapes = shapes[-2:] if args.quick else shapes
     shapes = [tuple(s) for s in args.shape] if args.shape else shapes
-    print(f"# token log-probs on {device_name(args.device)}, {dtype}, temperature {TEMPERATURE}")
+    print(f"# token log-probs on {timing.device_name(args.device)}, {dtype}, temperature {TEMPERATURE}")
     if not on_gpu:
         print("# CPU run: scaled-down shapes; the Triton numbers need a GPU"
               + (" (Triton here runs in the interpreter: a smoke test)" if use_triton else "")
@@ -172,7 +171,7 @@ def main() -> None:
     rows = []
     for N, T in shapes:  # each shape's table as soon as it is measured
         case = bench_shape(N, T, args.vocab, dtype, providers, args.device, args)
-        print_table(case, ["shape", "provider", "pass", "median ms", "p20", "p80", "GB/s", "% peak",
+        timing.print_table(case, ["shape", "provider", "pass", "median ms", "p20", "p80", "GB/s", "% peak",
                            "peak mem", "extra mem"])
         rows += case
     if use_triton:
@@ -180,7 +179,7 @@ def main() -> None:
         print("\n# from hidden states, frozen lm_head (extra mem relative to the full logits)")
         hrows = bench_hidden(N, T, args.vocab, args.hidden, dtype, list(HIDDEN_PROVIDERS),
                              args.device, args)
-        print_table(hrows, ["shape", "provider", "pass", "median ms", "p20", "p80", "peak mem",
+        timing.print_table(hrows, ["shape", "provider", "pass", "median ms", "p20", "p80", "peak mem",
                             "extra mem"])
 
     N, T = shapes[-1]
@@ -191,7 +190,7 @@ def main() -> None:
         comp = last.get(("compiled", "fwd+bwd"), {})
         vs_e = f"{eag['_ms'] / tri['_ms']:.2f}x eager" if eag.get("_ms") else "eager OOM"
         vs_c = f", {comp['_ms'] / tri['_ms']:.2f}x compiled" if comp.get("_ms") else ""
-        peak_bw = peak_bandwidth(args.device)
+        peak_bw = timing.peak_bandwidth(args.device)
         pct = "" if peak_bw is None else f" ({100 * tri['_bw'] * 1e9 / peak_bw:.0f}% of peak)"
         fwd_extra = last[("triton", "fwd")]["extra mem"]
         print(f"summary: logprob fwd+bwd {tokens}: triton {tri['_ms']:.3f} ms = {vs_e}{vs_c}, "

@@ -70,8 +70,17 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 from torch.utils.weak import WeakIdKeyDictionary
 
-from grpo.run.memory_plan import (GiB, Plan, Shapes, layer_saved_per_token, largest_fitting, need_bytes, plan_step,
-                                  prompt_tokens, shapes_of_model)
+from grpo.run.memory_plan import (
+    GiB,
+    Plan,
+    Shapes,
+    largest_fitting,
+    layer_saved_per_token,
+    need_bytes,
+    plan_step,
+    prompt_tokens,
+    shapes_of_model,
+)
 
 MiB = 2**20
 QWEN7B = "Qwen/Qwen2.5-VL-7B-Instruct"
@@ -555,14 +564,13 @@ def gpu_check(budget_s: float, smoke: bool = False) -> int:
 
     from bench._timing import print_table
     from data.synthetic import generate
-    from grpo.overrides import apply_overrides
     from grpo.model.tiny import tiny_image_processor
+    from grpo.overrides import apply_overrides
 
     t0 = time.perf_counter()
     cuda = torch.cuda.is_available()
     if cuda:
         from bench.step import build_bundle
-
         from grpo.cli import phase_config
 
         base = phase_config("A", "qwen7b", {"run.run_prior_phases": "false"}, "A")

@@ -180,7 +180,7 @@ def run_curriculum(args) -> None:
     from data.synthetic import generate
     from eval.blind import blind_gap, shuffle_images
     from eval.results import EvalProtocol
-    from grpo.model_eval import evaluate_model
+    from grpo.evaluation.model_eval import evaluate_model
     from grpo.model.load import load_bundle
     from grpo.warmup.perception import PerceptionHead
     from grpo.warmup.sft import build_sft_batch, caption_batch

@@ -136,7 +136,7 @@ def expected_counts(cfg, r: int = 8) -> tuple[int, int]:
     embedding; per block two RMSNorms, fused qkv and proj with bias, gate/up/down with
     bias; the merger's RMSNorm and two biased linears over 2x2 merged patches."""
     t, v = cfg.text_config, cfg.vision_config
-    H, I, V = t.hidden_size, t.intermediate_size, t.vocab_size
+    H, I, V = t.hidden_size, t.intermediate_size, t.vocab_size  # noqa: E741 (the formula's I: intermediate size)
     kv = t.num_key_value_heads * (H // t.num_attention_heads)
     layer = (H * H + H) + 2 * (H * kv + kv) + H * H + 3 * H * I + 2 * H
     text = 2 * V * H + t.num_hidden_layers * layer + H

@@ -20,7 +20,7 @@ run uses a smaller batch and budget by default so that it stays near two minutes
 CPU cores (generate re-encodes 16 images of 576 patches).
 
 ``--compile`` times our sampler a second way, its static decode step
-(grpo/rollout/static_cache.py ``decode_step``) under ``torch.compile`` (dynamic shapes: the
+(grpo/rollout/decoder.py ``decode_step``) under ``torch.compile`` (dynamic shapes: the
 batch shrinks and the cache grows), alternated with the eager step: the first call's compile
 time, the steady-state ratio, and whether the compiled step keeps the contract (greedy tokens,
 sampled tokens for the seed, the largest log-prob difference). It is an experiment, not a
@@ -45,7 +45,7 @@ from PIL import Image
 
 from grpo.model.load import ModelBundle, load_bundle
 from grpo.model.prompts import encode_prompts
-from grpo.rollout import static_cache
+from grpo.rollout import decoder
 from grpo.rollout.sampler import sample, stop_token_ids
 
 MID_TEXT = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
@@ -141,11 +141,11 @@ def bench_one(name: str, bundle: ModelBundle, image_size: int, args) -> float:
 def decode_step_as(step):
     """The sampler's static decode step replaced by ``step`` inside the block
     (decode_one_token looks it up on the module at every call)."""
-    eager, static_cache.decode_step = static_cache.decode_step, step
+    eager, decoder.decode_step = decoder.decode_step, step
     try:
         yield
     finally:
-        static_cache.decode_step = eager
+        decoder.decode_step = eager
 
 
 def bench_compile(name: str, bundle: ModelBundle, image_size: int, args) -> float:
@@ -153,7 +153,7 @@ def bench_compile(name: str, bundle: ModelBundle, image_size: int, args) -> floa
     contract check, returns compiled/eager tokens/s."""
     prompts = encode_prompts(bundle, (images(args.B, image_size), [QUESTIONS[i % 4] for i in range(args.B)]))
     greedy = argparse.Namespace(**{**vars(args), "temperature": 0.0})
-    eager = static_cache.decode_step
+    eager = decoder.decode_step
     compiled = torch.compile(eager, backend=args.compile_backend, dynamic=True)
 
     def draw(a, step):

@@ -148,8 +148,7 @@ def build_trl(ours: dict, args, between_steps):
     trl, GRPOConfig, GRPOTrainer = import_trl()
     from datasets import Dataset
     from peft import LoraConfig
-    from transformers import (BitsAndBytesConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor,
-                              TrainerCallback)
+    from transformers import BitsAndBytesConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor, TrainerCallback
 
     from data.contract import format_prompt
     from grpo.model.shipped import SHIPPED_DIR

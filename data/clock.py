@@ -83,7 +83,7 @@ def rows(n: int, seed: int) -> list[tuple[dict, dict]]:
 
 def write(out: Path, n: int, seed: int, size: int = IMAGE_SIZE) -> int:
     """Write the set into the new (or empty) directory ``out`` atomically; returns the row count."""
-    from data.atomic import new_directory
+    from grpo_infra.atomic import new_directory
 
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"--out {out} exists and is not an empty directory: name a new one")
@@ -99,7 +99,7 @@ def write(out: Path, n: int, seed: int, size: int = IMAGE_SIZE) -> int:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    from data.signals import StopNow, exit_code, signal_name, stops_at_once
+    from grpo_infra.signals import StopNow, exit_code, signal_name, stops_at_once
 
     ap = argparse.ArgumentParser(prog="python -m data.clock", description=__doc__.split("\n\n")[1] + (
         "\n\nWrites OUT/data.jsonl + OUT/images/ (the own-data format); then:"

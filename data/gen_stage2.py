@@ -24,8 +24,7 @@ from typing import Any
 
 from PIL import Image
 
-from data.gen_common import Annotation, Family, Solution, add_up, difference, finish, mean_of_two, num, \
-    read_one
+from data.gen_common import Annotation, Family, Solution, add_up, difference, finish, mean_of_two, num, read_one
 from data.gen_stage1 import describe_table, draw_table
 from data.render import BLACK, COLOURS, GREY, LIGHT_GREY, WHITE, Canvas
 

@@ -26,8 +26,17 @@ from typing import Any
 from PIL import Image
 
 from data.gen_common import (
-    Annotation, Family, Solution, add_up, alternatives, expr_alternatives, finds, finish, num,
-    rubric_pitfalls, rubric_steps,
+    Annotation,
+    Family,
+    Solution,
+    add_up,
+    alternatives,
+    expr_alternatives,
+    finds,
+    finish,
+    num,
+    rubric_pitfalls,
+    rubric_steps,
 )
 from data.render import BLACK, COLOURS, LIGHT_GREY, WHITE, Canvas
 from data.schema import Intermediate

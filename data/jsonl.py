@@ -58,9 +58,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from data.atomic import replace_file
 from data.rows import MAX_IMAGES, SkipRow, check_columns, example_from_row, map_columns
 from data.schema import Example, Intermediate, RubricItem
+from grpo_infra.atomic import replace_file
 
 DATA_FILE = "data.jsonl"
 IMAGE_DIR = "images"

@@ -269,10 +269,10 @@ def convert(source: str, out: str | Path, split: str = "testmini", columns: dict
     """``python -m data.mathvista convert``: the command (see CONVERT_HELP); returns the exit code."""
     import sys
 
-    from data.atomic import new_directory
     from data.jsonl import save_jsonl
-    from data.signals import StopNow, exit_code, signal_name, stops_at_once
     from data.sources import load_source, source_kind
+    from grpo_infra.atomic import new_directory
+    from grpo_infra.signals import StopNow, exit_code, signal_name, stops_at_once
 
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):

@@ -34,7 +34,6 @@ from typing import NamedTuple
 
 from data.contract import normalize_number
 
-
 _NUM = r"(?:[0-9]{1,3}(?:,[0-9]{3})+(?![0-9])(?:\.[0-9]+)?|[0-9]+(?:\.[0-9]+)?|\.[0-9]+)"
 _TOKEN_RE = re.compile(
     rf"(?P<frac>\\[dt]?frac\s*\{{\s*(?P<fa>{_NUM})\s*\}}\s*\{{\s*(?P<fb>{_NUM})\s*\}})"

@@ -36,8 +36,15 @@ import random
 from collections.abc import Iterator
 from typing import Any
 
-from data.contract import INSTRUCTION, REASONING_CLOSE, REASONING_OPEN, SOLUTION_CLOSE, \
-    SOLUTION_OPEN, format_prompt, format_response
+from data.contract import (
+    INSTRUCTION,
+    REASONING_CLOSE,
+    REASONING_OPEN,
+    SOLUTION_CLOSE,
+    SOLUTION_OPEN,
+    format_prompt,
+    format_response,
+)
 from data.gen_common import Annotation, Family
 from data.gen_stage1 import FAMILIES as STAGE1
 from data.gen_stage2 import FAMILIES as STAGE2

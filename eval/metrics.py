@@ -51,7 +51,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-from data.contract import parse_response, within_tolerance, is_exact
+from data.contract import is_exact, parse_response, within_tolerance
 
 FAILURE_MODES = (
     "truncation",

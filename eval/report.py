@@ -22,10 +22,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from data.atomic import replace_files
 from eval.blind import BlindGap
 from eval.metrics import FAILURE_MODES
 from eval.results import EvalResult, SubsetResult
+from grpo_infra.atomic import replace_files
 
 # (key, column header, format) of the headline table, in reading order.
 COLUMNS: tuple[tuple[str, str, str], ...] = (
@@ -43,7 +43,8 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("correctness", "Corr", "{:.3f}"),
     ("composite", "Comp", "{:.3f}"),
 )
-STAGE_COLUMNS = ("exact_match", "tolerance_accuracy", "parseable_rate", "truncation_rate", "structure", "correctness", "composite")
+STAGE_COLUMNS = ("exact_match", "tolerance_accuracy", "parseable_rate", "truncation_rate", "structure", "correctness",
+                 "composite")
 
 NOTES = """\
 Definitions. Rates are means over all completions. EM: the normalised SOLUTION equals the
@@ -229,7 +230,7 @@ def write_report(
     """Write report.md, report.json and samples_<model>.jsonl into out_dir; return the two report paths.
 
     Every file is first written whole under a temporary name beside it, and only when all of
-    them are written are they renamed into place (data/atomic.py): a failed write (a full
+    them are written are they renamed into place (grpo_infra/atomic.py): a failed write (a full
     disk) leaves the previous report as it was and no partial file. The
     renames are a few system calls; grpo.evaluate holds the stop signals around this call."""
     if not results:

@@ -8,7 +8,7 @@ Three entry points share every line that turns text into numbers:
         mode breakdown, and the same again on each curriculum stage subset.
     evaluate_samples(examples, sample_pass, protocol) -> EvalResult
         the same over completions a callable draws, plus the shuffled-image control.
-    grpo.model_eval.evaluate_model(bundle, examples, protocol) -> EvalResult
+    grpo.evaluation.model_eval.evaluate_model(bundle, examples, protocol) -> EvalResult
         a model's completions under an EvalProtocol; lives above eval/ (it needs the
         sampler), together with the CLI ``python -m grpo.evaluate``.
 
@@ -36,9 +36,9 @@ from typing import Any
 from data.contract import normalize_number
 from data.schema import Example
 from data.stages import stage_filter
-from eval.reasoning import completion_reasoning, summarize_reasoning
 from eval.blind import BlindGap, ControlUnavailable, blind_gap, shuffle_images
 from eval.metrics import CompletionMetrics, Summary, completion_metrics, mean_interval, summarize
+from eval.reasoning import completion_reasoning, summarize_reasoning
 from eval.scores import SCORE_KEYS, SCORE_WEIGHTS, all_scores
 
 STAGES = (1, 2, 3)
@@ -258,7 +258,7 @@ def evaluate_samples(examples: Sequence[Example], sample_pass: Callable[[Sequenc
     over the same prompts with shuffled images (eval/blind.py), whose blind gap overall and
     per stage lands in ``result.control``.
 
-    ``sample_pass`` is whatever draws completions from a model (grpo/model_eval.py has the
+    ``sample_pass`` is whatever draws completions from a model (grpo/evaluation/model_eval.py has the
     one-process and the trainer the data-parallel one): eval/ itself never sees a model.
     """
     protocol.validate()

@@ -22,20 +22,17 @@ from pathlib import Path
 
 from transformers.utils import logging as hf_logging
 
-from data.atomic import temp_path
-from data.signals import STOP, StopNow, exit_code, signal_name
-from grpo.config import PERCEPTION_DEFAULTS, reported_to, TrainConfig, weigh_plugins
+from grpo.config import PERCEPTION_DEFAULTS, TrainConfig, reported_to, weigh_plugins
 from grpo.config_checks import PHASES, trains_from_scratch
-from grpo.errors import ConfigError
-from grpo.overrides import apply_overrides, describe_fields, parse_override_args
-from grpo.presets import phase_init, phase_preset, preset_for_model, preset_overrides, PRESETS
 from grpo.config_file import read_config_file
 from grpo.distributed import DataParallel, init_distributed, peer_lost
-from grpo.errors import NoRewardSpread, PolicyCollapsed, StepOutOfMemory, TrainingDiverged, inside, one_line
-from grpo.final_report import write_final_report
-from grpo.own_data import sft_first
+from grpo.errors import ConfigError, NoRewardSpread, PolicyCollapsed, StepOutOfMemory, TrainingDiverged, inside, one_line
+from grpo.evaluation.final_report import write_final_report
 from grpo.model.load import ModelLoadError
 from grpo.model.policy import check_policy_config
+from grpo.overrides import apply_overrides, describe_fields, parse_override_args
+from grpo.own_data import sft_first
+from grpo.presets import PRESETS, phase_init, phase_preset, preset_for_model, preset_overrides
 from grpo.rewards.plugins import load_plugins
 from grpo.run.files import RunFiles
 from grpo.run.lock import RunDirBusy, RunLock, acquire
@@ -48,6 +45,8 @@ from grpo.state.layout import CheckpointError
 from grpo.state.registry import SelectorError, read_registry
 from grpo.state.resume import phase_finished, resume_point
 from grpo.state.train_state import resolve_init
+from grpo_infra.atomic import temp_path
+from grpo_infra.signals import STOP, StopNow, exit_code, signal_name
 
 RunPhase = Callable[[TrainConfig, RunFiles, str, DataParallel], None]  # one planned phase (grpo/train.py run_phase)
 
@@ -299,7 +298,7 @@ def main(argv: list[str] | None, run_phase: RunPhase) -> int:
     checkpoint, divergence, a step out of device memory, the run directory's disk). Anything else is a bug and keeps its
     traceback."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    STOP.install()  # from here a signal never ends the run with a traceback (data/signals.py, grpo/run/stop.py)
+    STOP.install()  # from here a signal never ends the run with a traceback (grpo_infra/signals.py, grpo/run/stop.py)
     try:
         return _main(argv, run_phase)
     finally:
@@ -328,7 +327,8 @@ def _main(argv: list[str], run_phase: RunPhase) -> int:
         files = RunFiles(Path(cfg.run.run_dir))
         root, wait_s = files.root, lock_wait(known.lock_wait)
         device = pick_device(cfg.model.device)
-        dp = init_distributed(device, collective_timeout_s=cfg.run.collective_timeout_s)  # torchrun: this rank's process group and device; else one process
+        # torchrun: this rank's process group and device; else one process
+        dp = init_distributed(device, collective_timeout_s=cfg.run.collective_timeout_s)
         device, files.writer = dp.device, dp.is_main
         lock = claim_run_dir(files.root, wait_s, dp)  # one writer from here to the end: nothing was written before
         _run_plan(known.phase, configs, files, device, dp, run_phase, sft=(known.sft_first, set(overrides)))
@@ -345,7 +345,8 @@ def _main(argv: list[str], run_phase: RunPhase) -> int:
     except (ConfigError, SelectorError, ModelLoadError, RunDirBusy) as err:  # the command asks for something wrong: say what
         print(f"error: {one_line(err)}", file=sys.stderr)
         return 2
-    except (CheckpointError, TrainingDiverged, NoRewardSpread, StepOutOfMemory, PolicyCollapsed) as err:  # the run failed; its earlier checkpoints are intact
+    # the run failed; its earlier checkpoints are intact
+    except (CheckpointError, TrainingDiverged, NoRewardSpread, StepOutOfMemory, PolicyCollapsed) as err:
         print(f"error: {one_line(err)}", file=sys.stderr)
         return 1
     except RuntimeError as err:

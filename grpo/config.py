@@ -95,21 +95,26 @@ def weigh_plugins(rewards: "RewardConfig") -> None:
 @dataclass
 class ModelConfig:
     name: str = "tiny"
-    """'tiny' (the shipped pretrained model), 'tiny-random' (its architecture, random weights), a local directory, or a hub id."""
+    """'tiny' (the shipped pretrained model), 'tiny-random' (its architecture, random weights), a local directory, or a hub
+    id."""
     dtype: str = "float32"
     """Compute dtype of the base: float32 (CPU default) or bfloat16 (GPU)."""
     load_in_4bit: bool = False
-    """Quantise the language model's linear layers to NF4 (bitsandbytes, double quant) under the LoRA (the tiny preset: on; its from-scratch warm-up trains every weight in float32 and each GRPO phase quantises that base)."""
+    """Quantise the language model's linear layers to NF4 (bitsandbytes, double quant) under the LoRA (the tiny preset: on;
+    its from-scratch warm-up trains every weight in float32 and each GRPO phase quantises that base)."""
     image_size: int = 112
     """Side of the synthetic images in pixels (112 px = 16 visual tokens after merging)."""
     gradient_checkpointing: bool = False
-    """Recompute each decoder layer's activations in backward instead of keeping them (every pass with grad runs in training mode so that transformers honours it; the 7B needs it)."""
+    """Recompute each decoder layer's activations in backward instead of keeping them (every pass with grad runs in
+    training mode so that transformers honours it; the 7B needs it)."""
     max_pixels: int = 0
-    """Largest image area in pixels handed to Qwen's processor (real images are resized to fit, as Qwen's own processor does; one visual token per 28x28 px); 0 = the checkpoint's processor config."""
+    """Largest image area in pixels handed to Qwen's processor (real images are resized to fit, as Qwen's own processor
+    does; one visual token per 28x28 px); 0 = the checkpoint's processor config."""
     min_pixels: int = 0
     """Smallest image area in pixels (smaller images are upscaled to it); 0 = the checkpoint's processor config."""
     max_prompt_tokens: int = 0
-    """Prompts longer than this many tokens (visual tokens included) are skipped and counted: in GRPO draws (the step's log line) and evaluations (the eval line); the SFT warm-up trains on every example (0 = no cap)."""
+    """Prompts longer than this many tokens (visual tokens included) are skipped and counted: in GRPO draws (the step's log
+    line) and evaluations (the eval line); the SFT warm-up trains on every example (0 = no cap)."""
     device: str = "auto"
     """'auto' (cuda if available, else cpu), 'cpu' or 'cuda[:i]'."""
 
@@ -129,11 +134,14 @@ class LoRAOptions:
     targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     """Module-name suffixes to adapt in the language model (the vision tower has its own switches below)."""
     vision: bool = False
-    """LoRA on the vision tower's blocks too (model.visual.blocks: lora.vision_targets), trained at optim.vision_lr_scale x lr, the tower recomputed with grad once per prompt in the training passes; false = the tower frozen (EasyR1's freeze_vision_tower, ms-swift's freeze_vit)."""
+    """LoRA on the vision tower's blocks too (model.visual.blocks: lora.vision_targets), trained at optim.vision_lr_scale x
+    lr, the tower recomputed with grad once per prompt in the training passes; false = the tower frozen (EasyR1's
+    freeze_vision_tower, ms-swift's freeze_vit)."""
     vision_targets: tuple[str, ...] = ("attn.qkv", "attn.proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
     """Module-name suffixes adapted inside the vision blocks when lora.vision is on (attention qkv / proj, the SwiGLU MLP)."""
     merger: bool = False
-    """LoRA on the vision merger too (the projector from 2x2 patches to one language-model token, model.visual.merger: its two linears), trained at optim.merger_lr_scale x lr; false = frozen (ms-swift's freeze_aligner)."""
+    """LoRA on the vision merger too (the projector from 2x2 patches to one language-model token, model.visual.merger: its
+    two linears), trained at optim.merger_lr_scale x lr; false = frozen (ms-swift's freeze_aligner)."""
     dtype: str = "float32"
     """Storage dtype of the LoRA weights: float32 or bfloat16."""
 
@@ -151,23 +159,31 @@ class SamplingConfig:
     temperature: float = 1.0
     """Sampling temperature (the log-probs of the loss use the same temperature)."""
     temperature_max: float = 1.2
-    """The controller's reach: its vanishing-advantage gate (more than half the groups without reward spread at a checkpoint) raises the sampling temperature by .1 per checkpoint up to this (R1-VL's 1.2), never above; at or below sampling.temperature it never raises it. In (0, 5]."""
+    """The controller's reach: its vanishing-advantage gate (more than half the groups without reward spread at a
+    checkpoint) raises the sampling temperature by .1 per checkpoint up to this (R1-VL's 1.2), never above; at or below
+    sampling.temperature it never raises it. In (0, 5]."""
     top_k: int = 0
     """Keep the k most likely tokens (0 = off)."""
     top_p: float = 1.0
     """Nucleus sampling mass (1.0 = off)."""
     rollout: str = "plain"
-    """Decode path of the rollouts: plain (the policy's 4-bit + LoRA layers) or merged (a copy in the compute dtype with LoRA merged, CUDA graph on GPUs; the tiny preset's)."""
+    """Decode path of the rollouts: plain (the policy's 4-bit + LoRA layers) or merged (a copy in the compute dtype with
+    LoRA merged, CUDA graph on GPUs; the tiny preset's)."""
     dynamic_sampling: bool = False
-    """DAPO dynamic sampling: drop groups whose G rewards are all equal, refill from the stream (grpo/rollout/dynamic_sampling.py)."""
+    """DAPO dynamic sampling: drop groups whose G rewards are all equal, refill from the stream
+    (grpo/rollout/dynamic_sampling.py)."""
     max_refills: int = 4
     """Dynamic sampling: at most this many refill rounds per step; then train on what was kept (none kept: stop)."""
     noisy_fraction: float = 0.0
-    """NoisyRollout (arXiv 2504.13055): this fraction of each group's G completions is sampled from its image with Gaussian noise added (the rest from the clean image), the advantages taken over the whole group; every row is trained conditioned on the clean image (grpo/rollout/noisy.py; 0 = off; the paper mixes half and half)."""
+    """NoisyRollout (arXiv 2504.13055): this fraction of each group's G completions is sampled from its image with Gaussian
+    noise added (the rest from the clean image), the advantages taken over the whole group; every row is trained
+    conditioned on the clean image (grpo/rollout/noisy.py; 0 = off; the paper mixes half and half)."""
     noise_std: float = 0.5
-    """NoisyRollout: the noise's standard deviation at the phase's first step, in the processor's normalised pixel units, annealed to 0 by the phase's last step (sampling.noisy_fraction > 0)."""
+    """NoisyRollout: the noise's standard deviation at the phase's first step, in the processor's normalised pixel units,
+    annealed to 0 by the phase's last step (sampling.noisy_fraction > 0)."""
     accuracy_low: float = 0.0
-    """Dynamic sampling's accuracy band, lower end: keep a group only if its mean correctness (fraction of its G completions right) is >= this (EasyR1's online_filtering: 0.01); 0 and accuracy_high 1 = no band."""
+    """Dynamic sampling's accuracy band, lower end: keep a group only if its mean correctness (fraction of its G
+    completions right) is >= this (EasyR1's online_filtering: 0.01); 0 and accuracy_high 1 = no band."""
     accuracy_high: float = 1.0
     """Dynamic sampling's accuracy band, upper end: keep a group only if its mean correctness is <= this (EasyR1: 0.99)."""
 
@@ -181,7 +197,8 @@ class SamplingConfig:
 @dataclass
 class OptimConfig:
     lr: float = 2e-3
-    """Peak learning rate of AdamW on the LoRA parameters; 0 in a GRPO phase = the frozen-policy control (sampled, scored, logged, never updated)."""
+    """Peak learning rate of AdamW on the LoRA parameters; 0 in a GRPO phase = the frozen-policy control (sampled, scored,
+    logged, never updated)."""
     schedule: str = "constant"
     """Learning-rate schedule after warm-up: constant, linear or cosine (to 10% of lr)."""
     warmup_steps: int = 0
@@ -189,21 +206,29 @@ class OptimConfig:
     weight_decay: float = 0.0
     """AdamW weight decay on LoRA parameters."""
     vision_lr_scale: float = 1.0
-    """The vision tower's learning rate as a fraction of lr: its LoRA's with lora.vision (must be > 0; 1 = the language model's lr); in the warm-up of a random base, the whole tower's, merger included (0 = frozen)."""
+    """The vision tower's learning rate as a fraction of lr: its LoRA's with lora.vision (must be > 0; 1 = the language
+    model's lr); in the warm-up of a random base, the whole tower's, merger included (0 = frozen)."""
     merger_lr_scale: float = 1.0
     """The merger's LoRA learning rate as a fraction of lr, with lora.merger (must be > 0; 1 = the language model's lr)."""
     perception_weight: float = 0.0
-    """Warm-up of a random base: weight of the per-visual-token perception loss (grpo/warmup/perception.py; 0 = off; the tiny model's warm-up: 1)."""
+    """Warm-up of a random base: weight of the per-visual-token perception loss (grpo/warmup/perception.py; 0 = off; the
+    tiny model's warm-up: 1)."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value (0 = off)."""
     accumulation: int = 1
     """Rollout batches (of phase.prompts_per_step prompts x G) sampled and accumulated per optimiser step."""
     micro_batch_rows: int = 0
-    """Rows (completions) per training pass: the policy and reference log-probs, the loss and backward run over micro-batches of this many rows of each rollout batch, gradients accumulated (TRL's per_device_train_batch_size); whole groups, so a multiple of G dividing the batch's rows; 0 (or the batch's rows or more) = all rows in one pass. python -m bench.memory says which fits a GPU."""
+    """Rows (completions) per training pass: the policy and reference log-probs, the loss and backward run over
+    micro-batches of this many rows of each rollout batch, gradients accumulated (TRL's per_device_train_batch_size);
+    whole groups, so a multiple of G dividing the batch's rows; 0 (or the batch's rows or more) = all rows in one pass.
+    python -m bench.memory says which fits a GPU."""
     logits_chunk_tokens: int = 1024
-    """Completion tokens per LM-head chunk in the log-prob passes: the logits exist for one chunk at a time and are recomputed in backward (whole rows: max(1, this // T) rows per chunk)."""
+    """Completion tokens per LM-head chunk in the log-prob passes: the logits exist for one chunk at a time and are
+    recomputed in backward (whole rows: max(1, this // T) rows per chunk)."""
     shared_prefix: bool = True
-    """The log-prob passes run each group's prompt through the language model once (B rows) and attend the G completions to its keys and values (grpo/model/shared_prefix.py): the same log-probs and gradients as running the prompt in all B*G rows (False: the full-row pass, the reference), with 1/G of the prompt's compute and saved activations."""
+    """The log-prob passes run each group's prompt through the language model once (B rows) and attend the G completions to
+    its keys and values (grpo/model/shared_prefix.py): the same log-probs and gradients as running the prompt in all B*G
+    rows (False: the full-row pass, the reference), with 1/G of the prompt's compute and saved activations."""
     beta: float = 0.0
     """KL penalty coefficient against the reference (LoRA disabled); the estimator is optim.kl_estimator."""
     eps_low: float = 0.2
@@ -217,27 +242,38 @@ class OptimConfig:
     importance: str = "token"
     """Importance ratio level: token (GRPO) or sequence (GSPO)."""
     updates_per_batch: int = 1
-    """mu: optimiser steps per rollout batch (PPO epochs); the ratio is taken against the sampling policy, so the clip binds from the 2nd."""
+    """mu: optimiser steps per rollout batch (PPO epochs); the ratio is taken against the sampling policy, so the clip
+    binds from the 2nd."""
     warmup_moments: bool = False
-    """RL from an SFT warm-up continues the warm-up's AdamW moments instead of fresh ones: each update is then scaled by the warm-up's gradient sizes, not renormalised to about lr per parameter (bench/EXPERIMENTS.md, own data). Only when the phase starts from a warm-up's adapter."""
+    """RL from an SFT warm-up continues the warm-up's AdamW moments instead of fresh ones: each update is then scaled by
+    the warm-up's gradient sizes, not renormalised to about lr per parameter (bench/EXPERIMENTS.md section 11). Only when
+    the phase starts from a warm-up's adapter."""
     kl_bias_correction: bool = False
-    """KL term ratio * k (k: optim.kl_estimator) with the gradient through the ratio (TRL's use_bias_correction_kl); needs beta > 0."""
+    """KL term ratio * k (k: optim.kl_estimator) with the gradient through the ratio (TRL's use_bias_correction_kl); needs
+    beta > 0."""
     entropy_coef: float = 0.0
-    """Entropy bonus: loss -= entropy_coef * the policy's token entropy, aggregated over the loss's tokens as optim.loss_type aggregates (TRL's entropy_coef, verl's entropy_coeff); its gradient runs through the chunked LM-head pass (grpo/model/logprobs.py). In [0, 1]; 0 = off, no extra work."""
+    """Entropy bonus: loss -= entropy_coef * the policy's token entropy, aggregated over the loss's tokens as
+    optim.loss_type aggregates (TRL's entropy_coef, verl's entropy_coeff); its gradient runs through the chunked LM-head
+    pass (grpo/model/logprobs.py). In [0, 1]; 0 = off, no extra work."""
     kl_estimator: str = "k3"
-    """Per-token KL estimate in the beta term, d = ref - logp: k1 = -d, k2 = d^2/2 (its gradient is the KL's), k3 = exp(d) - d - 1 (DeepSeekMath's); docs/grpo_loss.md compares them. Needs beta > 0 unless k3."""
+    """Per-token KL estimate in the beta term, d = ref - logp: k1 = -d, k2 = d^2/2 (its gradient is the KL's), k3 = exp(d)
+    - d - 1 (DeepSeekMath's); docs/grpo_loss.md compares them. Needs beta > 0 unless k3."""
     adv_mode: str = "total"
     """Advantage source: total (z-score of the weighted reward) or components (sum_k w_k/sum(w) z(r_k), each term alone)."""
     adv_std_floor: float = 0.0
-    """Divide by max(std, floor) instead of std, so a tiny tie-breaker spread is not stretched to a full advantage (0 = off)."""
+    """Divide by max(std, floor) instead of std, so a tiny tie-breaker spread is not stretched to a full advantage (0 =
+    off)."""
     rollout_correction: str = "off"
-    """Weight the policy term by pi_train / pi_sampler of the sampled tokens: off, token (low variance, biased) or sequence (unbiased, variance grows with length); grpo_kernels/grpo_loss.py."""
+    """Weight the policy term by pi_train / pi_sampler of the sampled tokens: off, token (low variance, biased) or sequence
+    (unbiased, variance grows with length); grpo_kernels/grpo_loss.py."""
     rollout_correction_mode: str = "mask"
-    """Above the cap: truncate (TIS, weight min(ratio, C): keeps every sample, biased) or mask (MIS, weight 0: drops samples a large mismatch made untrustworthy)."""
+    """Above the cap: truncate (TIS, weight min(ratio, C): keeps every sample, biased) or mask (MIS, weight 0: drops
+    samples a large mismatch made untrustworthy)."""
     rollout_correction_cap: float = 3.0
     """C, the largest rollout ratio kept (> 1; TRL's default: sequence level, mask, 3)."""
     mask_truncated: bool = False
-    """Completions that hit sampling.max_new_tokens without a stop token get loss mask 0 (TRL's mask_truncated_completions, DAPO's overlong filtering); they keep their rewards and still count in their group's advantage statistics."""
+    """Completions that hit sampling.max_new_tokens without a stop token get loss mask 0 (TRL's mask_truncated_completions,
+    DAPO's overlong filtering); they keep their rewards and still count in their group's advantage statistics."""
 
 
 @dataclass
@@ -253,11 +289,14 @@ class RewardConfig:
     random_reward: bool = False
     """Control, not training: each completion's rewards are replaced by those of a random completion of its batch."""
     overlong_buffer: int = 0
-    """L_cache of the overlong component (DAPO's soft overlong punishment, on when rewards.weights names overlong): the penalty ramps from 0 at max_new_tokens - L_cache tokens to -overlong_penalty at max_new_tokens; 0 = a fifth of max_new_tokens."""
+    """L_cache of the overlong component (DAPO's soft overlong punishment, on when rewards.weights names overlong): the
+    penalty ramps from 0 at max_new_tokens - L_cache tokens to -overlong_penalty at max_new_tokens; 0 = a fifth of
+    max_new_tokens."""
     overlong_penalty: float = 1.0
     """The overlong component's value at the budget (verl's penalty_factor; 1 = DAPO: -1 when truncated); > 0."""
     extra: dict[str, str] = field(default_factory=dict)
-    """Your own reward components, NAME=module:function (comma separated): function(examples, completions) -> one finite float per completion; weight 1 unless rewards.weights names it (README, "Your own reward")."""
+    """Your own reward components, NAME=module:function (comma separated): function(examples, completions) -> one finite
+    float per completion; weight 1 unless rewards.weights names it (README, "Your own reward")."""
 
 
 @dataclass
@@ -269,13 +308,15 @@ class PhaseConfig:
     prompts_per_step: int = 4
     """B: distinct prompts per step (each sampled G times)."""
     mixture: dict[int | Literal["all"], float] = field(default_factory=lambda: dict(PHASE_DEFAULTS["B"]["phase.mixture"]))
-    """Curriculum stage (1, 2, 3, or all: every usable row, whatever its metadata) -> sampling probability; on data without MathVista metadata the phase defaults become all=1.0."""
+    """Curriculum stage (1, 2, 3, or all: every usable row, whatever its metadata) -> sampling probability; on data without
+    MathVista metadata the phase defaults become all=1.0."""
     init: str = "auto"
     """Start point: auto (the phase preset's alias), base, a selector like A:best_structure, or a path."""
     controller: bool = True
     """Run the metric-gated controller after each checkpoint eval."""
     perception_steps: int = 0
-    """Warm-up of a random base: steps on image captions (image-only prompt) before the worked-reasoning SFT (the tiny model's warm-up: 800)."""
+    """Warm-up of a random base: steps on image captions (image-only prompt) before the worked-reasoning SFT (the tiny
+    model's warm-up: 800)."""
 
 
 @dataclass
@@ -308,9 +349,12 @@ class RunConfig:
     """torch CPU threads (0 = torch's default). The tiny model's matmuls gain nothing from
     more, and OpenMP spin-waits collapse (10x slower, measured) when the cores are shared."""
     tensorboard: bool = False
-    """Also write every number of train_log.jsonl as a TensorBoard scalar, in <run_dir>/tensorboard/ (tensorboard extra); the same as tensorboard in run.report_to."""
+    """Also write every number of train_log.jsonl as a TensorBoard scalar, in <run_dir>/tensorboard/ (tensorboard extra);
+    the same as tensorboard in run.report_to."""
     report_to: tuple[str, ...] = ()
-    """Experiment trackers that also get every logged number, the resolved config and each evaluation's sample completions with their images: tensorboard, wandb, mlflow (comma separated; each its optional extra, e.g. pip install 'vlgrpo[wandb]'); grpo/run/trackers.py."""
+    """Experiment trackers that also get every logged number, the resolved config and each evaluation's sample completions
+    with their images: tensorboard, wandb, mlflow (comma separated; each its optional extra, e.g. pip install
+    'vlgrpo[wandb]'); grpo/run/trackers.py."""
     collective_timeout_s: float = 300.0
     """Data parallel (torchrun): seconds a collective may wait for a rank before every rank
     stops with one line naming the rank that did not arrive (the warm-up's wait for rank 0
@@ -320,9 +364,12 @@ class RunConfig:
 @dataclass
 class DataConfig:
     columns: dict[str, str] = field(default_factory=dict)
-    """Column map for --run.data: field=column pairs naming the dataset's column for a field this project reads (pid, question, answer, image, images, answer_type, question_type, precision, choices, unit, metadata, query), e.g. question=query,answer=label,image=img; a field left out is read from its own name."""
+    """Column map for --run.data: field=column pairs naming the dataset's column for a field this project reads (pid,
+    question, answer, image, images, answer_type, question_type, precision, choices, unit, metadata, query), e.g.
+    question=query,answer=label,image=img; a field left out is read from its own name."""
     max_images: int = MAX_IMAGES
-    """Most images one prompt of --run.data may show (a row's `images` list; EasyR1's limit_images): a row with more is skipped and counted (too_many_images); each image costs up to model.max_pixels / 784 visual tokens."""
+    """Most images one prompt of --run.data may show (a row's `images` list; EasyR1's limit_images): a row with more is
+    skipped and counted (too_many_images); each image costs up to model.max_pixels / 784 visual tokens."""
 
 
 @dataclass

@@ -220,7 +220,8 @@ def _learning_rate_checks(cfg: Any) -> list[tuple[bool, str]]:
         # The perception labels exist only to teach a tower that trains from scratch.
         (not (p.name == "warmup" and (o.perception_weight > 0 or p.perception_steps > 0)) or trains_from_scratch(m.name),
          f"model.name={m.name!r} is a pretrained model, which already sees: the perception loss and caption "
-         f"stage apply only to a model trained from scratch (tiny-random, what python -m grpo.pretrain uses); set --warmup.optim.perception_weight 0 and "
+         f"stage apply only to a model trained from scratch (tiny-random, what python -m grpo.pretrain uses); set "
+         f"--warmup.optim.perception_weight 0 and "
          f"--warmup.phase.perception_steps 0"),
         (not (p.name == "warmup" and o.perception_weight > 0 and o.vision_lr_scale == 0),
          f"optim.perception_weight={o.perception_weight} trains the vision tower through its labels, but "
@@ -258,7 +259,8 @@ def _loss_checks(cfg: Any) -> list[tuple[bool, str]]:
         (o.loss_type in LOSS_TYPES, f"optim.loss_type={o.loss_type!r}: use {_one_of(LOSS_TYPES)}"),
         (o.adv_scale in SCALES, f"optim.adv_scale={o.adv_scale!r}: use {_one_of(SCALES)}"),
         (o.importance in IMPORTANCE, f"optim.importance={o.importance!r}: use {_one_of(IMPORTANCE)}"),
-        (o.updates_per_batch >= 1, f"optim.updates_per_batch={o.updates_per_batch}: must be >= 1 (1 = one update per rollout batch)"),
+        (o.updates_per_batch >= 1,
+         f"optim.updates_per_batch={o.updates_per_batch}: must be >= 1 (1 = one update per step)"),
         (o.adv_mode in ("total", "components"), f"optim.adv_mode={o.adv_mode!r}: use total or components"),
         (o.rollout_correction in CORRECTIONS,
          f"optim.rollout_correction={o.rollout_correction!r}: use {_one_of(CORRECTIONS)}"),
@@ -352,7 +354,8 @@ def _phase_and_run_checks(cfg: Any) -> list[tuple[bool, str]]:
         (bool(r.run_dir.strip()), "run.run_dir is empty: name a directory for checkpoints and logs"),
         # numpy's legacy seeding (seed_everything) takes 0 .. 2**32 - 1 only
         (0 <= r.seed < 2**32, f"run.seed={r.seed}: must be in [0, 2**32)"),
-        (bool(r.data.strip()), "run.data is empty: use synthetic, a data.jsonl directory, a parquet file or a datasets directory"),
+        (bool(r.data.strip()),
+         "run.data is empty: use synthetic, a data.jsonl directory, a parquet file or a datasets directory"),
         (r.train_per_stage >= 1, f"run.train_per_stage={r.train_per_stage}: must be >= 1"),
         (r.eval_size >= 1, f"run.eval_size={r.eval_size}: must be >= 1"),
         (r.eval_every >= 1, f"run.eval_every={r.eval_every}: must be >= 1 (it is also the checkpoint cadence)"),

@@ -63,7 +63,8 @@ def _parse(path: Path) -> Any:
     try:
         text = path.read_text()
     except OSError as err:
-        raise ConfigError(f"--config {path}: cannot read it ({err.strerror or err}); name an existing JSON or YAML file") from None
+        raise ConfigError(f"--config {path}: cannot read it ({err.strerror or err}); "
+                          "name an existing JSON or YAML file") from None
     if path.suffix.lower() in YAML_SUFFIXES:
         if importlib.util.find_spec("yaml") is None:
             raise ConfigError(f"--config {path}: reading YAML needs PyYAML: pip install 'vlgrpo[yaml]' (or pip install "

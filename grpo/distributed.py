@@ -62,7 +62,7 @@ What is exact and what is not
 - The SFT warm-up is not data-parallel: rank 0 runs it while the others wait at a barrier
   (the process group is created with a 2-hour timeout for that reason; every other collective
   is watched: one that waits longer than run.collective_timeout_s for a rank ends every rank
-  with one line naming it, grpo/watchdog.py).
+  with one line naming it, grpo/collective_watchdog.py).
 
 Backends: NCCL on GPUs (rank r uses cuda:LOCAL_RANK), gloo on CPUs. A run without torchrun's
 environment (WORLD_SIZE unset or 1) gets a single-process ``DataParallel`` whose methods are
@@ -84,8 +84,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from grpo.collective_watchdog import CollectiveWatch
 from grpo.errors import ConfigError
-from grpo.watchdog import CollectiveWatch
 from grpo_kernels.grpo_advantages import batch_std
 
 
@@ -123,7 +123,7 @@ class DataParallel:
     local_rank: int = 0
     device: str = "cpu"
     owns_group: bool = False  # we created the process group (so we destroy it)
-    watch: Any = None  # the collective watchdog (grpo/watchdog.py CollectiveWatch) of a data-parallel run
+    watch: Any = None  # the collective watchdog (grpo/collective_watchdog.py CollectiveWatch) of a data-parallel run
 
     @property
     def is_main(self) -> bool:
@@ -374,14 +374,14 @@ class DataParallel:
     # -------------------------------------------------------------- evaluation
 
     def evaluate(self, bundle: Any, examples: Sequence[Any], protocol: Any) -> Any:
-        """grpo.model_eval.evaluate_model, with each sampling pass split over ranks and the
+        """grpo.evaluation.model_eval.evaluate_model, with each sampling pass split over ranks and the
         completions gathered: every rank returns the same EvalResult (control included).
 
         Each rank decodes its share in batches seeded like evaluate_model's (seed + batch
         start within the share): greedy results equal a single process's; sampled ones
         (temperature > 0) are other draws.
         """
-        from grpo.model_eval import evaluate_model, sample_completions
+        from grpo.evaluation.model_eval import evaluate_model, sample_completions
 
         if not self.enabled:
             return evaluate_model(bundle, examples, protocol)
@@ -426,7 +426,7 @@ def init_distributed(device: str, quiet: bool = True, collective_timeout_s: floa
 
     Without those variables (or WORLD_SIZE=1): a single-process DataParallel on ``device``.
     With them: NCCL and cuda:LOCAL_RANK when ``device`` is a CUDA device, gloo otherwise,
-    and the collective watchdog (grpo/watchdog.py) with ``collective_timeout_s``.
+    and the collective watchdog (grpo/collective_watchdog.py) with ``collective_timeout_s``.
     ``quiet``: silence stdout on ranks > 0 (every rank runs the same prints).
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))

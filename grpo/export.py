@@ -20,7 +20,7 @@ bounds (model.max_pixels / min_pixels), so inference resizes images as training 
 
 Both are written to a temporary directory beside OUT and renamed into place at the end
 (OUT must not exist or be empty): a failure or a stop leaves no OUT, never half of one.
-Ctrl-C / SIGTERM stop at once with one line and exit 130 / 143 (data/signals.py): there is
+Ctrl-C / SIGTERM stop at once with one line and exit 130 / 143 (grpo_infra/signals.py): there is
 no step to finish, the temporary directory is removed.
 
 The selector is grpo.evaluate's (``A:best_structure``, ``B:latest``, ``B:40``, a checkpoint
@@ -50,14 +50,14 @@ from pathlib import Path
 import torch
 from transformers.utils import logging as hf_logging
 
-from data.atomic import new_directory
-from data.signals import StopNow, exit_code, signal_name, stops_at_once
-import grpo.evaluate
+import grpo.evaluation.evaluate
 import grpo.model.policy
 import grpo.state.registry
 from grpo.errors import inside, one_line
 from grpo.model.load import ModelLoadError
 from grpo.state.layout import CheckpointError
+from grpo_infra.atomic import new_directory
+from grpo_infra.signals import StopNow, exit_code, signal_name, stops_at_once
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -128,7 +128,7 @@ def _check_request(args: argparse.Namespace) -> tuple[Path, dict[str, Path], tor
     outs = {flag: _check_out(f"--{flag}", out) for flag, out in (("peft", args.peft), ("merged", args.merged)) if out}
     if len(outs) == 2 and outs["peft"].resolve() == outs["merged"].resolve():
         raise ExportError(f"--peft and --merged both name {args.peft}; give each its own directory")
-    path = grpo.evaluate._resolve_selector(args.selector, args)  # SelectorError lists what the run holds
+    path = grpo.evaluation.evaluate._resolve_selector(args.selector, args)  # SelectorError lists what the run holds
     return path, outs, DTYPES[args.dtype]
 
 

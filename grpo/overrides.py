@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import re
 import typing
 from typing import Any, Literal
 
@@ -69,7 +70,8 @@ def _parse_value(text: str, typ: Any, key: str) -> Any:
             return out
     except ValueError:
         pass
-    hint = {bool: "true or false", int: "an integer", float: "a number"}.get(typ, "name=value,name=value" if origin is dict else str(typ))
+    hint = {bool: "true or false", int: "an integer", float: "a number"}.get(
+        typ, "name=value,name=value" if origin is dict else str(typ))
     raise ConfigError(f"--{key} {text!r}: expected {hint}")
 
 
@@ -161,8 +163,9 @@ def _field_docs(cls: type, ast: Any, inspect: Any) -> dict[str, str]:
     body = tree.body[0].body
     docs = {}
     for node, nxt in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(getattr(nxt, "value", None), ast.Constant):
-            docs[node.target.id] = str(nxt.value.value).strip()
+        if (isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr)
+                and isinstance(getattr(nxt, "value", None), ast.Constant)):
+            docs[node.target.id] = re.sub(r"\s*\n\s*", " ", str(nxt.value.value).strip())  # a wrapped docstring: one line
     return docs
 
 

@@ -44,8 +44,8 @@ import sys
 import time
 from pathlib import Path
 
-from data.atomic import new_directory, replace_file
 from grpo.model import shipped
+from grpo_infra.atomic import new_directory, replace_file
 
 # The pretraining schedule (passed to the trainer's CLI; the card records them). Measured:
 # 0.42-0.47 s a caption step and 0.55-0.75 s a reasoning step on one core of this project's 2-core machine:
@@ -136,7 +136,7 @@ def evaluate_base(bundle, seed: int, n_per_stage: int, max_new_tokens: int) -> d
     """Greedy test-split metrics of the pretrained model, with the shuffled-image control."""
     from data.synthetic import generate
     from eval.results import EvalProtocol
-    from grpo.model_eval import evaluate_model
+    from grpo.evaluation.model_eval import evaluate_model
 
     examples = [ex for s in (1, 2, 3) for ex in generate("test", s, n_per_stage, seed, 112)]
     protocol = EvalProtocol(max_new_tokens=max_new_tokens, temperature=0.0, seed=seed, batch_size=64)
@@ -156,9 +156,9 @@ def export(run_dir: Path, out: Path, wall_s: float, peak_mb: float, test_seed: i
     """warmup:latest of ``run_dir`` -> a verified model directory at ``out``."""
     import torch
 
-    from grpo.overrides import from_json
     from grpo.model.load import load_bundle
     from grpo.model.policy import load_base_weights
+    from grpo.overrides import from_json
     from grpo.state.checkpoint import load_checkpoint
     from grpo.state.registry import resolve
 
@@ -308,12 +308,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """The command: the run directory locked for the whole of it (grpo/run/lock.py: the warm-up,
     the wall-time record and the export's reading of it), then ``_pretrain``."""
-    from data.signals import exit_code
     from grpo.cli import lock_wait, make_run_dir
-    from grpo.errors import ConfigError
-    from grpo.errors import inside, one_line
+    from grpo.errors import ConfigError, inside, one_line
     from grpo.run.lock import RunDirBusy, acquire
     from grpo.run.stop import Stopped
+    from grpo_infra.signals import exit_code
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
@@ -365,8 +364,8 @@ def _pretrain(args: argparse.Namespace, rest: list[str]) -> int:
     record = _record_wall(Path(args.run_dir), time.time() - t0) if started else {}
     if code != 0:
         return code
-    from data.signals import STOP, exit_code, signal_name
     from grpo.run.stop import EvalAbandoned
+    from grpo_infra.signals import STOP, exit_code, signal_name
 
     STOP.install()  # the export's evaluation polls it like every long loop; a stop loses no training
     try:

@@ -37,7 +37,7 @@ around it (the data stream, data parallelism, the non-finite guard, timing) and 
     4-6 run mu = optim.updates_per_batch times on the same rollouts (PPO epochs)
     7. log        one JSON line (eval/plots.py documents the format)
     every run.eval_every steps and at the end:
-    8. eval       greedy decoding on a fixed held-out subset (grpo/model_eval.py)
+    8. eval       greedy decoding on a fixed held-out subset (grpo/evaluation/model_eval.py)
     9. gate       the controller changes reward weights only when those metrics say so
     10. save      atomic checkpoint + aliases latest / best_structure / best_correctness /
                   best_composite (grpo/state/checkpoint.py, grpo/state/registry.py)
@@ -95,21 +95,18 @@ import numpy as np
 import torch
 
 from data.mixture import MixtureStream
-from data.signals import STOP
 from eval.report import collapse_warning
 from grpo import cli
 from grpo.config import TrainConfig
-from grpo.errors import ConfigError
 from grpo.controller import Controller, GateThresholds
 from grpo.distributed import DataParallel
-from grpo.errors import NoRewardSpread, PolicyCollapsed, StepOutOfMemory
-from grpo.model_eval import checkpoint_eval, print_eval
+from grpo.errors import ConfigError, NoRewardSpread, PolicyCollapsed, StepOutOfMemory
+from grpo.evaluation.model_eval import checkpoint_eval, print_eval
 from grpo.model.policy import build_policy
 from grpo.model.prompts import NoPromptsLeft, PromptCounts
 from grpo.model.vision import VISUAL, optimizer_groups
 from grpo.rewards import RewardModel
-from grpo.rollout.dynamic_sampling import NoSpread, dynamic_batches, groups_in_band, groups_with_spread, \
-    no_spread_message
+from grpo.rollout.dynamic_sampling import NoSpread, dynamic_batches, groups_in_band, groups_with_spread, no_spread_message
 from grpo.rollout.merged import MergedRollout
 from grpo.rollout.noisy import NoisyRollout
 from grpo.rollout.sampler import sample
@@ -125,6 +122,7 @@ from grpo.state.resume import phase_finished
 from grpo.state.train_state import TrainState, find_start
 from grpo.step import Hooks, Learner, advantage_source, grpo_step, plain_batches, sample_and_score
 from grpo.warmup.sft import run_warmup
+from grpo_infra.signals import STOP
 from lora import freeze_reference_adapter, load_lora_state_dict, lora_parameters, lora_state_dict
 
 

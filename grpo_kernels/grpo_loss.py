@@ -37,12 +37,25 @@ import triton
 import triton.language as tl
 
 from grpo_kernels._dispatch import check_launchable, last_dim_contiguous, next_pow2, resolve_backend
+
 # The advantage half lives in grpo_advantages; its public names are re-exported from here.
-from grpo_kernels.grpo_advantages import (ADV_PREFIX, ADV_ROW, SCALES, AdvantageSource, Advantages,  # noqa: F401
-                                     PrefixRubrics, _ADV_CODE, check_groups, check_source,
-                                     check_tensor, group_advantages, group_zscore_reference,
-                                     group_zscore_triton, grpo_advantages_reference,
-                                     prefix_advantages_reference)
+from grpo_kernels.grpo_advantages import (  # noqa: F401
+    _ADV_CODE,
+    ADV_PREFIX,
+    ADV_ROW,
+    SCALES,
+    Advantages,
+    AdvantageSource,
+    PrefixRubrics,
+    check_groups,
+    check_source,
+    check_tensor,
+    group_advantages,
+    group_zscore_reference,
+    group_zscore_triton,
+    grpo_advantages_reference,
+    prefix_advantages_reference,
+)
 
 # LossOptions' check, above it: the default LossOptions() of the signatures below runs it at import.
 

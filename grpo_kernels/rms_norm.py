@@ -15,7 +15,7 @@ reference to a few fp32 ulps of the statistic, so in bf16 the output is the refe
 bf16 ulp away.
 
 ``rms_norm`` is registered as a torch custom operator (``grpo_kernels::rms_norm``), so a
-dispatcher -- and ``python -m bench.decode``'s operator count -- sees one operator: on CUDA the
+dispatcher -- and ``python -m bench.decode_ops``'s operator count -- sees one operator: on CUDA the
 one Triton launch; on the CPU its kernel is the reference (the CPU still runs the reference's
 operators inside it, below the count). No autograd: it serves the no-grad decode step.
 

@@ -39,7 +39,7 @@ from lora.quant import (
 __all__ = [
     "DEFAULT_EXCLUDE", "DEFAULT_TARGETS", "LoRAConfig", "LoRALinear", "MemoryReport", "frozen_adapter_casts",
     "fused_forward",
-    "ParamCount", "QuantReport", "count_parameters", "dequantize_weight", "disable_adapters",
+    "ParamCount", "QuantReport", "count_parameters", "dequantize_weight", "disable_adapters", "freeze_reference_adapter",
     "enable_gradient_checkpointing", "export_merged", "find_target_names",
     "freeze_all_but_lora", "inject_lora", "is_linear4bit", "load_adapter",
     "load_lora_state_dict", "lora_modules", "lora_parameters", "lora_state_dict",

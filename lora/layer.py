@@ -171,7 +171,7 @@ def fused_forward(modules: list[nn.Module], x: torch.Tensor) -> list[torch.Tenso
     B matmul: base(x) + h @ B^T as ``addmm`` into the base's output (one rounding of the sum
     instead of one for the product and one for the add: equal to rounding, not bit for bit).
     Falls back to the modules' own forward unless every one is a LoRALinear that
-    ``decodes_fused`` (the sampler's fused decode step, grpo/rollout/static_cache.py). The
+    ``decodes_fused`` (the sampler's fused decode step, grpo/rollout/decoder.py). The
     modules' A's are stacked into one matmul (``_add_adapters``): q/k/v's three, gate/up's two."""
     if not all(isinstance(m, LoRALinear) and m.decodes_fused(x) for m in modules):
         return [m(x) for m in modules]

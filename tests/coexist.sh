@@ -43,7 +43,7 @@ WHEEL=$(ls "$WORK"/wheel/vlgrpo-*.whl)
 top=$("$PY" -c "import sys, zipfile; names = zipfile.ZipFile(sys.argv[1]).namelist()
 print(' '.join(sorted({n.split('/')[0] for n in names if '.dist-info' not in n.split('/')[0]})))" "$WHEEL")
 say "wheel $(basename "$WHEEL"): top-level $top"
-[ "$top" = "data eval grpo grpo_kernels lora" ] || { echo "coexist: the wheel installs '$top'" >&2; exit 1; }
+[ "$top" = "data eval grpo grpo_infra grpo_kernels lora" ] || { echo "coexist: the wheel installs '$top'" >&2; exit 1; }
 quiet_pip install -q "$WHEEL"
 "$PY" -m pip freeze --exclude-editable | grep -v "^vlgrpo" | sort > "$WORK/after.txt"
 # added packages are fine (bitsandbytes, for one); a changed version is a downgrade or upgrade

@@ -1,4 +1,4 @@
-"""data/atomic.py, the one write-then-rename: old or new, never half; temporaries cleaned; fsync where promised."""
+"""grpo_infra/atomic.py, the one write-then-rename: old or new, never half; temporaries cleaned; fsync where promised."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from data import atomic
+from grpo_infra import atomic
 
 
 class Killed(BaseException):

@@ -27,14 +27,14 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
+from train_helpers import run_main
 
 import grpo.state.durable as durable
+from grpo.overrides import parse_override_args
 from grpo.state.checkpoint import load_checkpoint, save_checkpoint
 from grpo.state.layout import ADAPTER_FILE, CheckpointError
 from grpo.state.registry import read_registry
-from grpo.overrides import parse_override_args
 from lora import LoRAConfig, inject_lora, load_adapter, save_adapter
-from train_helpers import run_main
 
 OVERRIDES = ["--model.device", "cpu", "--sampling.G", "2", "--sampling.max_new_tokens", "8",
              "--run.train_per_stage", "20", "--run.eval_size", "4", "--phase.prompts_per_step", "2"]
@@ -484,7 +484,7 @@ def test_read_only_run_dir_for_real(tmp_path):
 
 
 def run_eval(*args: str) -> tuple[int, str, str]:
-    from grpo.evaluate import main
+    from grpo.evaluation.evaluate import main
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -699,8 +699,9 @@ ADAPTER_CASES = [
 
 @pytest.mark.parametrize("damage, error, message", ADAPTER_CASES)
 def test_bad_adapters(tmp_path, adapter_dir, damage, error, message):
-    from lora import lora_modules
     from test_lora import tiny_model
+
+    from lora import lora_modules
 
     path = tmp_path / "adapter"
     shutil.copytree(adapter_dir, path)

@@ -20,9 +20,9 @@ import pytest
 import torch
 
 from bench import learning
+from grpo.cli import phase_configs
 from grpo.config import PHASE_WEIGHTS
 from grpo.overrides import parse_override_args
-from grpo.cli import phase_configs
 
 VARIANTS = "correctness0,random,frozen"
 CELL = r"[+-]?\d+\.\d+ \[[+-]?\d+\.\d+, [+-]?\d+\.\d+\]"  # one seed: the value and its 95% interval
@@ -190,7 +190,8 @@ def test_a_reward_the_data_cannot_feed_is_one_line_naming_variant_and_field():
     cfgs = phase_configs("B", "tiny", parse_override_args(
         learning.VARIANTS["detail"].args(phase_configs("B", "tiny", {}))))
     assert learning.reward_data_problem("detail", cfgs) is None  # the synthetic data has intermediates
-    bare = lambda cfg: {1: [dataclasses.replace(generate("train", 1, 1, 0, 56)[0], intermediates=[])]}
+    def bare(cfg):
+        return {1: [dataclasses.replace(generate("train", 1, 1, 0, 56)[0], intermediates=[])]}
     msg = learning.reward_data_problem("detail", cfgs, bare)
     assert "variant detail" in msg and "'detail'" in msg and "has no intermediates" in msg and "\n" not in msg
 

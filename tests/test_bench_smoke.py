@@ -79,7 +79,8 @@ def test_grpo_loss():
     ("bench.grpo_loss", ["--shape", "8", "16"],
      [["N=8", "T=16", mode, "triton"] for mode in ("grpo/token/kl", "dapo/sequence", "bnpo/prefix", "dr_grpo/components")]),
     ("bench.logprob", ["--quick", "--shape", "2", "8", "--vocab", "500", "--hidden", "64"],
-     [["N=2", "T=8", "V=500", "triton", p] for p in ("fwd", "fwd+bwd")] + [["N=2", "T=8", "V=500", "d=64", p, "fwd+bwd"] for p in ("eager", "triton-chunked")]),
+     [["N=2", "T=8", "V=500", "triton", p] for p in ("fwd", "fwd+bwd")]
+     + [["N=2", "T=8", "V=500", "d=64", p, "fwd+bwd"] for p in ("eager", "triton-chunked")]),
 ])
 def test_triton_providers_under_the_interpreter(module, args, rows):
     # The providers a CPU run skips: the kernel path of each benchmark, which gpu.sh times on a GPU.
@@ -345,10 +346,10 @@ def test_gpu_kit_trims_a_wheel_and_rewrites_its_record(tmp_path):
 
 
 def test_decode_counts():
-    """bench.decode counts the operators of one decoded token on the three paths; the counts are
+    """bench.decode_ops counts the operators of one decoded token on the three paths; the counts are
     deterministic, so the smoke test holds their structure: every path dispatches some decoder work
     per layer, the merged copy has no LoRA branch, and our two paths sync once per token."""
-    out = cli("bench.decode", "--quick")
+    out = cli("bench.decode_ops", "--quick")
     rows = {m.group(1): m.group(2) for m in re.finditer(r"^\s*(plain|merged|generate)\s+per layer\s+([\d,]+)\s", out, re.M)}
     assert set(rows) == {"plain", "merged", "generate"} and all(int(v.replace(",", "")) > 0 for v in rows.values())
     assert re.search(r"^# merged: host syncs per token: _local_scalar_dense 1;", out, re.M)
@@ -359,7 +360,7 @@ def test_decode_counts():
 
 
 def test_decode_counts_one_grpo_step():
-    out = cli("bench.decode", "--step", "--step-B", "1", "--step-tokens", "3")
+    out = cli("bench.decode_ops", "--step", "--step-B", "1", "--step-tokens", "3")
     stages = re.findall(r"^\s*(prompts|sampling|rewards|logp \(grad\)|loss|backward|optimizer|step)\s+([\d,]+)\s", out, re.M)
     assert sorted(s for s, _ in stages) == sorted(["prompts", "sampling", "rewards", "logp (grad)", "loss", "backward",
                                                    "optimizer", "step"])

@@ -14,15 +14,15 @@ import pytest
 import torch
 
 import grpo.state.durable as durable
+from grpo.config import TrainConfig
+from grpo.controller import Controller
+from grpo.errors import ConfigError
 from grpo.state.checkpoint import load_checkpoint, save_checkpoint
 from grpo.state.compat import check_compatible, check_resumable
 from grpo.state.layout import CheckpointError
 from grpo.state.registry import SelectorError, read_registry, resolve
 from grpo.state.resume import resume_point
 from grpo.state.rng import capture_rng, restore_rng
-from grpo.config import TrainConfig
-from grpo.errors import ConfigError
-from grpo.controller import Controller
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -246,7 +246,7 @@ def test_kill_at_every_write_keeps_previous_latest(tmp_path, monkeypatch):
     for kill_at in range(n_writes):
         calls = 0
 
-        def dying(path, data):
+        def dying(path, data, kill_at=kill_at):
             nonlocal calls
             if calls == kill_at:
                 path.write_bytes(data[: len(data) // 2])  # half a file, then the process is gone

@@ -18,4 +18,4 @@ def test_installs_and_runs_beside_the_newest_hf_stack():
     tail = (out.stdout + out.stderr)[-4000:]
     assert out.returncode == 0, tail
     assert "summary: coexist passed" in out.stdout, tail
-    assert "top-level data eval grpo grpo_kernels lora" in out.stdout, tail
+    assert "top-level data eval grpo grpo_infra grpo_kernels lora" in out.stdout, tail

@@ -9,10 +9,11 @@ the checkpoint saved).
 
 from types import SimpleNamespace
 
+from train_helpers import log_lines, run_main
+
 from eval.report import collapse_warning, control_summary
 from eval.results import EvalResult
 from grpo.state.registry import read_registry
-from train_helpers import log_lines, run_main
 
 
 def _result(answers, n=None):

@@ -1,4 +1,4 @@
-"""A collective that waits too long for a rank (grpo/watchdog.py) ends every rank with one line.
+"""A collective that waits too long for a rank (grpo/collective_watchdog.py) ends every rank with one line.
 
 Two real gloo ranks (this file run as a script, RANK / WORLD_SIZE / MASTER_* set by hand, as
 torchrun sets them): both meet at one all-reduce, then rank 1 sleeps (a hung rank) while
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from grpo.watchdog import CollectiveWatch, late_ranks
+from grpo.collective_watchdog import CollectiveWatch, late_ranks
 
 TIMEOUT = 4.0  # run.collective_timeout_s of the two-rank run
 SLEEP = 60.0  # the hung rank's sleep: far longer than the timeout
@@ -126,7 +126,7 @@ def test_watch_stays_quiet_while_collectives_finish_in_time():
 _EXIT_WITHOUT_CLOSE = """
 import time
 from torch.distributed import TCPStore
-from grpo.watchdog import CollectiveWatch
+from grpo.collective_watchdog import CollectiveWatch
 store = TCPStore("127.0.0.1", 0, 1, True)
 CollectiveWatch(store, 0, 1, timeout_s=60.0, poll_s=0.0)  # poll 0: the thread is almost always in a store call
 time.sleep(0.05)

@@ -4,11 +4,11 @@ sections and phase sections become the CLI's overrides, flags win, and each bad 
 import json
 
 import pytest
+from train_helpers import run_main
 
 from grpo.cli import command_overrides, phase_configs
-from grpo.errors import ConfigError
 from grpo.config_file import read_config_file
-from train_helpers import run_main
+from grpo.errors import ConfigError
 
 
 def test_a_saved_config_loads_back_to_the_same_resolved_config(tmp_path):

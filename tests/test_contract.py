@@ -75,7 +75,7 @@ def test_case_table_is_large():
 
 
 def test_normalize_is_idempotent():
-    for text, answer, *_ in PARSE_CASES:
+    for _text, answer, *_ in PARSE_CASES:
         if answer is not None:
             assert normalize_number(answer) == answer
 

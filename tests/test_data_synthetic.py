@@ -168,8 +168,9 @@ def test_every_family_appears_and_floats_exist(pools):
 
 def test_metro_answer_is_the_shortest_path():
     """An independent check: BFS over the drawn lines' stations equals the templated answer."""
-    from data.gen_stage3 import sample_metro, annotate_metro
     import random
+
+    from data.gen_stage3 import annotate_metro, sample_metro
 
     for i in range(200):
         p = sample_metro(random.Random(i))
@@ -190,8 +191,9 @@ def test_metro_answer_is_the_shortest_path():
 
 
 def test_geometry_area_matches_shoelace():
-    from data.gen_stage3 import _geometry_polygon, annotate_geometry, sample_geometry
     import random
+
+    from data.gen_stage3 import _geometry_polygon, annotate_geometry, sample_geometry
 
     for i in range(200):
         p = sample_geometry(random.Random(i))

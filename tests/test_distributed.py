@@ -461,7 +461,7 @@ def _micro_batch_cases(dp, bundle, examples) -> dict:
         for rows in (0, cfg.sampling.G):
             cfg.optim.micro_batch_rows = rows
             hooks = DPHooks(params)
-            grpo_step(ln, lambda n: copy.deepcopy(rollout), step=0, temperature=1.0, hooks=hooks)
+            grpo_step(ln, lambda n, r=rollout: copy.deepcopy(r), step=0, temperature=1.0, hooks=hooks)
             grads.append(hooks.grads[0])
         out[f"{loss_type}/{adv_scale}"] = dict(grad_scale=float(grads[0].abs().max()),
                                                 grad_err=float((grads[1] - grads[0]).abs().max()))
@@ -543,8 +543,9 @@ def _worker(out_dir: Path) -> None:
     # the trainer, as torchrun -m grpo.train runs it (the process group is reused). The warmed-up
     # tiny-random model writes garbage that the verifier mostly scores alike; the text-dependent
     # bonus gives groups a spread, so that steps have advantages and the replicas move.
-    from grpo.train import main
     from train_helpers import reward_spread
+
+    from grpo.train import main
 
     with reward_spread():
         result["train_rc"] = main(["--run.run_dir", str(out_dir / "run"), *TRAIN_ARGS])

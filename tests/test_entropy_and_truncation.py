@@ -25,19 +25,19 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from train_helpers import full_row_logits, spread_rollout, step_learner
 
-from grpo.errors import ConfigError
-from grpo.overrides import apply_overrides, parse_override_args
-from grpo.presets import phase_preset
 from grpo.distributed import DataParallel
+from grpo.errors import ConfigError
 from grpo.model.load import ModelBundle, load_bundle
 from grpo.model.logprobs import completion_hidden_states, completion_logprobs
 from grpo.model.prompt_context import build_prompt_context
 from grpo.model.prompts import encode_prompts
 from grpo.model.shared_prefix import shared_prefix_hidden_states
+from grpo.overrides import apply_overrides, parse_override_args
+from grpo.presets import phase_preset
 from grpo.run.records import progress_line, step_record
 from grpo.step import grpo_step
-from train_helpers import full_row_logits, spread_rollout, step_learner
 
 EPS32 = torch.finfo(torch.float32).eps
 G = 4

@@ -8,9 +8,9 @@ from PIL import Image
 
 from data.schema import Example
 from eval.blind import BlindGap, ControlUnavailable, blind_gap, shuffle_images
-from eval.results import EvalProtocol
-from grpo.model_eval import evaluate_model
 from eval.report import gap_warning, render_markdown
+from eval.results import EvalProtocol
+from grpo.evaluation.model_eval import evaluate_model
 
 R, S = "<REASONING>r</REASONING>", "<SOLUTION>{}</SOLUTION>"
 

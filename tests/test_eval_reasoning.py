@@ -4,9 +4,9 @@ per completion, per subset in evaluate_completions, and in the written report.""
 import math
 
 from data.synthetic import generate
-from eval.results import evaluate_completions
 from eval.reasoning import arithmetic_right, completion_reasoning, reasoning_result, summarize_reasoning
 from eval.report import write_report
+from eval.results import evaluate_completions
 
 
 def box(reasoning: str, answer: str) -> str:

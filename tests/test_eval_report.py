@@ -12,11 +12,11 @@ import torch
 from PIL import Image
 
 from data.schema import Example
-from eval.results import EvalProtocol, evaluate_completions
-from grpo.evaluate import main
-from grpo.model_eval import evaluate_model
 from eval.plots import GATE_COLOR, PALETTE, parse_log, plot_run
 from eval.report import render_markdown, write_report
+from eval.results import EvalProtocol, evaluate_completions
+from grpo.evaluation.evaluate import main
+from grpo.evaluation.model_eval import evaluate_model
 
 R, S = "<REASONING>r</REASONING>", "<SOLUTION>{}</SOLUTION>"
 

@@ -132,7 +132,8 @@ def test_full_row_from_the_paper_base_vs_final_table():
 
 
 def test_scores_are_means_of_per_completion_scores():
-    texts = ["<REASONING>a</REASONING><SOLUTION>3</SOLUTION>", "<SOLUTION>3</SOLUTION>", "junk", "<REASONING>b</REASONING><SOLUTION>4</SOLUTION>"]
+    texts = ["<REASONING>a</REASONING><SOLUTION>3</SOLUTION>", "<SOLUTION>3</SOLUTION>", "junk",
+             "<REASONING>b</REASONING><SOLUTION>4</SOLUTION>"]
     cms = [completion_metrics(t, "3", None, 5 if i < 3 else 50, 40) for i, t in enumerate(texts)]
     per = [all_scores(c.as_rates()) for c in cms]
     rates = {k: sum(c.as_rates()[k] for c in cms) / len(cms) for k in cms[0].as_rates()}

@@ -115,8 +115,8 @@ def test_exports_with_vision_adapters_carry_the_tower_and_merger(vision_run):
     puts LoRA there, nowhere else), the merged model folds them in, both decode the policy's
     tokens; and the adapter loads back into a plain base and into a policy with vision LoRA."""
     peft = pytest.importorskip("peft")
-    from lora import load_adapter, lora_modules
     from grpo.model.vision import VISUAL
+    from lora import load_adapter, lora_modules
 
     out = _export_both(vision_run)
     bundle, inputs, ref_logits, ref_ids = _check_exports(vision_run, out)
@@ -232,7 +232,8 @@ def test_export_prints_paths_sizes_and_dtype(run, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["A:best_nothing"], r"checkpoint selector 'A:best_nothing' names nothing in .*It holds: warmup: no checkpoints; A: steps 1; latest=step 1"),
+    (["A:best_nothing"],
+     r"checkpoint selector 'A:best_nothing' names nothing in .*It holds: warmup: no checkpoints; A: steps 1; latest=step 1"),
     (["A:latest", "--dtype", "int8"], r"--dtype 'int8': use one of bf16, fp16, fp32"),
     (["A:latest", "--device", "gpu"], r"--device 'gpu': use cpu, cuda or cuda:N"),
     (["A:latest", "--no-out"], r"nothing to export: give --peft OUT"),
@@ -325,7 +326,7 @@ EVAL = ["base", "--limit", "2", "--max-new-tokens", "4", "--no-image-control"]
 
 
 def test_a_signal_mid_evaluation_writes_no_report(tmp_path):
-    rc, out, err = run_driver(signal.SIGINT, "grpo.evaluate", "grpo.evaluate.evaluate_model", False,
+    rc, out, err = run_driver(signal.SIGINT, "grpo.evaluation.evaluate", "grpo.evaluation.evaluate.evaluate_model", False,
                               *EVAL, "--out", tmp_path / "r")
     assert rc == 130 and "Traceback" not in err, err
     assert err.strip() == "stopped evaluating on SIGINT; no report written"
@@ -334,7 +335,7 @@ def test_a_signal_mid_evaluation_writes_no_report(tmp_path):
 
 def test_a_signal_while_the_report_is_written_waits_for_the_whole_report(tmp_path):
     """SIGTERM sent between rendering and writing the files: held until all are in place."""
-    rc, out, err = run_driver(signal.SIGTERM, "grpo.evaluate", "eval.report.render_markdown", True,
+    rc, out, err = run_driver(signal.SIGTERM, "grpo.evaluation.evaluate", "eval.report.render_markdown", True,
                               *EVAL, "--out", tmp_path / "r")
     assert rc == 143 and "Traceback" not in err, err
     assert err.strip() == "stopped evaluating on SIGTERM; the report was written before it"

@@ -12,19 +12,18 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 from PIL import Image
+from train_helpers import log_lines, run_main
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
 from data.schema import Example
 from data.synthetic import generate
 from grpo.config import TrainConfig
-from grpo.overrides import apply_overrides
-from grpo.presets import PRESETS
 from grpo.model.load import ModelLoadError, load_bundle, set_input_bounds
 from grpo.model.prompts import NoPromptsLeft, PromptCounts, encode_prompts
+from grpo.overrides import apply_overrides
+from grpo.presets import PRESETS
 from grpo.run.records import prompts_summary
-from train_helpers import log_lines, run_main
 
 
 def _image(h: int, w: int, seed: int = 0) -> Image.Image:

@@ -21,9 +21,9 @@ import sys
 
 import pytest
 import torch
+from loss_helpers import loss_of, source_of
 
 from grpo_kernels._dispatch import import_interpreted, resolve_backend
-from loss_helpers import loss_of, source_of
 
 ON_GPU = torch.cuda.is_available()
 # On a CPU the kernels must be defined under the Triton interpreter (see import_interpreted).

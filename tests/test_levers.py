@@ -34,20 +34,26 @@ from typing import NamedTuple
 
 import pytest
 import torch
+from loss_helpers import loss_of
+from train_helpers import log_lines, reward_spread, run_main
 
-from grpo.state.checkpoint import load_checkpoint
-from grpo.state.registry import resolve
 from grpo.config import TrainConfig
-from grpo.rollout.sampler import Rollout
-from grpo.rollout.dynamic_sampling import (FillStats, concat_rollouts, fill_batch, groups_in_band, groups_with_spread,
-                                   no_spread_message, select_groups)
 from grpo.model.prompt_context import PromptContext, group_rows
 from grpo.rewards.compose import RewardBatch
 from grpo.rewards.rubrics import PrefixInputs
-from grpo.rollout.sampler import SampleOutput
+from grpo.rollout.dynamic_sampling import (
+    FillStats,
+    concat_rollouts,
+    fill_batch,
+    groups_in_band,
+    groups_with_spread,
+    no_spread_message,
+    select_groups,
+)
+from grpo.rollout.sampler import Rollout, SampleOutput
+from grpo.state.checkpoint import load_checkpoint
+from grpo.state.registry import resolve
 from grpo_kernels._dispatch import import_interpreted
-from loss_helpers import loss_of
-from train_helpers import log_lines, reward_spread, run_main
 
 ON_GPU = torch.cuda.is_available()
 gl = importlib.import_module("grpo_kernels.grpo_loss") if ON_GPU else import_interpreted("grpo_kernels.grpo_loss")
@@ -466,7 +472,7 @@ def test_two_updates_per_batch_clip_against_the_sampling_policy(tmp_path, monkey
         clipped += second["clip"] > 0
     assert clipped, "the clip never bound at lr 5e-2"
     recs = steps(tmp_path / "mu2")
-    for s, rec in recs.items():
+    for rec in recs.values():
         ups = rec["updates"]
         assert [u["update"] for u in ups] == [1, 2]
         assert ups[0]["clip_low"] == ups[0]["clip_high"] == ups[0]["kl_old"] == 0 and ups[1]["kl_old"] > 0

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-
-from grpo.model.logprobs import completion_logprobs, reference_logprobs
-from grpo.model.load import ModelBundle, load_bundle
-from grpo.model.prompts import encode_prompts
-from grpo.model.prompt_context import build_prompt_context
 from train_helpers import full_row_logits
+
+from grpo.model.load import ModelBundle, load_bundle
+from grpo.model.logprobs import completion_logprobs, reference_logprobs
+from grpo.model.prompt_context import build_prompt_context
+from grpo.model.prompts import encode_prompts
 
 G, T = 2, 7
 

@@ -8,6 +8,7 @@ import re
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from test_lora import image_batch, logits, randomize_lora_B, text_batch, tiny_model
 
 from lora import (
     LoRAConfig,
@@ -20,7 +21,6 @@ from lora import (
     quantize_model_4bit,
     save_adapter,
 )
-from test_lora import image_batch, logits, randomize_lora_B, text_batch, tiny_model
 
 
 def adapted_model(seed: int = 0, cfg: LoRAConfig = LoRAConfig(r=8, alpha=16)):

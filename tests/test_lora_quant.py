@@ -19,6 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
+from test_lora import image_batch, lm_loss, logits, randomize_lora_B, text_batch, tiny_model
 
 from lora import (
     LoRALinear,
@@ -34,7 +35,6 @@ from lora import (
     quantize_linear_4bit,
     quantize_model_4bit,
 )
-from test_lora import image_batch, lm_loss, logits, randomize_lora_B, text_batch, tiny_model
 
 bnb = pytest.importorskip("bitsandbytes")
 import bitsandbytes.functional as F  # noqa: E402

@@ -29,14 +29,14 @@ import math
 
 import pytest
 import torch
+from train_helpers import spread_rollout, step_learner
 
-from grpo.presets import phase_preset
-from grpo.model.logprobs import completion_logprobs
 from grpo.batches import loss_share, micro_batch_choices, micro_batch_groups, micro_batch_rows_fit
+from grpo.model.logprobs import completion_logprobs
+from grpo.presets import phase_preset
 from grpo.step import Hooks, grpo_step
 from grpo_kernels.grpo_advantages import AdvantageSource, PrefixRubrics, group_advantages
 from grpo_kernels.grpo_loss import LOSS_TYPES, LossOptions, grpo_loss
-from train_helpers import spread_rollout, step_learner
 
 EPS32 = torch.finfo(torch.float32).eps
 G = 4
@@ -313,7 +313,7 @@ def test_what_autograd_keeps_checkpointing_and_chunked_logits(rollouts):
         model = ln.bundle.model
         V = model.get_output_embeddings().weight.shape[0]
         for chunk in (1, 10_000):  # one row per chunk; every row in one chunk
-            total, shapes, logp = _saved_bytes(lambda: completion_logprobs(
+            total, shapes, logp = _saved_bytes(lambda model=model, chunk=chunk: completion_logprobs(
                 model, out.context, out.completion_ids, out.completion_mask, G, chunk_tokens=chunk))
             assert logp.requires_grad
             # no logits are kept for backward: the chunks recompute them

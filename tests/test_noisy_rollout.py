@@ -7,17 +7,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from train_helpers import full_row_logits, log_lines, run_main
 
 from data.synthetic import generate
 from grpo.errors import ConfigError
-from grpo.presets import phase_preset
 from grpo.model.logprobs import completion_logprobs
 from grpo.model.policy import build_policy
 from grpo.model.prompts import encode_prompts
+from grpo.presets import phase_preset
 from grpo.rollout.noisy import NoisyRollout, noise_std_at, noisy_count, noisy_rows
 from grpo.rollout.sampler import sample
 from lora import lora_modules
-from train_helpers import full_row_logits, log_lines, run_main
 
 G, B, T = 4, 2, 8
 

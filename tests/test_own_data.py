@@ -11,6 +11,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from test_mathvista import ROWS, SCHEMA, make_row, meta
+from train_helpers import log_lines, run_main
 
 from data.holdout import TEST_EVERY, shared_pids, split_test
 from data.mixture import MixtureStream
@@ -18,8 +20,6 @@ from data.rows import SkipRow, example_from_row, infer_answer_type
 from data.sources import load_source
 from data.stages import select_stage
 from data.synthetic import generate
-from test_mathvista import ROWS, SCHEMA, make_row, meta
-from train_helpers import log_lines, run_main
 
 ROOT = Path(__file__).resolve().parent.parent
 QUICK = ["--phase", "A", "--model.device", "cpu", "--phase.steps", "2", "--run.eval_every", "2", "--run.eval_size", "2",
@@ -129,8 +129,8 @@ def test_minimal_jsonl_trains_with_one_command(minimal_dir, tmp_path, capsys):
     train, val = load_training_data(cfg)
     assert len(test) == 3 and not {ex.pid for ex in test} & {ex.pid for ex in train["all"] + val["all"]}
     # evaluating the run on its own data: one warning with the count (the held-out rows do not count)
-    from grpo.evaluate import warn_contamination
     from data.sources import load_source as load
+    from grpo.evaluation.evaluate import warn_contamination
 
     everything, _ = load(minimal_dir)
     capsys.readouterr()
@@ -257,7 +257,7 @@ def test_evaluate_reads_a_set_of_several_images_under_its_own_bound(tmp_path, ca
     """python -m grpo.evaluate --data DIR: --max-images as the trainer's --data.max_images
     (a row over it skipped and counted); below 1 it is one line."""
     from eval.inputs import load_examples
-    from grpo.evaluate import build_parser, main
+    from grpo.evaluation.evaluate import build_parser, main
 
     rows = several_image_rows(6)
     rows.append(({"pid": "three", "question": "q", "answer": "1"}, rows[0][1] + rows[1][1]))  # 3 images

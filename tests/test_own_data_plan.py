@@ -14,12 +14,12 @@ import re
 from pathlib import Path
 
 import pytest
+from test_own_data import minimal_rows
+from train_helpers import run_main
 
 from bench.own_sets import polygons
 from grpo.state.checkpoint import load_checkpoint
 from grpo.state.registry import resolve
-from test_own_data import minimal_rows
-from train_helpers import run_main
 
 FAST = ["--model.device", "cpu", "--run.eval_size", "2", "--sampling.max_new_tokens", "24",
         "--phase.prompts_per_step", "2", "--phase.steps", "1", "--A.phase.steps", "1", "--run.test_per_stage", "0",

@@ -20,7 +20,7 @@ import pytest
 from grpo.deps import declared_requirements, release, satisfies, stack_problems
 
 ROOT = Path(__file__).resolve().parents[1]
-WHEEL_TOP_LEVEL = {"grpo", "grpo_kernels", "lora", "data", "eval"}
+WHEEL_TOP_LEVEL = {"grpo", "grpo_infra", "grpo_kernels", "lora", "data", "eval"}
 
 
 def _run(code_or_args: list[str], extra_path: Path | None = None, cwd: Path = ROOT) -> subprocess.CompletedProcess:

@@ -23,11 +23,11 @@ import torch
 
 import grpo.step as step_module
 from data.synthetic import generate
-from grpo.presets import phase_preset
 from grpo.model.logprobs import completion_logprobs
 from grpo.model.policy import build_policy
 from grpo.model.prompt_context import build_prompt_context
 from grpo.model.prompts import encode_prompts
+from grpo.presets import phase_preset
 from grpo.rewards import RewardModel
 from grpo.rollout.dynamic_sampling import dynamic_batches, groups_with_spread
 from grpo.rollout.merged import MergedRollout
@@ -47,7 +47,8 @@ def _learner(merged: bool):
     torch.manual_seed(0)
     for p in lora_parameters(bundle.model):  # a non-zero adapter, so the merged copy has something to fold in
         p.data.normal_(0, 0.005)
-    opt = torch.optim.AdamW(lora_parameters(bundle.model), lr=0.0, weight_decay=0.0)  # the references below see the policy that sampled
+    # lr 0: the references below see the policy that sampled
+    opt = torch.optim.AdamW(lora_parameters(bundle.model), lr=0.0, weight_decay=0.0)
     rewards = RewardModel(cfg.rewards, L, tokenizer=bundle.tokenizer)
 
     def spread(r):

@@ -17,7 +17,13 @@ from data.stages import STAGES
 from data.synthetic import generate
 from grpo.model.load import load_bundle
 from grpo.warmup.perception import (
-    N_COLOUR, N_NUMBER, N_OBJECT, N_POS, PerceptionHead, _object_class, token_labels,
+    N_COLOUR,
+    N_NUMBER,
+    N_OBJECT,
+    N_POS,
+    PerceptionHead,
+    _object_class,
+    token_labels,
 )
 from grpo.warmup.sft import build_sft_batch, caption_batch, warmup_losses
 

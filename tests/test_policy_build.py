@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from data.synthetic import generate
-from grpo.presets import phase_preset
 from grpo.model.load import load_bundle
 from grpo.model.policy import build_policy
 from grpo.model.prompts import encode_prompts
+from grpo.presets import phase_preset
 from lora import inject_lora, quantize_model_4bit
 from lora.layer import is_linear4bit
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 import json
 
 import pytest
+from train_helpers import run_main
 
 import grpo.cli
 from grpo.errors import ConfigError
-from grpo.presets import preset_for_model
 from grpo.model.shipped import SHIPPED_DIR
-from train_helpers import run_main
+from grpo.presets import preset_for_model
 
 HUB_7B = "Qwen/Qwen2.5-VL-7B-Instruct"
 
@@ -84,8 +84,9 @@ def test_an_explicit_preset_wins(tmp_path, first_check):
     assert rc == 2 and "--preset" not in out
     assert (first_check["A"].model.dtype, first_check["A"].model.image_size) == ("float32", 112)
     first_check.clear()
+    # refused without --preset, trained as asked with it
     rc, out, err = run_main(tmp_path / "run", "--phase", "A", "--preset", "qwen7b", "--model.name",
-                            "Qwen/Qwen2.5-VL-72B-Instruct", "--model.device", "cpu")  # refused without --preset, trained as asked with it
+                            "Qwen/Qwen2.5-VL-72B-Instruct", "--model.device", "cpu")
     assert rc == 2 and first_check["A"].model.dtype == "bfloat16"
 
 

@@ -9,9 +9,10 @@ and a phase that never saw a warm-up writes the same checkpoint metadata as befo
 
 from pathlib import Path
 
+from train_helpers import log_lines, run_main
+
 from grpo.state.checkpoint import load_checkpoint
 from grpo.state.registry import resolve, step_dirname
-from train_helpers import log_lines, run_main
 
 SHIPPED = ["--model.device", "cpu", "--run.eval_size", "2", "--run.train_per_stage", "20",
            "--sampling.G", "2", "--sampling.max_new_tokens", "8", "--phase.prompts_per_step", "2",

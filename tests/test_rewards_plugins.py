@@ -4,21 +4,21 @@ plug-in returned, refuses a resume without it, and stops with one line when it b
 
 import json
 
+import plugin_rewards
 import pytest
 import torch
+from train_helpers import log_lines, run_main
 
-import plugin_rewards
 from data.schema import Example
 from grpo.cli import phase_configs
 from grpo.config import PHASE_WEIGHTS, RewardConfig
-from grpo.errors import ConfigError
-from grpo.overrides import apply_overrides, parse_override_args
-from grpo.presets import phase_preset
 from grpo.controller import Controller
+from grpo.errors import ConfigError
+from grpo.overrides import parse_override_args
+from grpo.presets import phase_preset
 from grpo.rewards import RewardModel
 from grpo.state.checkpoint import load_checkpoint
 from grpo.state.registry import read_registry, resolve
-from train_helpers import log_lines, run_main
 
 
 @pytest.fixture(autouse=True)

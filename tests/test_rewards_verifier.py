@@ -66,7 +66,7 @@ CASES = [
     # text outside the tags is the format reward's blind spot (StepRVR sees it)
     ("text_outside", INT, f"Sure! {R}<SOLUTION>12</SOLUTION> Hope this helps.", 20, (2, 1, 1, 1, 0, 1)),
     ("solution_first", INT, f"<SOLUTION>12</SOLUTION>{R}", 20, (2, 1, 1, 1, 0, 1)),
-    ("binaryish", INT, f"\x00\xff\ufffd<SOLUTION>12</SOLUTION>\x7f", 20, (1, 1, 0, 1, 0, 1)),
+    ("binaryish", INT, "\x00\xff\ufffd<SOLUTION>12</SOLUTION>\x7f", 20, (1, 1, 0, 1, 0, 1)),
     # truncation: tok >= L
     ("truncated_mid_solution", INT, f"{R}<SOLUTION>12", L, (0.5, 0, -1, 0, 0, -1)),
     ("truncated_mid_reasoning", INT, "<REASONING>and then and then", L, (-0.5, 0, -1, 0, 0, -1)),

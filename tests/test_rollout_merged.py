@@ -116,7 +116,7 @@ def test_a_bf16_merged_copy_is_off_policy_and_the_correction_reweights_the_loss(
     the rollout correction changes the loss and its gradient -- the more, the tighter the cap.
     """
     from grpo.model.logprobs import completion_logprobs
-    from grpo_kernels.grpo_loss import AdvantageSource, LossOptions, grpo_loss, group_advantages
+    from grpo_kernels.grpo_loss import AdvantageSource, LossOptions, group_advantages, grpo_loss
     from lora import lora_parameters
 
     nf4 = _sharp_lora(four_bit=True)

@@ -28,13 +28,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from train_helpers import ENTRY, REPO, Trainer, log_lines, reward_spread, run_main
 
 import grpo.run.lock as lock_mod
 from grpo.run.lock import LOCK_FILE, acquire, holder_of
 from grpo.state.checkpoint import load_checkpoint, save_checkpoint
 from grpo.state.layout import CheckpointError
 from grpo.state.registry import read_registry, read_resolved, resolve
-from train_helpers import ENTRY, REPO, Trainer, log_lines, reward_spread, run_main
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{REPO}{os.pathsep}{REPO / 'tests'}")
 # a process that holds a directory's lock until killed (or argv[2] seconds), saying so on stdout

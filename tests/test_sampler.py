@@ -294,11 +294,11 @@ def test_generator_must_live_on_the_logits_device(sharp, prompts):
 def test_static_decode_with_lora_equals_hf(sharp, prompts):
     """The hand-written step calls the model's own (here LoRA-wrapped) modules."""
     inject = pytest.importorskip("lora.inject")
-    from grpo.rollout import static_cache
+    from grpo.rollout import decoder
 
     bundle = ModelBundle(model=copy.deepcopy(sharp.model), tokenizer=sharp.tokenizer,
                          image_processor=sharp.image_processor, source="sharp+lora")
-    assert static_cache.supports(bundle.model)
+    assert decoder.supports(bundle.model)
     inject.inject_lora(bundle.model, inject.LoRAConfig(r=4), verbose=False)
     with torch.no_grad():
         for p in inject.lora_parameters(bundle.model):
@@ -317,17 +317,17 @@ def test_static_step_helpers_compute_the_same_numbers():
     and passing the bool mask (which SDPA converts to that float mask inside every call)."""
     import torch.nn.functional as F
 
-    from grpo.rollout import static_cache
+    from grpo.rollout import decoder
 
     g = torch.Generator().manual_seed(0)
     q, k = torch.randn(3, 4, 1, 8, generator=g), torch.randn(3, 2, 1, 8, generator=g)
     cos, sin = torch.randn(3, 1, 1, 8, generator=g), torch.randn(3, 1, 1, 8, generator=g)
-    qk = static_cache.apply_rope(torch.cat([q, k], 1), cos, sin)
-    assert torch.equal(qk[:, :4], q * cos + static_cache._rotate_half(q) * sin)
-    assert torch.equal(qk[:, 4:], k * cos + static_cache._rotate_half(k) * sin)
+    qk = decoder.apply_rope(torch.cat([q, k], 1), cos, sin)
+    assert torch.equal(qk[:, :4], q * cos + decoder._rotate_half(q) * sin)
+    assert torch.equal(qk[:, 4:], k * cos + decoder._rotate_half(k) * sin)
     K, V = torch.randn(3, 2, 6, 8, generator=g), torch.randn(3, 2, 6, 8, generator=g)
     keys = torch.tensor([[0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1]], dtype=torch.bool)
     as_bool = F.scaled_dot_product_attention(q, K, V, attn_mask=keys[:, None, None], enable_gqa=True)
-    as_float = F.scaled_dot_product_attention(q, K, V, attn_mask=static_cache.additive_mask(keys, q.dtype)[:, None, None],
+    as_float = F.scaled_dot_product_attention(q, K, V, attn_mask=decoder.additive_mask(keys, q.dtype)[:, None, None],
                                               enable_gqa=True)
     assert torch.equal(as_bool, as_float)

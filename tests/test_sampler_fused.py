@@ -12,7 +12,7 @@ import torch
 
 import lora.layer
 from grpo.model.load import ModelBundle
-from grpo.rollout import static_cache
+from grpo.rollout import decoder
 from grpo.rollout.sampler import sample
 from lora import LoRALinear, frozen_adapter_casts, fused_forward
 from tests.test_sampler import _eos_bias, _full_forward, _generate_greedy, logprob_tol, prompts, sharp  # noqa: F401
@@ -76,12 +76,12 @@ def test_fused_sampled_logprobs_equal_full_forward(with_lora, prompts, adapter_c
 
 
 def test_auto_fuses_in_half_precision_only(with_lora):
-    assert not static_cache.fused_by_default(with_lora.model)  # fp32: the reference step, bit for bit
+    assert not decoder.fused_by_default(with_lora.model)  # fp32: the reference step, bit for bit
     half = copy.deepcopy(with_lora.model.model.language_model.embed_tokens).to(torch.bfloat16)
     model = type("M", (), {})()
     model.model = type("Inner", (), {})()
     model.model.language_model = type("LM", (), {"embed_tokens": half})()
-    assert static_cache.fused_by_default(model)
+    assert decoder.fused_by_default(model)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

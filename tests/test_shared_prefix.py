@@ -37,8 +37,7 @@ from grpo.model.logprobs import completion_hidden_states, completion_logprobs, r
 from grpo.model.prompt_context import PromptContext, build_prompt_context, completion_position_ids, group_rows
 from grpo.model.prompts import encode_prompts
 from grpo.model.shared_prefix import attention_masks, layer_forward, shared_prefix_hidden_states
-from lora import enable_gradient_checkpointing, inject
-from lora import lora_parameters
+from lora import enable_gradient_checkpointing, inject, lora_parameters
 
 EPS32 = torch.finfo(torch.float32).eps
 T = 6
@@ -191,7 +190,7 @@ def _check_pass(model, ctx, G, checkpointing):
                                    atol=4 * d * EPS32 * float(h_full.abs().max()))
     logp, grads = {}, {}
     for shared in (False, True):
-        def loss():
+        def loss(shared=shared):
             lp = completion_logprobs(model, ctx, ids, mask, G, temperature=0.7, shared_prefix=shared)
             (lp * weights).sum().backward()
             return lp.detach()
@@ -254,7 +253,7 @@ def test_checkpointing_recomputes_each_layer_once_and_keeps_less(tiny):
         assert counts == {"forward": n_layers, "backward": n_layers if checkpointing else 0}
         for shared in (False, True):
             kept[checkpointing, shared] = _saved_bytes(
-                lambda: completion_logprobs(m, ctx, ids, mask, G, shared_prefix=shared))
+                lambda m=m, shared=shared: completion_logprobs(m, ctx, ids, mask, G, shared_prefix=shared))
     # packed tokens B*P + N*T against N*(P + T): what a checkpointed layer keeps is its input
     P, N = ctx.P, ctx.B * G
     ratio = (ctx.B * P + N * T) / (N * (P + T))
@@ -332,7 +331,7 @@ def test_pass_equals_the_full_row_pass_at_7b_widths(qwen7b_widths):
     params = lora_parameters(model)
     logp, grads = {}, {}
     for shared in (False, True):
-        def loss():
+        def loss(shared=shared):
             lp = completion_logprobs(model, ctx, ids, mask, G, shared_prefix=shared)
             (lp * weights).sum().backward()
             return lp.detach()

@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from train_helpers import log_lines, run_main
 
-from grpo.model import shipped
 from grpo.config_checks import trains_from_scratch
 from grpo.errors import ConfigError
+from grpo.model import shipped
 from grpo.model.load import ModelLoadError, load_bundle
 from grpo.rewards import RewardBatch
-from train_helpers import log_lines, run_main
 
 ROOT = Path(__file__).resolve().parent.parent
 # a pretraining run at smoke size: 2 caption + 2 reasoning steps of 4 examples, 2 test prompts per stage

@@ -1,4 +1,4 @@
-"""data/signals.py, the signal handling of every command: the at-once stop and the held renames."""
+"""grpo_infra/signals.py, the signal handling of every command: the at-once stop and the held renames."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from data.signals import STOP, StopNow, exit_code, signal_name, signals_held, stops_at_once
+from grpo_infra.signals import STOP, StopNow, exit_code, signal_name, signals_held, stops_at_once
 
 
 def handlers():

@@ -6,16 +6,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_levers import plain_grpo_loss
 
 from data.synthetic import generate
-from grpo.presets import phase_preset
 from grpo.distributed import DataParallel
 from grpo.model.logprobs import completion_logprobs
 from grpo.model.policy import build_policy
+from grpo.presets import phase_preset
 from grpo.rewards import RewardModel
 from grpo.step import Hooks, Learner, grpo_step, sample_and_score
 from lora import lora_parameters
-from test_levers import plain_grpo_loss
 
 
 def learner(lr: float = 5e-2) -> Learner:

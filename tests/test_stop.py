@@ -21,13 +21,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from train_helpers import Trainer, log_lines, run_main
 
+from grpo.cli import phases_to_run
+from grpo.run.files import RunFiles
 from grpo.state.checkpoint import load_checkpoint
 from grpo.state.registry import read_registry, resolve
 from grpo.state.resume import phase_finished
-from grpo.cli import phases_to_run
-from grpo.run.files import RunFiles
-from train_helpers import Trainer, log_lines, run_main
 
 WARMUP = ["--phase", "warmup", "--model.name", "tiny-random", "--model.device", "cpu", "--run.train_per_stage", "16",
           "--run.eval_size", "4", "--warmup.phase.steps", "5", "--warmup.phase.perception_steps", "5",

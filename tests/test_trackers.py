@@ -8,9 +8,9 @@ import json
 import struct
 
 import pytest
+from train_helpers import log_lines, run_main
 
 from grpo.run.files import record_scalars
-from train_helpers import log_lines, run_main
 
 QUICK = ["--phase", "A", "--model.device", "cpu", "--phase.steps", "2", "--run.eval_every", "1", "--run.eval_size", "2",
          "--sampling.G", "2", "--sampling.max_new_tokens", "8", "--phase.prompts_per_step", "2",

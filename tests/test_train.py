@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from train_helpers import log_lines, run_main
 
+from grpo.config import PHASE_WEIGHTS
 from grpo.state.checkpoint import load_checkpoint
 from grpo.state.registry import ALIASES, read_registry, resolve, step_dirname
-from grpo.config import PHASE_WEIGHTS
 from grpo.train import main
-from train_helpers import log_lines, run_main
 
 TINY = [  # tiny-random: the chain from random weights (warm-up -> A -> B); the shipped model's path is below
     "--model.name", "tiny-random", "--model.device", "cpu", "--run.train_per_stage", "20", "--run.eval_size", "4",

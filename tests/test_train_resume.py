@@ -19,15 +19,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from train_helpers import log_lines, reward_spread, run_main
 
 import grpo.state.durable as durable
 import grpo.step as step_core  # the step calls its grpo_loss by this module's name
 from grpo.state.checkpoint import load_checkpoint
+from grpo.state.contents import adapter_tensors
 from grpo.state.layout import OPTIM_TENSORS
 from grpo.state.registry import read_registry, resolve
-from grpo.state.contents import adapter_tensors
 from grpo.state.train_state import GEN_KEY
-from train_helpers import log_lines, reward_spread, run_main
 
 TINY = [
     "--model.device", "cpu", "--run.train_per_stage", "20", "--run.eval_size", "4",

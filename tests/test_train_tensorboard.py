@@ -7,13 +7,14 @@ import importlib.util
 import math
 
 import pytest
-
-from grpo.state.registry import step_dirname
-from grpo.run.files import record_scalars
 from train_helpers import log_lines, run_main
 
+from grpo.run.files import record_scalars
+from grpo.state.registry import step_dirname
+
 TINY = [  # tiny-random: a warm-up runs before A, so both kinds of records are written
-    "--model.name", "tiny-random", "--model.device", "cpu", "--run.train_per_stage", "20", "--run.eval_size", "4", "--run.test_per_stage", "0",
+    "--model.name", "tiny-random", "--model.device", "cpu", "--run.train_per_stage", "20", "--run.eval_size", "4",
+    "--run.test_per_stage", "0",
     "--sampling.G", "2", "--sampling.max_new_tokens", "8", "--phase.prompts_per_step", "2",
     "--warmup.phase.steps", "2", "--warmup.phase.perception_steps", "2", "--warmup.phase.prompts_per_step", "4",
 ]

@@ -10,19 +10,19 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from train_helpers import full_row_logits
 
 from data.synthetic import generate
 from grpo.errors import ConfigError
-from grpo.presets import phase_preset
 from grpo.model.logprobs import completion_logprobs, reference_logprobs
 from grpo.model.policy import build_policy, check_policy_config
 from grpo.model.prompts import encode_prompts
 from grpo.model.vision import VISUAL, has_tower_lora, optimizer_groups, vision_subtrees
+from grpo.presets import phase_preset
 from grpo.rollout.dynamic_sampling import concat_rollouts
 from grpo.rollout.merged import MergedRollout
 from grpo.rollout.sampler import Rollout, sample, stop_token_ids
 from lora import disable_adapters, load_lora_state_dict, lora_modules, lora_state_dict
-from train_helpers import full_row_logits
 
 EPS32 = torch.finfo(torch.float32).eps
 G, B, T = 2, 3, 8
@@ -240,8 +240,8 @@ def test_checkpointing_inside_the_tower_is_honoured(checkpointing):
 
 
 def test_optimizer_groups_give_the_tower_and_merger_their_learning_rates(policy):
-    from grpo.step import Learner, grpo_step, sample_and_score
     from grpo.rewards import RewardModel
+    from grpo.step import Learner, grpo_step, sample_and_score
 
     cfg = _cfg()
     bundle = build_policy(cfg, "cpu", verbose=False)

@@ -50,7 +50,7 @@ sampling) is scored at 1. The trainer calls these once per training micro-batch
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import ContextManager
 
 import torch

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from data.atomic import new_directory
 from data.synthetic import tokenizer_corpus
+from grpo_infra.atomic import new_directory
 
 TINY_NAME = "tiny"
 TINY_RANDOM_NAME = "tiny-random"  # the same architecture, random weights: what pretraining starts from

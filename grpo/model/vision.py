@@ -145,7 +145,7 @@ def inject_vision_lora(model: nn.Module, lora_options: Any, verbose: bool = True
     if not plan:
         return
     base = lora_options.to_lora()
-    for path, subtree, targets in plan:
+    for _path, subtree, targets in plan:
         cfg = LoRAConfig(r=base.r, alpha=base.alpha, dropout=base.dropout, target_modules=targets,
                          exclude_modules=(), lora_dtype=base.lora_dtype)
         inject_lora(subtree, cfg, verbose=False)

@@ -77,14 +77,23 @@ from data.contract import normalize_number, parse_response
 from data.schema import Example
 from eval.reasoning import arithmetic_right
 from grpo.config import RewardConfig
-from grpo.config_checks import check_weights, KNOWN_COMPONENTS
+from grpo.config_checks import KNOWN_COMPONENTS, check_weights, overlong_buffer
 from grpo.errors import ConfigError
-from grpo.config_checks import overlong_buffer
 from grpo.rewards.detail import DETAIL_MAX, W_LEVEL, detail_reward
 from grpo.rewards.overlong import soft_overlong
 from grpo.rewards.plugins import load_plugins, score_plugin
-from grpo.rewards.rubrics import Judge, PrefixInputs, RubricScore, RuleJudge, TokenLocator, build_prefix_inputs, \
-    check_rubrics, coerce_verdicts, encodable, score_rubrics
+from grpo.rewards.rubrics import (
+    Judge,
+    PrefixInputs,
+    RubricScore,
+    RuleJudge,
+    TokenLocator,
+    build_prefix_inputs,
+    check_rubrics,
+    coerce_verdicts,
+    encodable,
+    score_rubrics,
+)
 from grpo.rewards.steps import STEP_ALPHA, has_content, step_rar, step_rvr
 from grpo.rewards.verifier import VERIFIER_COMPONENTS, verify
 

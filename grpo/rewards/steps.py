@@ -30,8 +30,7 @@ Soft matching: data/soft_match.py (one implementation, shared with eval/reasonin
 
 from __future__ import annotations
 
-from data.contract import REASONING_CLOSE, REASONING_OPEN, SOLUTION_CLOSE, SOLUTION_OPEN, ParsedResponse, \
-    is_exact
+from data.contract import REASONING_CLOSE, REASONING_OPEN, SOLUTION_CLOSE, SOLUTION_OPEN, ParsedResponse, is_exact
 from data.soft_match import SoftText, canonical_tokens, has_content, matched_groups  # noqa: F401 (re-exported)
 
 STEP_ALPHA = 0.1  # R1-VL: "we set the coefficient of match score alpha to 0.1"

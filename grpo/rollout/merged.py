@@ -33,7 +33,7 @@ and output -- with this class as its DecodeHook, which swaps the per-token model
                 weights; every tensor has a fixed shape (the new K/V go in with
                 index_copy_ at a column held in a device tensor, attention reads all S
                 columns under a float key mask), so on CUDA the whole step -- 28 layers,
-                ~900 operators (32 a layer: python -m bench.decode counts them) -- is
+                ~900 operators (32 a layer: python -m bench.decode_ops counts them) -- is
                 captured once per ``sample`` call into a CUDA graph and replayed: one
                 launch per token instead of ~900 (``graphs``)
     sampling    grpo.rollout.sampler.sample_token, eager, outside the graph (it owns the RNG)
@@ -71,7 +71,7 @@ import torch.nn.functional as F
 from grpo.model.load import ModelBundle
 from grpo.model.prompt_context import PromptContext
 from grpo.model.prompts import PromptBatch
-from grpo.rollout import static_cache
+from grpo.rollout import decoder
 from grpo.rollout.sampler import DecodeStep, SampleOutput, sample
 from lora.layer import LoRALinear, is_linear4bit
 from lora.quant import dequantize_weight
@@ -104,7 +104,7 @@ class MergedRollout:
     CPU model) + a graph-captured decode step on CUDA."""
 
     def __init__(self, model: nn.Module, graphs: str | bool = "auto"):
-        if not static_cache.supports(model):
+        if not decoder.supports(model):
             raise ValueError("MergedRollout supports Qwen2.5-VL-style text decoders with default rotary, full "
                              "attention and sdpa/eager attention; set sampling.rollout=plain for this model")
         if graphs not in ("auto", True, False):
@@ -131,7 +131,7 @@ class MergedRollout:
             self.weights.append(per_layer)
         head = model.lm_head
         self.lm_head = _merged_fp32(head)[0].to(self.dtype) if _needs_copy(head) else head.weight
-        self.cache: static_cache.StaticKVCache | None = None  # while a rollout decodes
+        self.cache: decoder.StaticKVCache | None = None  # while a rollout decodes
 
     @property
     def nbytes(self) -> int:
@@ -162,7 +162,7 @@ class MergedRollout:
         Fixed shapes, no host syncs, no Python branches on tensor values: capturable.
         """
         x = self.lm.embed_tokens(token[:, None])  # [N, 1, d]
-        cos, sin = static_cache.rotary_cos_sin(self.model, position, x.dtype)  # [N, 1, 1, D]
+        cos, sin = decoder.rotary_cos_sin(self.model, position, x.dtype)  # [N, 1, 1, D]
         cos, sin = cos[:, 0], sin[:, 0]  # [N, 1, D]: against [N, heads, D]
         mask = mask[:, None, None, :]  # [N, 1, 1, S]: broadcast over heads and grouped query rows
         for i, layer in enumerate(self.lm.layers):
@@ -177,7 +177,7 @@ class MergedRollout:
         H_kv = K.shape[1]
         qkv = F.linear(h, *w["qkv"]).view(N, -1, D)  # [N, H_q + 2 H_kv, D]: q's heads, then k's, then v's
         H_qk = qkv.shape[1] - H_kv
-        qk = static_cache.apply_rope(qkv[:, :H_qk], cos, sin)  # q and k rotated together
+        qk = decoder.apply_rope(qkv[:, :H_qk], cos, sin)  # q and k rotated together
         q, k, v = qk[:, : H_qk - H_kv], qk[:, H_qk - H_kv :], qkv[:, H_qk:]
         self.cache.write_at(i, col, k[:, :, None], v[:, :, None])  # the new column, in place
         q = q.reshape(N, H_kv, -1, D)  # query heads j*g .. j*g+g-1 share K/V head j
@@ -226,11 +226,11 @@ class MergedRollout:
         """The DecodeHook half of ``sample``: a zero-filled static cache of N = B*G rows and S
         columns, the step's fixed-address inputs, and (CUDA) the captured graph."""
         device, P = self.device, ctx.attention_mask.shape[1]  # P prompt columns
-        self.cache = static_cache.StaticKVCache.from_prefill(cache, G, max_new_tokens, round_to=S_ROUND, zero=True)
+        self.cache = decoder.StaticKVCache.from_prefill(cache, G, max_new_tokens, round_to=S_ROUND, zero=True)
         N, S = rows.shape[0], self.cache.keys[0].shape[2]
         key_mask = torch.zeros(N, S, dtype=torch.bool, device=device)
         key_mask[:, :P] = ctx.attention_mask[rows].bool()
-        mask = static_cache.additive_mask(key_mask, self.dtype)  # the step's float key mask, opened a column per token
+        mask = decoder.additive_mask(key_mask, self.dtype)  # the step's float key mask, opened a column per token
         # Static inputs of the step: a replay reads them where they are.
         token_in = torch.zeros(N, dtype=torch.long, device=device)
         position_in = ctx.next_position[rows].clone()

@@ -37,7 +37,7 @@ Finished rows leave the batch (and the KV cache) once a quarter of it has stoppe
 (``compact``), so a short completion stops costing compute soon after it ends.
 
 Two decode paths behind one loop (``decode=``): "static" -- a preallocated KV cache and a
-hand-written decoder step (grpo/rollout/static_cache.py), the default where supported -- and "hf",
+hand-written decoder step (grpo/rollout/decoder.py), the default where supported -- and "hf",
 transformers' forward with its DynamicCache, kept as the reference. Tests hold both to
 transformers' greedy ``generate`` token for token.
 
@@ -45,7 +45,7 @@ What is exact and what is equal to rounding: "static" computes transformers' num
 where the operations are the same, and "auto" takes it in fp32 (the tiny preset's evaluations:
 their numbers do not move). "fused" -- "auto" in bf16 / fp16, the qwen7b preset's rollouts and
 evaluations -- folds LoRA's add into its B matmul, stacks q/k/v's and gate/up's A, and runs
-RMSNorm as one operator (grpo/rollout/static_cache.py): other roundings, so it is held to the
+RMSNorm as one operator (grpo/rollout/decoder.py): other roundings, so it is held to the
 contract instead of to bits: greedy = ``generate`` token for token, sampled log-probs = a full
 forward within the tolerance of tests/test_sampler.py (tests/test_sampler_fused.py).
 
@@ -65,7 +65,7 @@ import torch
 from grpo.model.load import ModelBundle
 from grpo.model.prompt_context import PromptContext, build_prompt_context, group_rows, prompt_embeds
 from grpo.model.prompts import PromptBatch
-from grpo.rollout import static_cache
+from grpo.rollout import decoder
 from lora import frozen_adapter_casts
 
 
@@ -174,11 +174,11 @@ def decode_one_token(model, cache, token: torch.Tensor, position: torch.Tensor,
                      attention_mask: torch.Tensor, cache_kw: str = "cache", fused: bool = False) -> torch.Tensor:
     """Feed one token per row ([N] ids at [N] positions) through the cache: next logits [N, V].
 
-    A StaticKVCache takes the hand-written step (grpo/rollout/static_cache.py; ``fused``: its
+    A StaticKVCache takes the hand-written step (grpo/rollout/decoder.py; ``fused``: its
     fused form); a transformers cache takes the model's own forward, the reference path.
     """
-    if isinstance(cache, static_cache.StaticKVCache):
-        return static_cache.decode_step(model, cache, token, position, attention_mask.bool(), fused)
+    if isinstance(cache, decoder.StaticKVCache):
+        return decoder.decode_step(model, cache, token, position, attention_mask.bool(), fused)
     N = token.shape[0]
     out = model(
         input_ids=token.view(N, 1),
@@ -392,9 +392,9 @@ def sample(
 
     ``seed`` (or an explicit ``generator``) makes the draw reproducible: same seed, same
     prompts, same device -> same completions. ``decode``: "static" (preallocated KV cache
-    and the hand-written step of grpo/rollout/static_cache.py), "hf" (transformers' forward and
+    and the hand-written step of grpo/rollout/decoder.py), "hf" (transformers' forward and
     DynamicCache, the reference), "fused" (static with fewer operators, other rounding) or
-    "auto" (static where supported; fused in bf16 / fp16: static_cache.fused_by_default).
+    "auto" (static where supported; fused in bf16 / fp16: decoder.fused_by_default).
     ``compact``: drop finished rows from the batch (see decode_n_tokens). ``hook``: another
     decode step (DecodeHook); it decodes every row to the end and ignores ``decode``.
     """
@@ -409,9 +409,9 @@ def sample(
     step_fn, fused = None, False
     if hook is not None:
         step_fn, cache, compact = hook.begin(cache, ctx, rows, G, max_new_tokens), None, False
-    elif decode in ("static", "fused") or (decode == "auto" and static_cache.supports(model)):
-        cache = static_cache.StaticKVCache.from_prefill(cache, G, max_new_tokens)
-        fused = decode == "fused" or (decode == "auto" and static_cache.fused_by_default(model))
+    elif decode in ("static", "fused") or (decode == "auto" and decoder.supports(model)):
+        cache = decoder.StaticKVCache.from_prefill(cache, G, max_new_tokens)
+        fused = decode == "fused" or (decode == "auto" and decoder.fused_by_default(model))
     else:
         cache.batch_repeat_interleave(G)
     stop = torch.tensor(stop_token_ids(bundle), device=device)

@@ -51,8 +51,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from data.signals import STOP, signal_name
 from grpo.run.stop import Stopped
+from grpo_infra.signals import STOP, signal_name
 
 LOCK_FILE = "run.lock"
 INHERIT_ENV = "VLGRPO_RUN_LOCK"  # "<fd>:<lock file>": a parent's lock handed to this process (RunLock.child)

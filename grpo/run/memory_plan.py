@@ -233,7 +233,7 @@ def layer_saved_per_token(sh: Shapes, repeated_kv: bool = True) -> int:
     bf16 on the 7B: 22 d + 8 I + 4 heads + 2 r x 7 = 230,624 B per token per layer with the
     KV heads repeated, 218,336 without. (The shared-prefix pass adds, per completion row,
     its prompt's keys and values copied: ``shared_prefix_layer_bytes``.)"""
-    d, I, b = sh.hidden, sh.intermediate, sh.compute_bytes
+    d, I, b = sh.hidden, sh.intermediate, sh.compute_bytes  # noqa: E741 (the docstring's I: intermediate size)
     q_heads_dim = sh.heads * sh.head_dim
     kv = 2 * (q_heads_dim if repeated_kv else sh.kv_dim) * b
     norm_copy = 4 * d

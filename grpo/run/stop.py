@@ -1,4 +1,4 @@
-"""What a training loop does with a stop request (SIGINT / SIGTERM, data/signals.py ``STOP``).
+"""What a training loop does with a stop request (SIGINT / SIGTERM, grpo_infra/signals.py ``STOP``).
 
 The first signal only sets a flag. Every long loop polls it -- the warm-up and GRPO steps
 at each step boundary, the evaluations at each batch of prompts -- because a flag polled
@@ -12,7 +12,7 @@ ended by that signal.
 A second signal stops at once: the handler raises ``StopNow`` (a KeyboardInterrupt, so
 no ``except Exception`` on the way swallows it) wherever the main thread is; only the
 step in progress is lost. The handlers themselves, and the at-once stop of the commands
-that have no step to finish, are data/signals.py's, the one signal module of every command.
+that have no step to finish, are grpo_infra/signals.py's, the one signal module of every command.
 
 Under torchrun the flag is combined over ranks at every step boundary
 (grpo/distributed.py ``DataParallel.agree``): a signal to one rank stops all of them at
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import threading
 
-from data.signals import STOP, signal_name
+from grpo_infra.signals import STOP, signal_name
 
 
 class Stopped(Exception):

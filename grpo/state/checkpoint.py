@@ -21,7 +21,7 @@ grpo/state/resume.py's, and whether a config fits saved checkpoints grpo/state/c
 Crash safety. A checkpoint is written into a temporary directory next to its final place,
 every file is fsync'ed, the directory is renamed into place (rename is atomic within one
 file system), and only then is registry.json replaced (write temp file, fsync, os.replace).
-The temporary names and the syncs are data/atomic.py's; the order is this file's, because
+The temporary names and the syncs are grpo_infra/atomic.py's; the order is this file's, because
 the registry must follow the directory.
 The registry is the only thing that says a checkpoint exists, so a kill at any moment
 leaves either the old registry (pointing at complete, older checkpoints) or the new one
@@ -71,15 +71,23 @@ from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from data.atomic import fsync_dir, temp_path
 from eval.scores import SCORE_KEYS
 from grpo.config_checks import PHASES
 from grpo.state import durable  # durable.write_bytes: looked up at each call, one seam for every byte
 from grpo.state.durable import join_tensors, json_bytes, replace_json, sha256, split_tensors
-from grpo.state.layout import (ADAPTER_FILE, FORMAT_VERSION, OPTIM_JSON, OPTIM_TENSORS, READABLE_VERSIONS, REGISTRY,
-                               STATE_FILE, CheckpointError)
+from grpo.state.layout import (
+    ADAPTER_FILE,
+    FORMAT_VERSION,
+    OPTIM_JSON,
+    OPTIM_TENSORS,
+    READABLE_VERSIONS,
+    REGISTRY,
+    STATE_FILE,
+    CheckpointError,
+)
 from grpo.state.registry import clean_leftovers, move_aliases, prune, prune_periodic, read_registry, step_dirname
 from grpo.state.rng import capture_rng
+from grpo_infra.atomic import fsync_dir, temp_path
 
 STATE_KEYS = ("phase", "step", "scheduler", "controller", "rng", "data_position", "metrics", "scores", "config", "files")
 _BASE_REF = re.compile(r"(%s)/step_\d{6,}" % "|".join(PHASES))

@@ -54,8 +54,10 @@ def _meaning(cfg: dict[str, Any], kind: str | None = None) -> dict[str, Any]:
     out = {}
     for sec in ("model", "lora"):
         for k, v in (cfg.get(sec) or {}).items():
-            if f"{sec}.{k}" not in RUNTIME_ONLY_FIELDS and f"{sec}.{k}" not in VISION_FIELDS and not (kind == "base" and f"{sec}.{k}" == "model.load_in_4bit"):
-                out[f"{sec}.{k}"] = list(v) if isinstance(v, tuple) else v
+            key = f"{sec}.{k}"
+            quantisation_of_a_base = kind == "base" and key == "model.load_in_4bit"
+            if key not in RUNTIME_ONLY_FIELDS and key not in VISION_FIELDS and not quantisation_of_a_base:
+                out[key] = list(v) if isinstance(v, tuple) else v
     return out
 
 
@@ -146,4 +148,5 @@ def check_resumable(run_dir: str | Path, config: TrainConfig) -> None:
     if diffs:
         raise ConfigError(
             f"run_dir {run_dir} holds phase {phase} up to step {saved[0]}; resuming it with {'; '.join(diffs)} "
-            f"would change what a step is, how it is rewarded or which data comes next. Set these back, or use a new --run.run_dir.")
+            f"would change what a step is, how it is rewarded or which data comes next. Set these back, "
+            "or use a new --run.run_dir.")

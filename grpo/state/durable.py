@@ -1,6 +1,6 @@
 """The checkpoint's byte seam and its JSON encoding.
 
-Every byte a checkpoint writes goes through ``write_bytes`` (fsync'ed, data/atomic.py),
+Every byte a checkpoint writes goes through ``write_bytes`` (fsync'ed, grpo_infra/atomic.py),
 JSON files are replaced atomically with it (``replace_json``), and nested state that holds
 tensors splits into plain JSON plus named tensors (``split_tensors`` / ``join_tensors``),
 so nothing is pickled.
@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from data.atomic import replace_file, write_synced
+from grpo_infra.atomic import replace_file, write_synced
 
 
 def sha256(data: bytes) -> str:
@@ -35,7 +35,7 @@ def json_bytes(obj: Any, what: str) -> bytes:
 
 
 def replace_json(path: Path, obj: Any) -> None:
-    """Atomically replace a JSON file (data/atomic.py), its bytes written by ``write_bytes``."""
+    """Atomically replace a JSON file (grpo_infra/atomic.py), its bytes written by ``write_bytes``."""
     # write_bytes looked up at each call, so a test's replacement of it is the one used
     replace_file(path, json_bytes(obj, path.name), write=lambda tmp, data: write_bytes(tmp, data))
 

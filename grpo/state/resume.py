@@ -14,12 +14,12 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from data.atomic import fsync_dir
 from grpo.config_checks import trains_from_scratch
 from grpo.state.checkpoint import LoadedCheckpoint, load_checkpoint, read_state, registry_entry
 from grpo.state.durable import replace_json
 from grpo.state.layout import REGISTRY, CheckpointError
 from grpo.state.registry import move_aliases, read_registry, step_dirname
+from grpo_infra.atomic import fsync_dir
 
 DAMAGED_PREFIX = "damaged-"  # where resume_point sets damaged checkpoints aside (never deleted)
 

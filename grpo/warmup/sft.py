@@ -46,8 +46,8 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -55,11 +55,10 @@ import torch.nn.functional as F
 from data.contract import format_response
 from data.mixture import MixtureStream
 from data.schema import Example
-from data.signals import STOP
 from grpo.config import TrainConfig
 from grpo.config_checks import trains_from_scratch
 from grpo.errors import ConfigError
-from grpo.model_eval import checkpoint_eval, print_eval
+from grpo.evaluation.model_eval import checkpoint_eval, print_eval
 from grpo.model.load import load_bundle
 from grpo.model.lr_groups import lr_groups, set_lr
 from grpo.model.policy import build_policy, input_bounds, load_base_weights
@@ -78,6 +77,7 @@ from grpo.state.registry import read_registry
 from grpo.state.resume import resume_point
 from grpo.state.rng import restore_rng
 from grpo.warmup.perception import PerceptionHead, capture_visual_tokens, token_labels
+from grpo_infra.signals import STOP
 from lora import enable_gradient_checkpointing, load_lora_state_dict, lora_state_dict
 
 # Families whose warm-up targets mostly follow the contract. The rest mostly answer in
@@ -352,7 +352,7 @@ def run_warmup(cfg: TrainConfig, files: RunFiles, device: str) -> None:
             yield k, stage, lr, examples, batch, labels, data_state()
 
     bar = Progress(total, "warmup", first)
-    for k, stage, lr, examples, batch, labels, data in prefetch(batches()):
+    for k, stage, lr, examples, batch, labels, data in prefetch(batches()):  # noqa: B007 (save_progress reads data)
         t0 = time.time()
         batch = {key: v.to(device) for key, v in batch.items()}
         set_lr(opt, lr)

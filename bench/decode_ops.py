@@ -1,8 +1,8 @@
 """Benchmark: the work per generated token, counted -- operators, host syncs, bytes allocated.
 
-    python -m bench.decode                  # the tiny policy and the 7B's widths (2 layers, extrapolated)
-    python -m bench.decode --model tiny     # one of them
-    python -m bench.decode --quick          # tiny only, fewer tokens: the smoke test
+    python -m bench.decode_ops                  # the tiny policy and the 7B's widths (2 layers, extrapolated)
+    python -m bench.decode_ops --model tiny     # one of them
+    python -m bench.decode_ops --quick          # tiny only, fewer tokens: the smoke test
 
 Why a count and not a clock. Decoding one token runs the whole decoder on one new position
 per row: tiny matmuls, so on a GPU the cost is the number of kernels launched (a few
@@ -233,7 +233,7 @@ def per_token(model, fn, T1: int, T2: int, label: str) -> Counts:
                 got[T] = fn(T)
         counts[T] = count(model, run)
         if got[T] != T:
-            raise SystemExit(f"bench.decode: {label}: a row stopped before {T} tokens, so the per-token "
+            raise SystemExit(f"bench.decode_ops: {label}: a row stopped before {T} tokens, so the per-token "
                              f"difference would mix in a compaction")
     return counts[T2].combine(counts[T1], 1 / (T2 - T1), -1 / (T2 - T1))
 
@@ -394,7 +394,7 @@ def print_report(name: str, L: int, res: dict[str, dict[str, Counts]], N: int) -
 
 def main(argv: list[str] | None = None) -> None:
     head, _, rest = __doc__.partition("\n\n")
-    p = argparse.ArgumentParser(prog="python -m bench.decode", description=head, epilog=rest,
+    p = argparse.ArgumentParser(prog="python -m bench.decode_ops", description=head, epilog=rest,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=["tiny", "7b", "both"], default="both", help="which model(s) to count")
     p.add_argument("--paths", default="plain,merged,generate", help="comma-separated: plain, merged, generate")
@@ -432,7 +432,7 @@ def main(argv: list[str] | None = None) -> None:
         print_report("tiny policy (NF4 + LoRA, fp32)", L, res, args.B * args.G)
         for path, parts in res.items():
             if "direct" in parts and abs(parts["direct"].total - parts["total"].total) > 1e-6:
-                raise SystemExit(f"bench.decode: {path}: the extrapolated count {parts['total'].total} differs from "
+                raise SystemExit(f"bench.decode_ops: {path}: the extrapolated count {parts['total'].total} differs from "
                                  f"the direct count {parts['direct'].total}")
         summary.append("tiny " + ", ".join(f"{k} {fmt_n(v['total'].total)}" for k, v in res.items()))
     if args.model in ("7b", "both"):

@@ -19,10 +19,10 @@ left as it was.
 Everything written through here is fsync'ed: what it writes (checkpoints, registries,
 datasets, reports, exports, model caches) is worth the few milliseconds a sync costs.
 
-It sits in data/, the lowest layer that writes files this way (``data.mathvista convert``
-and ``data.jsonl.save_jsonl``); the layers above import it from here. lora/, below data/,
-does not need it: its writers (lora/adapter_io.py) fill a directory their caller made
-with ``new_directory`` (grpo/export.py), so they never replace anything themselves.
+It sits in grpo_infra/, the lowest floor, so that data/ (``data.mathvista convert`` and
+``data.jsonl.save_jsonl``) and every layer above import it from one place. lora/ does not
+need it: its writers (lora/adapter_io.py) fill a directory their caller made with
+``new_directory`` (grpo/export.py), so they never replace anything themselves.
 """
 
 from __future__ import annotations

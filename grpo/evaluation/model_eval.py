@@ -16,7 +16,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-
 import grpo.model.prompts
 import grpo.rollout.sampler
 from data.schema import Example
@@ -24,6 +23,7 @@ from eval.report import control_summary
 from eval.results import Completions, EvalProtocol, EvalResult, evaluate_samples
 from grpo.config import TrainConfig
 from grpo.run.stop import check_eval
+
 
 def sample_completions(bundle: Any, examples: Sequence[Example], protocol: EvalProtocol) -> Completions:
     """One sampling pass over ``examples``: texts and content-token counts per example.

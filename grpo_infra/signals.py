@@ -18,8 +18,9 @@ Python runs handlers in the main thread between bytecodes, so "at once" means af
 torch operation running now returns. ``signals_held`` makes the few renames that must all
 happen or none wait for their end.
 
-This sits in data/, the lowest layer with a command (grpo_kernels/ and lora/ have none and take no
-signals); the layers above import it from here.
+This sits in grpo_infra/, the lowest floor, so that data/ (the lowest layer with a command;
+grpo_kernels/ and lora/ have none and take no signals) and every layer above import it from
+one place.
 """
 
 from __future__ import annotations
@@ -119,7 +120,7 @@ def stop_at_once(signum: int) -> None:
 def stops_at_once() -> Iterator[None]:
     """Within the block a SIGINT or SIGTERM raises ``StopNow`` at once; the old handlers come
     back after. For commands whose half-done work is worth nothing: they write their output
-    last, under a temporary name renamed into place (data/atomic.py), so a stop leaves the
+    last, under a temporary name renamed into place (grpo_infra/atomic.py), so a stop leaves the
     old output or none, never half of a new one."""
     STOP.install()
     STOP.listeners.append(stop_at_once)

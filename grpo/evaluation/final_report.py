@@ -3,9 +3,9 @@
 The checkpoint-side evals that drive the controller use the *val* split; this report uses
 the disjoint *test* split, so the numbers in the README were never used to choose a
 checkpoint. On own data (``--run.data``) the test split is the tenth of its usable rows that
-no phase trains on (data/holdout.py, grpo/run/phase_data.py). One protocol for every model (eval.results.EvalProtocol: greedy, one sample
-per prompt, the training token budget), written as report.md / report.json plus the
-training plots (eval/plots.py).
+no phase trains on (data/holdout.py, grpo/run/phase_data.py). One protocol for every model
+(eval.results.EvalProtocol: greedy, one sample per prompt, the training token budget),
+written as report.md / report.json plus the training plots (eval/plots.py).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def write_final_report(run_dir: str | Path, last_phase: str, cfg: TrainConfig, d
     from eval.plots import plot_run
     from eval.report import control_summary, write_report
     from eval.results import EvalProtocol
-    from grpo.model_eval import evaluate_model
+    from grpo.evaluation.model_eval import evaluate_model
     from grpo.model.policy import policy_at
     from grpo.run.phase_data import report_examples
     from grpo.state.registry import resolve

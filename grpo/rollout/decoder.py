@@ -13,7 +13,7 @@ than the matmuls themselves. This file is the gpt-fast alternative:
 - ``decode_step``: the decoder layer written out -- RMSNorm, q/k/v projections, rotary,
   attention over the cache, o_proj, residual, RMSNorm, SwiGLU MLP, residual -- calling
   the model's own modules (so LoRA and 4-bit linears swapped in by lora/ run unchanged).
-  Per token it dispatches what the math needs and little else (python -m bench.decode counts
+  Per token it dispatches what the math needs and little else (python -m bench.decode_ops counts
   it): q and k rotated in one pass, the key mask turned into SDPA's float form once per step
   rather than inside every layer's SDPA call, the KV cache written in place. ``fused=True``
   (the sampler's "fused" decode) cuts a layer further, at the price of other roundings: LoRA
