@@ -382,8 +382,8 @@ def _run_plan(requested: str, configs: dict[str, TrainConfig], files: RunFiles, 
     plan = sft_first(plan, configs, sft[1], device, sft[0], files.root)  # own data the base cannot answer: SFT first
     preflight(configs, plan, files)
     if len(plan) > 1:
-        print(f"phase {requested} starts from {phase_init(requested, cfg.model.name)}, which {files.root} does not have "
-              f"yet: running {' -> '.join(plan)}")
+        start = cfg.phase.init if cfg.phase.init != "auto" else phase_init(requested, cfg.model.name)
+        print(f"phase {requested} starts from {start}, which {files.root} does not have yet: running {' -> '.join(plan)}")
     t_run = time.time()
     for phase in plan:
         _stop_between(f"the start of phase {phase}", "everything before it is saved")
