@@ -10,45 +10,33 @@ costs seconds, not the run. Each line: name, installed version, the declared ran
 from __future__ import annotations
 
 import importlib
-import importlib.metadata as md
 import platform
-import re
 import sys
 import tomllib
 from pathlib import Path
 
+from grpo.deps import installed_version, parse_requirements, satisfies
+
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
 
 
-def declared(pyproject: Path = PYPROJECT) -> dict[str, str]:
-    """{distribution name: its specifier ('>=2.11,<2.15')} of [project].dependencies."""
-    deps = tomllib.loads(pyproject.read_text())["project"]["dependencies"]
-    out = {}
-    for dep in deps:
-        m = re.match(r"\s*([A-Za-z0-9_.-]+)\s*(.*)", dep)
-        out[m.group(1).lower()] = m.group(2).strip()
-    return out
+def declared(pyproject: Path = PYPROJECT) -> list[tuple[str, str]]:
+    """(distribution name, its specifier) of [project].dependencies, read from the file itself
+    (an installed copy's metadata may predate an edit)."""
+    return parse_requirements(tomllib.loads(pyproject.read_text())["project"]["dependencies"])
 
 
-def in_range(version: str, spec: str) -> bool:
-    """Whether ``version`` satisfies ``spec`` (packaging's rules; a local tag such as +cu130 is ignored)."""
-    from packaging.specifiers import SpecifierSet
-    from packaging.version import Version
-
-    return Version(version.split("+")[0]) in SpecifierSet(spec)
-
-
-def check(ranges: dict[str, str]) -> tuple[list[str], int]:
-    """(the lines, how many packages are missing or out of range)."""
+def check(ranges: list[tuple[str, str]]) -> tuple[list[str], int]:
+    """(the lines, how many packages are missing or out of range); the comparison is the
+    commands' own (grpo/deps.py)."""
     lines, bad = [], 0
-    for name, spec in ranges.items():
-        try:
-            version = md.version(name)
-        except md.PackageNotFoundError:
+    for name, spec in ranges:
+        version = installed_version(name)
+        if version is None:
             lines.append(f"{name}: MISSING (declared {spec})")
             bad += 1
             continue
-        ok = in_range(version, spec)
+        ok = satisfies(version, spec)
         bad += not ok
         lines.append(f"{name} {version}: {'ok' if ok else 'OUT OF RANGE'} (declared {spec})")
     return lines, bad

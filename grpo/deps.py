@@ -67,6 +67,11 @@ def declared_requirements() -> list[tuple[str, str]]:
             lines = tomllib.loads(pyproject.read_text())["project"]["dependencies"]
         except (OSError, KeyError, tomllib.TOMLDecodeError):
             return []
+    return parse_requirements(lines)
+
+
+def parse_requirements(lines: list[str]) -> list[tuple[str, str]]:
+    """'transformers>=5.17,<6' lines -> (package, specifier) pairs; a line marked for an extra is left out."""
     out = []
     for line in lines:
         m = _REQ.match(line)
