@@ -65,6 +65,13 @@ def format_response(reasoning: str, answer: str) -> str:
     return f"{REASONING_OPEN}{reasoning}{REASONING_CLOSE}\n{SOLUTION_OPEN}{answer}{SOLUTION_CLOSE}"
 
 
+def gold_response(reasoning: str | None, answer: str) -> str:
+    """The contract completion of a labelled example: its worked reasoning, or, for a row with
+    none (a user's own set), "the answer is <gold>.". The warm-up's SFT target and the
+    demonstration of a guided group (grpo/rollout/guided.py) are this text."""
+    return format_response(reasoning or f"the answer is {answer}.", answer)
+
+
 def normalize_number(text: str | None) -> str | None:
     """Canonical string of a numeric answer, or None if ``text`` is not a number.
 

@@ -84,13 +84,15 @@ class MicroBatch:
     share: float  # its loss's weight in the step's loss (grpo/batches.py loss_share)
     old_logp: torch.Tensor | None = None  # [n, T] update 1's log-probs: the sampling policy's
     ref_logp: torch.Tensor | None = None  # [n, T] the reference's (beta > 0), once per step
+    guided_adv: torch.Tensor | None = None  # [n, T] A of rows trained by LUFFY's shaped term, 0 elsewhere (grpo/step.py)
 
 
 def micro_batches(out: Any, mask: torch.Tensor, adv: Advantages, counts: list[float], batches: int,
-                  loss_type: str, micro_batch_rows: int) -> list[MicroBatch]:
+                  loss_type: str, micro_batch_rows: int, guided_adv: torch.Tensor | None = None) -> list[MicroBatch]:
     """A rollout batch (``out``: its SampleOutput, mask [N, T] the loss's tokens) cut by the
     partition rule, each part's loss share from ``counts`` = (rows, active tokens) of the
-    rollout batch over every rank, ``batches`` rollout batches in the step."""
+    rollout batch over every rank, ``batches`` rollout batches in the step; ``guided_adv`` [N, T]
+    (or None) sliced alike."""
     G, cut = adv.G, lambda x, rows: None if x is None else x[rows]  # noqa: E731
     parts = []
     for g0, g1 in micro_batch_groups(out.context.B, G, micro_batch_rows):
@@ -98,7 +100,8 @@ def micro_batches(out: Any, mask: torch.Tensor, adv: Advantages, counts: list[fl
         tokens = float(mask[rows].sum()) if loss_type == "bnpo" else 0.0  # the one host sync it needs
         share = loss_share(loss_type, (g1 - g0) * G, tokens, *counts, batches)
         parts.append(MicroBatch(out.context.prompts(g0, g1), out.completion_ids[rows], out.completion_mask[rows],
-                                mask[rows], adv.groups(g0, g1), cut(out.logprobs, rows), share))
+                                mask[rows], adv.groups(g0, g1), cut(out.logprobs, rows), share,
+                                guided_adv=cut(guided_adv, rows)))
     return parts
 
 

@@ -181,6 +181,9 @@ class SamplingConfig:
     noise_std: float = 0.5
     """NoisyRollout: the noise's standard deviation at the phase's first step, in the processor's normalised pixel units,
     annealed to 0 by the phase's last step (sampling.noisy_fraction > 0)."""
+    guided: bool = False
+    """Guided groups (LUFFY, arXiv 2504.14945): a group none of whose G completions is correct gets the example's gold, in
+    the contract, in its last row, scored like the others (grpo/rollout/guided.py); the log's "guided" is the share."""
     accuracy_low: float = 0.0
     """Dynamic sampling's accuracy band, lower end: keep a group only if its mean correctness (fraction of its G
     completions right) is >= this (EasyR1's online_filtering: 0.01); 0 and accuracy_high 1 = no band."""
@@ -271,6 +274,9 @@ class OptimConfig:
     samples a large mismatch made untrustworthy)."""
     rollout_correction_cap: float = 3.0
     """C, the largest rollout ratio kept (> 1; TRL's default: sequence level, mask, 3)."""
+    guided_gamma: float = 0.0
+    """Guided groups' demonstration rows (sampling.guided): 0 = trained like a sampled row (the PPO term, ratio to the
+    policy); gamma > 0 = LUFFY's policy shaping, -A * pi / (pi + gamma) per token, no clip (the paper's 0.1)."""
     mask_truncated: bool = False
     """Completions that hit sampling.max_new_tokens without a stop token get loss mask 0 (TRL's mask_truncated_completions,
     DAPO's overlong filtering); they keep their rewards and still count in their group's advantage statistics."""

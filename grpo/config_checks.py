@@ -239,6 +239,16 @@ def _loss_checks(cfg: Any) -> list[tuple[bool, str]]:
         (not (ru.random_reward and s.dynamic_sampling),
          "rewards.random_reward with sampling.dynamic_sampling: the control's random draws give spread to "
          "groups that had none, so dynamic sampling would select on noise; turn one of them off"),
+        # Guided groups read the correctness the sampler's rows earned; the control's rewards are
+        # drawn after guiding, so a demonstration would be scored at random.
+        (not (ru.random_reward and s.guided),
+         "rewards.random_reward with sampling.guided: the control scores rows at random, so a group's gold "
+         "demonstration would be too; turn one of them off"),
+        (math.isfinite(o.guided_gamma) and o.guided_gamma >= 0,
+         f"optim.guided_gamma={o.guided_gamma}: must be a finite number >= 0 (0 = no shaping; LUFFY's is 0.1)"),
+        (o.guided_gamma == 0 or s.guided,
+         f"optim.guided_gamma={o.guided_gamma} shapes guided groups' demonstration rows, but sampling.guided is off: "
+         "set --sampling.guided true or leave guided_gamma at 0"),
         (not (ru.random_reward and ru.rubric_mode == "prefix"),
          "rewards.random_reward with rewards.rubric_mode prefix: the control replaces scalar rewards; "
          "use rubric_mode sequence"),

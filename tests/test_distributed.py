@@ -200,6 +200,7 @@ def test_several_updates_per_batch_keep_replicas_equal(two_ranks):
     steps = [r for r in lines if r.get("phase") == "B" and "event" not in r]
     assert [r["step"] for r in steps] == [1, 2, 3] and all(len(r["updates"]) == 2 for r in steps)
     assert any(u["kl_old"] > 0 for r in steps for u in r["updates"][1:]), "the policy never moved"
+    assert any(r["guided"]["share"] > 0 for r in steps), "no group was guided: guided rows under data parallel untested"
 
 
 def test_replica_check_catches_a_perturbed_rank(two_ranks):
@@ -551,8 +552,11 @@ def _worker(out_dir: Path) -> None:
         result["train_rc"] = main(["--run.run_dir", str(out_dir / "run"), *TRAIN_ARGS])
         dp.barrier()  # rank 0 has written A's checkpoints: every rank must plan phase B alone
         args_b = [("B" if a == "A" else a) for a in TRAIN_ARGS]  # phase B from A:best_structure, mu = 2
+        # with guided groups and LUFFY's shaping: each rank guides its own groups (a budget the
+        # demonstrations fit), and the replicas must stay equal all the same
         result["train_mu2_rc"] = main(["--run.run_dir", str(out_dir / "run"), *args_b, "--optim.updates_per_batch",
-                                       "2", "--optim.lr", "5e-2"])
+                                       "2", "--optim.lr", "5e-2", "--sampling.guided", "true",
+                                       "--optim.guided_gamma", "0.1", "--sampling.max_new_tokens", "64"])
     (out_dir / f"rank{dp.rank}.json").write_text(json.dumps(result))
     dp.barrier()
     dp.close()  # the watchdog first, then the process group this script created

@@ -18,10 +18,13 @@ tolerance of it. The same check on deliberately mispaired rows fails (the last t
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 import grpo.step as step_module
+from data.contract import gold_response
 from data.synthetic import generate
 from grpo.model.logprobs import completion_logprobs
 from grpo.model.policy import build_policy
@@ -39,8 +42,9 @@ G, L, T = 4, 40, 1.0
 TOL = 1e-4  # a token's log-prob under its own image: fp32 rounding (seen: <= 1e-5); under another image: ~10
 
 
-def _learner(merged: bool):
+def _learner(merged: bool, guided: bool = False):
     cfg = phase_preset("A")
+    cfg.sampling.guided = guided
     cfg.sampling.G, cfg.sampling.max_new_tokens, cfg.phase.prompts_per_step = G, L, 2
     cfg.optim.accumulation, cfg.optim.micro_batch_rows, cfg.model.device, cfg.optim.lr = 2, G, "cpu", 0.0
     bundle = build_policy(cfg, "cpu", verbose=False)
@@ -94,10 +98,16 @@ def pairing_errors(learner, r, logp: torch.Tensor) -> list[str]:
     return problems
 
 
-@pytest.mark.parametrize("merged", [False, True], ids=["policy", "merged"])
-def test_every_row_is_sampled_scored_and_trained_with_its_own_image_and_gold(monkeypatch, merged):
-    learner = _learner(merged)
-    examples = iter(generate("train", 1, 64, seed=3) + generate("train", 2, 64, seed=3))
+@pytest.mark.parametrize("merged, guided", [(False, False), (True, False), (True, True)],
+                         ids=["policy", "merged", "merged-guided"])
+def test_every_row_is_sampled_scored_and_trained_with_its_own_image_and_gold(monkeypatch, merged, guided):
+    """guided: a group with no correct completion holds its own example's gold (grpo/rollout/guided.py),
+    its sampler log-probs the policy's under its own image, kept by dynamic sampling and trained so."""
+    learner = _learner(merged, guided)
+    examples = generate("train", 1, 64, seed=3) + generate("train", 2, 64, seed=3)
+    if guided:  # no worked reasoning (as own data comes), so the demonstration fits the budget
+        examples = [replace(ex, reasoning=None) for ex in examples]
+    examples = iter(examples)
     batches, passes = [], []
     real_gather, real_logprobs = learner.gather, step_module.completion_logprobs
 
@@ -107,6 +117,8 @@ def test_every_row_is_sampled_scored_and_trained_with_its_own_image_and_gold(mon
         return got, fill
 
     def logprobs(model, prompts, ids, seen, G_, **kw):
+        if not kw.get("entropy"):  # guided groups' no-grad pass for the demonstrations' sampler log-probs
+            return real_logprobs(model, prompts, ids, seen, G_, **kw)
         logp, ent = real_logprobs(model, prompts, ids, seen, G_, **kw)
         passes.append((ids, logp.detach()))
         return logp, ent
@@ -128,6 +140,12 @@ def test_every_row_is_sampled_scored_and_trained_with_its_own_image_and_gold(mon
         assert torch.equal(train_ids, r.out.completion_ids)  # the micro-batches are the batch's rows, in order
         assert pairing_errors(learner, r, r.out.logprobs) == []  # sampled with its own image
         assert pairing_errors(learner, r, torch.cat([lp for _, lp in passes[2 * k:2 * k + 2]])) == []  # trained so
+    if guided:
+        rows = [(k, n) for k, r in enumerate(batches) for n in r.out.guided.nonzero().flatten().tolist()]
+        assert rows, "no group was guided: the guided rows' pairing is not tested"
+        for k, n in rows:
+            ex = batches[k].examples[n // G]
+            assert batches[k].out.texts[n] == gold_response(ex.reasoning, ex.answer)
 
 
 def test_the_check_catches_a_row_paired_with_another_prompt():

@@ -99,6 +99,7 @@ class SampleOutput:
     prompt_index: torch.Tensor  # [N] long
     G: int
     context: PromptContext  # vision features + positions, reusable by grpo/model/logprobs.py
+    guided: torch.Tensor | None = None  # [N] bool, rows holding a demonstration (grpo/rollout/guided.py); None: none
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -130,11 +131,16 @@ class SampleOutput:
 
         texts = [t for o in outs for t in o.texts]
         G = outs[0].G if G is None else G
+        guided = None
+        if any(o.guided is not None for o in outs):
+            guided = torch.cat([torch.zeros_like(o.finished) if o.guided is None else o.guided for o in outs])
+            guided = guided if rows is None else guided[rows]
         return cls(completion_ids=stack("completion_ids", pad_id), completion_mask=stack("completion_mask", 0),
                    logprobs=stack("logprobs", 0.0), filtered_logprobs=stack("filtered_logprobs", 0.0),
                    finished=stack("finished", False), truncated=stack("truncated", False),
                    texts=texts if rows is None else [texts[i] for i in rows.tolist()],
-                   prompt_index=group_rows(context.B, G, outs[0].completion_ids.device), G=G, context=context)
+                   prompt_index=group_rows(context.B, G, outs[0].completion_ids.device), G=G, context=context,
+                   guided=guided)
 
 
 def pad_right(x: torch.Tensor, T: int, value: float | int | bool) -> torch.Tensor:

@@ -67,9 +67,23 @@ def step_record(phase: str, step: int, result: Any, weights: dict, temperature: 
         record["masked_truncated"] = float(trunc.mean())  # = truncation: every truncated row is masked
     if result.fill is not None:
         record["dynamic"] = result.fill.to_dict()
+    if cfg.sampling.guided:
+        record["guided"] = guided_record(logs)
     if prompts is not None:
         record["prompts"] = prompts.record()
     return record
+
+
+def guided_record(logs: list) -> dict:
+    """Guided groups (grpo/rollout/guided.py) of the step's rollout batches: "share" of the groups
+    holding a demonstration, and "sampled_correctness", the correctness of the policy's own rows
+    (a demonstration's slot counts 0: it replaced a wrong completion), which the step's
+    "correctness" (demonstrations included) overstates."""
+    G = logs[0].out.G
+    guided = torch.cat([m.out.guided if m.out.guided is not None else torch.zeros_like(m.out.finished) for m in logs])
+    correct = torch.cat([m.scores.components["correctness"] for m in logs]).float()
+    return dict(share=float(guided.sum()) / max(1, guided.numel() // G),
+                sampled_correctness=float((correct * ~guided).mean()))
 
 
 def progress_line(phase: str, step: int, steps: int, record: dict) -> str:
@@ -82,6 +96,7 @@ def progress_line(phase: str, step: int, steps: int, record: dict) -> str:
             + (f"  masked {record['masked_truncated']:.2f}" if "masked_truncated" in record else "")
             + prompts_summary(record.get("prompts"))
             + (f"  refills {fill['refills']} fill {fill['fill']:.2f}" if fill is not None else "")
+            + (f"  guided {record['guided']['share']:.2f}" if "guided" in record else "")
             + (f"  clip@{len(updates)} {updates[-1]['clip_low'] + updates[-1]['clip_high']:.3f}" if updates else "")
             + f"  {record['time']['step']:.2f}s/step")
 

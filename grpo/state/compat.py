@@ -110,13 +110,15 @@ def check_init_compatible(path: str | Path, config: TrainConfig) -> None:
 # Settings a same-phase resume must keep: they define what one step is (G completions of B
 # prompts of at most L tokens, accumulated over micro-batches) and which data comes next
 # (the saved data position counts draws from this exact stream; dynamic sampling's accuracy
-# band decides which groups are refilled, so how many draws a step takes). The reward plug-ins too: the
+# band decides which groups are refilled, so how many draws a step takes; guided groups, which rows
+# a step trains on). The reward plug-ins too: the
 # saved controller's weights name them, and the resume imports them again from these specs.
 RESUME_FIXED_FIELDS = ("sampling.G", "sampling.max_new_tokens", "phase.prompts_per_step", "optim.accumulation",
                        "optim.updates_per_batch", "sampling.dynamic_sampling", "sampling.accuracy_low",
                        "sampling.accuracy_high",
                        "phase.mixture", "run.seed", "run.data", "run.train_per_stage", "data.columns",
-                       "data.max_images", "rewards.extra", *VISION_FIELDS, "sampling.noisy_fraction", "sampling.noise_std")
+                       "data.max_images", "rewards.extra", *VISION_FIELDS, "sampling.noisy_fraction", "sampling.noise_std",
+                       "sampling.guided")
 # The warm-up's step: B examples from its mixture, the caption stage first (its length moves
 # where the reasoning stage, and the style draws, begin).
 WARMUP_FIXED_FIELDS = ("phase.prompts_per_step", "phase.perception_steps", "phase.mixture", "run.seed", "run.data",

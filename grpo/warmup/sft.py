@@ -52,7 +52,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from data.contract import format_response
+from data.contract import gold_response
 from data.mixture import MixtureStream
 from data.schema import Example
 from grpo.config import TrainConfig
@@ -97,17 +97,17 @@ class SFTStyle:
 
 def warmup_target(ex: Example, rng: random.Random, style: SFTStyle | None) -> str:
     """The SFT response for one example: the contract, or (style permitting) a free-form answer."""
-    reasoning = ex.reasoning or f"the answer is {ex.answer}."
     if style is None:
-        return format_response(reasoning, ex.answer)
+        return gold_response(ex.reasoning, ex.answer)
     family = ex.metadata.get("family", "")
     p = style.p_compliant_family if family in COMPLIANT_FAMILIES else style.p_other_family
     if rng.random() < p:
-        return format_response(reasoning, ex.answer)
+        return gold_response(ex.reasoning, ex.answer)
     # Free-form answers an instruct model typically gives. None is parseable under the
     # contract, and none starts with <REASONING>, so the first token decides the format.
     # All read the figure first: an "Answer: 7. <reasoning>" target (an earlier variant)
     # trains the answer to be guessed before anything is read off the image.
+    reasoning = ex.reasoning or f"the answer is {ex.answer}."
     return rng.choice([
         f"{reasoning} The answer is {ex.answer}.",
         f"{reasoning} That makes {ex.answer}.",
