@@ -15,7 +15,9 @@ AdamW moves every parameter about lr per step whatever its gradient's size, and 
 what SFT taught lives only in the adapter, so without the anchor the adapter's walk erases it
 within tens of steps (bench/EXPERIMENTS.md section 11). Options the user set win: an explicit
 ``--optim.beta``, ``--B.optim.beta`` or ``--warmup.phase.steps`` is kept, and ``--sft-first``
-(auto | always | never) overrides the probe.
+(auto | always | never) overrides the probe. A warm-up sized in passes is capped at
+``MAX_WARMUP_STEPS`` (one line says so); training rows that all share one gold answer are
+refused in one line, whatever ``--sft-first`` says.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ SIGNAL_SHARE = 0.5  # below it, most groups teach RL nothing: warm up on the lab
 WARMUP_BETA = 1.0  # KL weight toward the warm-up in RL after it (section 11: .1 drifts, 1 holds)
 WARMUP_PASSES = 5.6  # the warm-up's default size in passes over the training rows (measured: 250 x 32 on 1,418 rows)
 PROBE_PROMPTS = 16
+MAX_WARMUP_STEPS = 1000  # ~7 minutes on one core of the 2-core CPU (0.43 s a step of 32 rows on the tiny model)
 
 
 @dataclass
@@ -85,7 +88,10 @@ def sft_first(plan: list[str], configs: dict[str, TrainConfig], user_keys: set[s
     first = configs[plan[0]]
     if plan == ["B"] and root is not None and not _set(user_keys, "B", "optim.beta"):
         _keep_saved_beta(configs["B"], root)
-    if first.run.data == "synthetic" or plan[:2] != ["A", "B"] or choice == "never":
+    if first.run.data == "synthetic":
+        return plan
+    check_answers_vary(first)
+    if plan[:2] != ["A", "B"] or choice == "never":
         return plan
     found = probe(first, device) if choice == "auto" else None
     if found is not None and found.share >= SIGNAL_SHARE:
@@ -98,6 +104,11 @@ def sft_first(plan: list[str], configs: dict[str, TrainConfig], user_keys: set[s
     rows = found.rows if found is not None else _training_rows(warm)
     if not _set(user_keys, "warmup", "phase.steps"):
         warm.phase.steps = max(1, math.ceil(WARMUP_PASSES * rows / warm.phase.prompts_per_step))
+        if warm.phase.steps > MAX_WARMUP_STEPS:
+            print(f"own data: {WARMUP_PASSES} passes over {rows} rows would be {warm.phase.steps} warm-up steps; "
+                  f"capped at {MAX_WARMUP_STEPS} ({MAX_WARMUP_STEPS * warm.phase.prompts_per_step / rows:.1f} passes: "
+                  "a larger set needs fewer); --warmup.phase.steps sets another size", flush=True)
+            warm.phase.steps = MAX_WARMUP_STEPS
     if rows < warm.phase.prompts_per_step:
         raise ConfigError(f"own data: {rows} training rows are too few to warm up on ({warm.phase.prompts_per_step} "
                           "a step, --warmup.phase.prompts_per_step); add rows, or run RL alone with --sft-first never")
@@ -112,6 +123,22 @@ def sft_first(plan: list[str], configs: dict[str, TrainConfig], user_keys: set[s
           f"over {rows} rows), then phase B from it with a KL to it (beta {b.optim.beta:g}); "
           "--sft-first never runs RL alone", flush=True)
     return ["warmup"] + [p for p in plan if p != "A"]
+
+
+def check_answers_vary(cfg: TrainConfig) -> None:
+    """Refuse training rows that all have one gold answer: always answering it scores 1.0, so
+    neither SFT nor RL has anything to learn about the figures (most often a mapped column that is
+    not the answer)."""
+    from data.contract import normalize_number
+    from grpo.run.phase_data import load_training_data
+
+    train, _ = load_training_data(cfg)
+    answers = {normalize_number(ex.answer) or ex.answer for rows in train.values() for ex in rows}
+    rows = sum(len(v) for v in train.values())
+    if rows > 1 and len(answers) == 1:
+        raise ConfigError(f"own data: all {rows} training rows of {cfg.run.data} have the gold answer {answers.pop()!r}: "
+                          "answering it always scores 1.0, so there is nothing to learn from the figures; check the "
+                          "answer column (--data.columns answer=COLUMN)")
 
 
 def _keep_saved_beta(b: TrainConfig, root: Path) -> None:

@@ -96,3 +96,29 @@ def test_bad_input_is_one_line(unseen, tmp_path):
     rc, _, err = run_main(tmp_path / "b", *FAST, "--phase", "B", "--run.data", str(few), "--sft-first", "always",
                           "--warmup.phase.prompts_per_step", "32")
     assert rc == 2 and "too few to warm up on (32 a step" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_one_gold_answer_for_every_row_is_one_line(tmp_path):
+    rows = [(dict(row, answer="4"), image) for row, image in polygons(30, seed=2)]
+    same = _write(tmp_path / "same", rows)
+    rc, _, err = run_main(tmp_path / "run", *FAST, "--phase", "B", "--run.data", str(same), "--sft-first", "never")
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert "have the gold answer '4': answering it always scores 1.0" in err and "--data.columns answer=" in err
+
+
+def test_a_warm_up_over_the_step_cap_is_capped_with_one_line(unseen, monkeypatch, capsys):
+    import grpo.own_data as own_data
+    from grpo.cli import phase_configs
+    from grpo.run.phase_data import fall_back_to_all
+
+    monkeypatch.setattr(own_data, "MAX_WARMUP_STEPS", 10)  # the 60 polygons' 5.6 passes: about 70 steps of 4
+    configs = phase_configs("B", "tiny", {"run.data": str(unseen), "warmup.phase.prompts_per_step": "4"})
+    fall_back_to_all(configs)
+    assert own_data.sft_first(["A", "B"], configs, set(), "cpu", "always") == ["warmup", "B"]
+    assert configs["warmup"].phase.steps == 10
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if "capped at 10" in ln)
+    assert re.search(r"own data: 5.6 passes over \d+ rows would be \d+ warm-up steps; capped at 10 \(0.\d passes", line)
+    configs = phase_configs("B", "tiny", {"run.data": str(unseen), "warmup.phase.steps": "50"})
+    fall_back_to_all(configs)
+    own_data.sft_first(["A", "B"], configs, {"warmup.phase.steps"}, "cpu", "always")
+    assert configs["warmup"].phase.steps == 50  # a size the user set is kept
