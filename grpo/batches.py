@@ -91,8 +91,7 @@ def micro_batches(out: Any, mask: torch.Tensor, adv: Advantages, counts: list[fl
                   loss_type: str, micro_batch_rows: int, guided_adv: torch.Tensor | None = None) -> list[MicroBatch]:
     """A rollout batch (``out``: its SampleOutput, mask [N, T] the loss's tokens) cut by the
     partition rule, each part's loss share from ``counts`` = (rows, active tokens) of the
-    rollout batch over every rank, ``batches`` rollout batches in the step; ``guided_adv`` [N, T]
-    (or None) sliced alike."""
+    rollout batch over every rank, ``batches`` rollout batches in the step (``guided_adv`` alike)."""
     G, cut = adv.G, lambda x, rows: None if x is None else x[rows]  # noqa: E731
     parts = []
     for g0, g1 in micro_batch_groups(out.context.B, G, micro_batch_rows):

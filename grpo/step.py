@@ -9,17 +9,15 @@ this first. Names and shapes used throughout:
     T  completion tokens (the longest completion of the rollout batch, <= sampling.max_new_tokens)
     mu optimiser updates per rollout batch (optim.updates_per_batch; PPO's epochs)
 
-Three levels, one word each (grpo/batches.py): a step samples optim.accumulation *rollout
-batches*, each decoded N rows at once; the training passes (log-probs, loss, backward) take
-a rollout batch a *micro-batch* of optim.micro_batch_rows rows (whole groups) at a time
-(memory only: backward keeps the activations of every row a pass runs); under data
-parallelism each *rank* holds its share of every rollout batch.
+Three levels, one word each (grpo/batches.py): a step samples optim.accumulation *rollout batches*, each
+decoded N rows at once; the training passes (log-probs, loss, backward) take a rollout batch a *micro-batch*
+of optim.micro_batch_rows rows (whole groups) at a time (memory only: backward keeps the activations of
+every row a pass runs); under data parallelism each *rank* holds its share of every rollout batch.
 
-GRPO in one paragraph: for each prompt, sample a group of G answers, score each with the
-reward, and use the reward's z-score within the group as every token's advantage (no value
-model: the group mean is the baseline). Then take a PPO-style clipped policy-gradient step
-on the LoRA parameters, optionally with a KL penalty to the reference policy (the base
-model with LoRA switched off) and an entropy bonus.
+GRPO in one paragraph: for each prompt, sample a group of G answers, score each with the reward, and use the
+reward's z-score in the group as every token's advantage (no value model: the group mean is the baseline).
+Then take a PPO-style clipped policy-gradient step on the LoRA parameters, optionally with an entropy bonus
+and a KL penalty to the reference policy (where RL began: the base, LoRA off, or a warm-up's frozen adapter).
 
 The fast paths plug in behind named seams, not as branches here:
 
@@ -36,14 +34,12 @@ from __future__ import annotations
 
 import contextlib
 import math
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, ContextManager
 
 import torch
 
-from data.contract import gold_response
 from grpo.batches import MicroBatch, micro_batches
 from grpo.config import TrainConfig
 from grpo.model.logprobs import completion_logprobs, reference_logprobs
@@ -51,8 +47,8 @@ from grpo.model.lr_groups import set_lr
 from grpo.model.prompts import encode_prompts
 from grpo.rewards import RewardBatch, RewardModel
 from grpo.rollout.dynamic_sampling import FillStats
-from grpo.rollout.guided import Demonstrations, guide
-from grpo.rollout.sampler import Rollout, SampleOutput, content_tokens, sample, stop_token_ids
+from grpo.rollout.guided import guide_rollout, shaped_loss, shaped_rows
+from grpo.rollout.sampler import Rollout, content_tokens, sample
 from grpo.run.schedule import lr_at
 from grpo_kernels.grpo_advantages import Advantages, AdvantageSource, group_advantages
 from grpo_kernels.grpo_loss import GRPOStats, LossOptions, aggregate, grpo_loss
@@ -128,38 +124,11 @@ def sample_and_score(learner: Learner, examples: list, temperature: float, hooks
                               top_k=cfg.sampling.top_k, top_p=cfg.sampling.top_p, generator=learner.generator)
     with hooks.timed("rewards"):
         examples = [examples[i] for i in prompts.kept]  # a bad image or a prompt over the cap was dropped
-        score = lambda out: learner.rewards([examples[row // G] for row in range(len(out.texts))], out.texts,  # noqa: E731
-                                            num_tokens=content_tokens(out), completion_ids=out.completion_ids)
-        scores = score(out)
+        scores = learner.rewards([examples[row // G] for row in range(len(out.texts))], out.texts,
+                                 num_tokens=content_tokens(out), completion_ids=out.completion_ids)
         if cfg.sampling.guided:  # a group with no correct completion gets the gold in its last row, rescored
-            out, demos = guide_groups(learner, examples, out, scores, temperature)
-            if demos.rows:
-                scores = score(out)
+            out, scores = guide_rollout(learner, examples, out, scores, temperature)
     return Rollout(examples, out, scores, prompts.counts)
-
-
-def guide_groups(learner: Learner, examples: list, out: SampleOutput, scores: RewardBatch,
-                 temperature: float) -> tuple[SampleOutput, Demonstrations]:
-    """sampling.guided (grpo/rollout/guided.py): the demonstrations written into ``out``, their
-    sampler log-probs the policy's own (a no-grad pass over the guided groups, as training runs it)."""
-    cfg, bundle, G = learner.cfg, learner.bundle, learner.cfg.sampling.G
-
-    def policy_logprobs(o: SampleOutput, groups: list[int]) -> torch.Tensor:
-        dev = o.completion_ids.device
-        rows = (torch.tensor(groups, dtype=torch.long, device=dev)[:, None] * G + torch.arange(G, device=dev)).flatten()
-        return completion_logprobs(bundle.model, o.context.select(groups, trim=True), o.completion_ids[rows],
-                                   o.completion_mask[rows], G, temperature=temperature,
-                                   chunk_tokens=cfg.optim.logits_chunk_tokens, shared_prefix=cfg.optim.shared_prefix,
-                                   backend=learner.backend)
-
-    out, demos = guide(out, examples, scores.components["correctness"], text_of=lambda ex: gold_response(ex.reasoning, ex.answer),
-                       tokenizer=bundle.tokenizer, stop_id=stop_token_ids(bundle)[0], pad_id=bundle.pad_token_id,
-                       max_new_tokens=cfg.sampling.max_new_tokens, policy_logprobs=policy_logprobs)
-    if demos.too_long:
-        warnings.warn(f"guided groups: a demonstration is longer than sampling.max_new_tokens="
-                      f"{cfg.sampling.max_new_tokens} tokens, so its group stays unguided; raise the budget to guide it",
-                      stacklevel=2)
-    return out, demos
 
 
 # ----------------------------------------------------------------------------- 3. advantages
@@ -195,28 +164,6 @@ def advantages(learner: Learner, r: Rollout, hooks: Hooks = Hooks()) -> Advantag
         src.batch_std = hooks.batch_std(src.columns, o.adv_std_floor)
     return group_advantages(src, learner.cfg.sampling.G, T=r.out.completion_ids.shape[1], scale=o.adv_scale,
                             adv_std_floor=o.adv_std_floor, backend=learner.backend)
-
-
-def shaped_guided_rows(adv: Advantages, out: SampleOutput, gamma: float) -> tuple[Advantages, torch.Tensor | None]:
-    """With LUFFY's policy shaping (gamma > 0) and demonstration rows in ``out``: the advantages
-    the loss kernel gets (those rows' set to 0, so the PPO term leaves them; their KL term stays)
-    and theirs, [N, T], 0 on every other row, for ``shaped_guided_term``. Else (adv, None)."""
-    if gamma <= 0 or out.guided is None or not bool(out.guided.any()):
-        return adv, None
-    T, keep = out.completion_ids.shape[1], (~out.guided).to(adv.coef.dtype)
-    values = adv.values(T)
-    values = values[:, None].expand(-1, T) if values.dim() == 1 else values
-    return replace(adv, coef=adv.coef * keep[:, None]), values * out.guided[:, None].to(values.dtype)
-
-
-def shaped_guided_term(logp: torch.Tensor, guided_adv: torch.Tensor, gamma: float) -> torch.Tensor:
-    """LUFFY's policy term of a demonstration row, per token, as a loss: -A * f(pi) with
-    f(p) = p / (p + gamma) and pi = exp(logp) the current policy's probability of the gold token
-    (the demonstrator's taken as 1; no clip). Its gradient -A * gamma * pi / (pi + gamma)^2 *
-    grad logp peaks at pi = gamma: a token the policy already predicts (pi near 1) pulls
-    little. [n, T]; 0 wherever guided_adv is."""
-    p = logp.float().exp()
-    return -guided_adv * p / (p + gamma)
 
 
 # ----------------------------------------------------------------------------- 4-6. log-probs, loss, update
@@ -276,12 +223,10 @@ def grpo_step(learner: Learner, draw: Callable[[int], Rollout], step: int, tempe
     active_tokens = max(1.0, float(counts[:, 1].sum()))  # mask_truncated may leave 0
 
     # ---- 3. advantages: z-scores within each group, computed once for all mu updates;
-    # then each rollout batch cut into training micro-batches (whole groups), sliced once
-    # (LUFFY's shaping, optim.guided_gamma > 0: demonstration rows leave the PPO term for their own)
-    adv = [advantages(learner, r, hooks) for r in batches]
-    shaped = [shaped_guided_rows(a, r.out, cfg.optim.guided_gamma) for a, r in zip(adv, batches)]
-    parts = [micro_batches(r.out, masks[k], shaped[k][0], counts[k].tolist(), len(batches), cfg.optim.loss_type,
-                           cfg.optim.micro_batch_rows, guided_adv=shaped[k][1]) for k, r in enumerate(batches)]
+    # then each rollout batch cut into training micro-batches (whole groups), sliced once (LUFFY-shaped guided rows apart)
+    adv, guided = zip(*(shaped_rows(advantages(learner, r, hooks), r.out, cfg.optim.guided_gamma) for r in batches))
+    parts = [micro_batches(r.out, masks[k], adv[k], counts[k].tolist(), len(batches), cfg.optim.loss_type,
+                           cfg.optim.micro_batch_rows, guided_adv=guided[k]) for k, r in enumerate(batches)]
 
     # ---- 4-6, mu times. Update 1 takes the ratio against the current policy detached (ratio 1,
     # the clip cannot bind) and keeps its log-probs as old_logp: they are the sampling policy's,
@@ -293,7 +238,7 @@ def grpo_step(learner: Learner, draw: Callable[[int], Rollout], step: int, tempe
         learner.opt.zero_grad(set_to_none=True)
         stats_u, loss_sum = [], 0.0
         for k, r in enumerate(batches):
-            # ---- 4. log-probs [n, T]: the reference's (LoRA off, no grad, once per step) and the policy's
+            # ---- 4. log-probs [n, T]: the reference's (adapters off, no grad, once per step) and the policy's
             if cfg.optim.beta > 0 and parts[k][0].ref_logp is None:
                 with hooks.timed("logprobs"):
                     for mb in parts[k]:
@@ -310,9 +255,7 @@ def grpo_step(learner: Learner, draw: Callable[[int], Rollout], step: int, tempe
                     loss, stats = grpo_loss(logp, mb.mask.float(), mb.adv, old_logp=mb.old_logp, ref_logp=mb.ref_logp,
                                             num_active_tokens=active_tokens, sampler_logp=mb.sampler_logp,
                                             options=opts, backend=learner.backend)
-                    if mb.guided_adv is not None:
-                        loss = loss + aggregate(shaped_guided_term(logp, mb.guided_adv, cfg.optim.guided_gamma),
-                                                mb.mask, opts, active_tokens)
+                    loss = loss + shaped_loss(logp, mb, cfg.optim.guided_gamma, opts, active_tokens)  # 0.0: no guided row
                     bonus = aggregate(ent, mb.mask, opts, active_tokens) if entropy == "grad" else 0.0
                     loss = (loss - cfg.optim.entropy_coef * bonus) * mb.share  # coef 0: loss - 0.0, the same bits
                     if torch.isfinite(loss):  # a host sync per micro-batch: the price of the NaN guard

@@ -29,7 +29,8 @@ around it (the data stream, data parallelism, the non-finite guard, timing) and 
     3. advantage  A = (r - mean_g) / (std_g + 1e-4) within each prompt's group of G
                   (grpo_kernels/grpo_advantages.py), once per batch
     4. log-probs  of the completion tokens under the policy (with grad) and, if beta > 0,
-                  under the reference = the same model with LoRA switched off (grpo/model/logprobs.py)
+                  under the reference = the same model with its adapters switched off: the base, or
+                  after an SFT warm-up the base + the warm-up's frozen adapter (grpo/model/logprobs.py)
     5. loss       -min(ratio A, clip(ratio, 1 - eps_low, 1 + eps_high) A) + beta KL (k3 by
                   default), mean per sequence then over the batch (grpo_kernels/grpo_loss.py:
                   one fused pass on CUDA)
@@ -63,8 +64,9 @@ Simplified, on purpose:
   - no value model (GRPO's point: the group mean is the baseline);
   - no dropout (Qwen2.5-VL has none, GRPO phases refuse LoRA dropout): two passes of one
     policy agree, in training mode or eval mode, and the ratio of update 1 is exactly 1;
-  - the reference policy is the base with LoRA off, not a separate frozen copy (the same
-    weights, no second model in memory);
+  - the reference policy is the policy model with its adapters off (the base, or the base +
+    a frozen copy of a warm-up's rank-8 adapter), not a separate frozen copy of the model (the
+    same weights, no second model in memory);
   - rollouts and the loss use the same temperature-scaled distribution; with
     sampling.rollout=merged the sampler is a merged copy of the policy, whose log-probs
     differ from the trainer's by rounding: the log line's "rollout" entry measures that

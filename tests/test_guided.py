@@ -21,10 +21,10 @@ from grpo.model.logprobs import completion_logprobs
 from grpo.model.policy import build_policy
 from grpo.presets import phase_preset
 from grpo.rewards import RewardBatch, RewardModel
-from grpo.rollout.guided import guide, unguided_groups, write_demonstrations
+from grpo.rollout.guided import guide, shaped_rows, shaped_term, unguided_groups, write_demonstrations
 from grpo.rollout.sampler import SampleOutput
 from grpo.run.records import guided_record
-from grpo.step import BatchLog, Learner, grpo_step, sample_and_score, shaped_guided_rows, shaped_guided_term
+from grpo.step import BatchLog, Learner, grpo_step, sample_and_score
 from grpo_kernels.grpo_advantages import AdvantageSource, group_advantages
 from lora import lora_parameters
 
@@ -86,7 +86,7 @@ def test_the_shaped_term_has_luffys_gradient():
     p = torch.tensor([[0.01, 0.1, 0.5, 0.99]])
     logp = p.log().requires_grad_(True)
     adv = torch.tensor([[2.0, 2.0, 2.0, 0.0]])  # the last token: another row's (0: no term)
-    shaped_guided_term(logp, adv, gamma).sum().backward()
+    shaped_term(logp, adv, gamma).sum().backward()
     expected = -adv * gamma * p / (p + gamma) ** 2
     assert torch.allclose(logp.grad, expected, rtol=1e-6)
     assert int(logp.grad[0, :3].abs().argmax()) == 1  # the pull peaks where the policy gives the gold token gamma
@@ -163,11 +163,11 @@ def test_with_the_shaping_a_demonstration_row_leaves_the_ppo_term_for_its_own():
     out = write_demonstrations(_out(torch.ones(4, 3, dtype=torch.long), torch.ones(4, 3, dtype=torch.long)),
                                {1: ("gold", [3, 4])}, pad_id=0)
     adv = group_advantages(AdvantageSource(torch.tensor([0.0, 1.0, 1.0, 0.5])[:, None]), 2, T=3, backend="torch")
-    kernel, guided = shaped_guided_rows(adv, out, 0.1)
+    kernel, guided = shaped_rows(adv, out, 0.1)
     assert kernel.values().tolist() == [adv.values()[0].item(), 0.0, *adv.values()[2:].tolist()]
     assert guided[1].tolist() == [adv.values()[1].item()] * 3 and guided[[0, 2, 3]].abs().sum() == 0
-    assert shaped_guided_rows(adv, out, 0.0) == (adv, None)
-    assert shaped_guided_rows(adv, _out(torch.ones(4, 3, dtype=torch.long), torch.ones(4, 3, dtype=torch.long)),
+    assert shaped_rows(adv, out, 0.0) == (adv, None)
+    assert shaped_rows(adv, _out(torch.ones(4, 3, dtype=torch.long), torch.ones(4, 3, dtype=torch.long)),
                               0.1) == (adv, None)
 
 

@@ -3,7 +3,7 @@
 GRPO's loss needs, for every completion token o_t of every rollout,
 
     logp_t     = log pi_theta(o_t | q, image, o_<t)     policy, LoRA on, with grad
-    ref_logp_t = log pi_ref(o_t | q, image, o_<t)       reference, LoRA off, no grad
+    ref_logp_t = log pi_ref(o_t | q, image, o_<t)       reference (adapters off), no grad
 
 (and old_logp_t: update 1's logp_t, kept for updates 2..mu, grpo/step.py). One forward over
 prompt + completion gives all T of them.
@@ -220,7 +220,7 @@ def reference_logprobs(
 ) -> torch.Tensor:
     """The reference policy's log-probs: no grad, inside ``ref_context()``.
 
-    With LoRA the reference is the same model with adapters off; pass
+    With LoRA the reference is the same model with adapters off (the base, or base + a warm-up's frozen adapter); pass
     ``ref_context=lambda: lora.inject.disable_adapters(model)``. None = the model as is
     (e.g. a separate frozen reference model).
     """

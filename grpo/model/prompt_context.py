@@ -7,7 +7,7 @@ them, computed ONCE per prompt per step and reused by
 
     the sampler      (prefill of B prompts, then the KV cache is copied G times),
     the policy pass  (log-probs of the B*G completions, LoRA on, with grad),
-    the reference    (same, LoRA off, no grad).
+    the reference    (same, adapters off, no grad).
 
 Generating with repeated prompts (what TRL does, and the only way transformers' generate
 works with Qwen2.5-VL images here) runs the vision tower G times per prompt for sampling

@@ -30,8 +30,8 @@ How the demonstration row is trained (``optim.guided_gamma``):
                   update 1, so at mu = 1 its gradient is A * grad log pi(demo), SFT on the gold
                   weighted by the group's advantage
     gamma > 0     LUFFY's policy shaping: the row's policy term is A * f(pi_t) per token with
-                  f(p) = p / (p + gamma) (the paper's gamma 0.1), no clip (grpo/step.py,
-                  ``shaped_guided_term``). Its gradient A * gamma * pi / (pi + gamma)^2 *
+                  f(p) = p / (p + gamma) (the paper's gamma 0.1), no clip (``shaped_term``
+                  below, added to the loss in grpo/step.py). Its gradient A * gamma * pi / (pi + gamma)^2 *
                   grad log pi weighs a token the policy finds unlikely more than one it already
                   predicts, so the policy is pulled toward the demonstration's rare tokens and
                   not toward copying what it already says. The KL term applies as on any row.
@@ -47,11 +47,17 @@ sampled (the step's "correctness" counts the demonstrations too).
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
-from grpo.rollout.sampler import SampleOutput, pad_right
+from data.contract import gold_response
+from grpo.model.logprobs import completion_logprobs
+from grpo.rollout.sampler import SampleOutput, content_tokens, pad_right, stop_token_ids
+from grpo_kernels.grpo_advantages import Advantages
+from grpo_kernels.grpo_loss import LossOptions, aggregate
 
 
 @dataclass
@@ -120,3 +126,69 @@ def guide(out: SampleOutput, examples: list, correctness: torch.Tensor, *, text_
         row = g * G + G - 1
         lp[row] = flp[row] = policy[k * G + G - 1] * out.completion_mask[row]
     return replace(out, logprobs=lp, filtered_logprobs=flp), Demonstrations(sorted(demos), too_long)
+
+
+def guide_rollout(learner: Any, examples: list, out: SampleOutput, scores: Any,
+                  temperature: float) -> tuple[SampleOutput, Any]:
+    """``guide`` as grpo/step.py's ``sample_and_score`` runs it for a Learner, on one sampler call's
+    output and rewards (``scores``, a RewardBatch): the demonstration rows' sampler log-probs from a
+    no-grad pass of the policy over the guided groups (as training runs it), then every row scored
+    again. Returns (output, rewards): ``out`` and ``scores`` themselves when no group was guided."""
+    cfg, bundle, G = learner.cfg, learner.bundle, learner.cfg.sampling.G
+
+    def policy_logprobs(o: SampleOutput, groups: list[int]) -> torch.Tensor:
+        dev = o.completion_ids.device
+        rows = (torch.tensor(groups, dtype=torch.long, device=dev)[:, None] * G + torch.arange(G, device=dev)).flatten()
+        return completion_logprobs(bundle.model, o.context.select(groups, trim=True), o.completion_ids[rows],
+                                   o.completion_mask[rows], G, temperature=temperature,
+                                   chunk_tokens=cfg.optim.logits_chunk_tokens, shared_prefix=cfg.optim.shared_prefix,
+                                   backend=learner.backend)
+
+    out, demos = guide(out, examples, scores.components["correctness"],
+                       text_of=lambda ex: gold_response(ex.reasoning, ex.answer), tokenizer=bundle.tokenizer,
+                       stop_id=stop_token_ids(bundle)[0], pad_id=bundle.pad_token_id,
+                       max_new_tokens=cfg.sampling.max_new_tokens, policy_logprobs=policy_logprobs)
+    if demos.too_long:
+        warnings.warn(f"guided groups: a demonstration is longer than sampling.max_new_tokens="
+                      f"{cfg.sampling.max_new_tokens} tokens, so its group stays unguided; raise the budget to guide it",
+                      stacklevel=3)
+    if not demos.rows:
+        return out, scores
+    rescored = learner.rewards([examples[row // G] for row in range(len(out.texts))], out.texts,
+                               num_tokens=content_tokens(out), completion_ids=out.completion_ids)
+    return out, rescored
+
+
+# ----------------------------------------------------------------------------- LUFFY's shaping (the loss side)
+
+
+def shaped_rows(adv: Advantages, out: SampleOutput, gamma: float) -> tuple[Advantages, torch.Tensor | None]:
+    """With LUFFY's policy shaping (gamma > 0) and demonstration rows in ``out``: the advantages
+    the loss kernel gets (those rows' set to 0, so the PPO term leaves them; their KL term stays)
+    and theirs, [N, T], 0 on every other row, for ``shaped_term``. Else (adv, None)."""
+    if gamma <= 0 or out.guided is None or not bool(out.guided.any()):
+        return adv, None
+    T, keep = out.completion_ids.shape[1], (~out.guided).to(adv.coef.dtype)
+    values = adv.values(T)
+    values = values[:, None].expand(-1, T) if values.dim() == 1 else values
+    return replace(adv, coef=adv.coef * keep[:, None]), values * out.guided[:, None].to(values.dtype)
+
+
+def shaped_term(logp: torch.Tensor, guided_adv: torch.Tensor, gamma: float) -> torch.Tensor:
+    """LUFFY's policy term of a demonstration row, per token, as a loss: -A * f(pi) with
+    f(p) = p / (p + gamma) and pi = exp(logp) the current policy's probability of the gold token
+    (the demonstrator's taken as 1; no clip). Its gradient -A * gamma * pi / (pi + gamma)^2 *
+    grad logp peaks at pi = gamma: a token the policy already predicts (pi near 1) pulls
+    little. [n, T]; 0 wherever guided_adv is."""
+    p = logp.float().exp()
+    return -guided_adv * p / (p + gamma)
+
+
+def shaped_loss(logp: torch.Tensor, mb: Any, gamma: float, options: LossOptions,
+                num_active_tokens: float) -> torch.Tensor | float:
+    """``shaped_term`` of micro-batch ``mb``'s guided rows (grpo/batches.py ``MicroBatch.guided_adv``),
+    aggregated over its loss tokens as the kernel's policy term is (same normaliser, so the step's
+    share weighs both alike); 0.0 when it has none (loss + 0.0: the same bits)."""
+    if mb.guided_adv is None:
+        return 0.0
+    return aggregate(shaped_term(logp, mb.guided_adv, gamma), mb.mask, options, num_active_tokens)
