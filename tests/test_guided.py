@@ -185,3 +185,44 @@ def test_several_updates_a_batch_train_the_demonstrations_with_finite_losses():
 def test_bad_guided_settings_are_one_line(overrides, message):
     with pytest.raises(ConfigError, match=message):
         phase_config("B", "tiny", overrides, "B")
+
+
+# ----------------------------------------------------------------------------- the trainer
+
+
+def test_the_trainer_guides_logs_the_share_and_resumes_as_a_straight_run(tmp_path):
+    """Phase A on bare own-data rows (no worked reasoning: the demonstrations fit 24 tokens), 3
+    steps straight against 2 steps then a resume to 3: the same log records (timings aside) and
+    the same adapter; the resume refuses to switch guiding off."""
+    import json
+
+    from test_own_data import minimal_rows
+    from train_helpers import log_lines, run_main
+
+    from grpo.state.checkpoint import load_checkpoint
+    from grpo.state.registry import resolve
+
+    data = tmp_path / "data"
+    (data / "img").mkdir(parents=True)
+    rows = minimal_rows(30)
+    for row, image in rows:
+        image.save(data / row["image"])
+    (data / "data.jsonl").write_text("".join(json.dumps(row) + "\n" for row, _ in rows))
+    args = ["--model.device", "cpu", "--run.data", str(data), "--sft-first", "never", "--phase", "A",
+            "--sampling.G", "4", "--sampling.max_new_tokens", "24", "--phase.prompts_per_step", "4",
+            "--run.eval_size", "2", "--run.eval_every", "1", "--run.test_per_stage", "0", "--sampling.guided", "true"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert run_main(straight, *args, "--phase.steps", "3")[0] == 0
+    assert run_main(resumed, *args, "--phase.steps", "2")[0] == 0
+    rc, _, err = run_main(resumed, *args[:-2], "--phase.steps", "3")  # guiding off on resume
+    assert rc == 2 and "sampling.guided" in err, err
+    assert run_main(resumed, *args, "--phase.steps", "3")[0] == 0
+
+    def steps(run):
+        return [{k: v for k, v in r.items() if k != "time"} for r in log_lines(run) if "loss" in r and "event" not in r]
+    a, b = steps(straight), steps(resumed)
+    assert [r["step"] for r in a] == [1, 2, 3] and a == b
+    assert any(r["guided"]["share"] > 0 for r in a), "no group was guided"
+    ta, tb = (load_checkpoint(resolve(run, "A:latest")).tensors for run in (straight, resumed))
+    lora = [k for k in ta if "lora" in k]
+    assert lora and all(torch.equal(ta[k], tb[k]) for k in lora)
