@@ -103,9 +103,10 @@ def write_demonstrations(out: SampleOutput, demos: dict[int, tuple[str, list[int
 def guide(out: SampleOutput, examples: list, correctness: torch.Tensor, *, text_of, tokenizer, stop_id: int,
           pad_id: int, max_new_tokens: int, policy_logprobs) -> tuple[SampleOutput, Demonstrations]:
     """Each group of ``out`` without a correct completion gets its example's demonstration
-    (``text_of(example)``: data/contract.py ``gold_response``) in its last row, with the policy's own log-probs as that row's
-    sampler log-probs (``policy_logprobs(out, groups)``: [len(groups) * G, T] for those groups'
-    rows, no grad). Returns the new output (``out`` itself when nothing was guided) and what was done."""
+    (``text_of(example)``; the trainer's is data/contract.py ``gold_response``) in its last row,
+    with the policy's own log-probs as that row's sampler log-probs (``policy_logprobs(out,
+    groups)``: [len(groups) * G, T] for those groups' rows, no grad). Returns the new output
+    (``out`` itself when nothing was guided) and what was done."""
     G = out.G
     demos, too_long = {}, 0
     for g in unguided_groups(correctness, G):
