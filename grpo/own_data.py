@@ -10,11 +10,12 @@ first stage, sized in passes over the training rows) and then phase B from it (t
 format is the contract, so phase A's structure stage is skipped), with one line saying so.
 
 Phase B from a warm-up keeps a KL term to the warm-up's policy (its reference, grpo/state/
-train_state.py) at ``WARMUP_BETA``: a GRPO gradient of one rollout batch is mostly noise,
-AdamW moves every parameter about lr per step whatever its gradient's size, and on own data
-what SFT taught lives only in the adapter, so without the anchor the adapter's walk erases it
-within tens of steps (bench/EXPERIMENTS.md section 11). Options the user set win: an explicit
-``--optim.beta``, ``--B.optim.beta`` or ``--warmup.phase.steps`` is kept, and ``--sft-first``
+train_state.py) at ``WARMUP_BETA`` and runs at lr ``WARMUP_RL_LR`` (the tiny preset's phase B: 5e-4): a
+GRPO gradient of one rollout batch is mostly noise, AdamW moves every parameter about lr per
+step whatever its gradient's size, and on own data what SFT taught lives only in the adapter,
+so without the anchor the adapter's walk erases it within tens of steps (bench/EXPERIMENTS.md
+sections 11-12). Options the user set win: an explicit ``--optim.beta``, ``--B.optim.beta``,
+``--optim.lr``, ``--B.optim.lr`` or ``--warmup.phase.steps`` is kept, and ``--sft-first``
 (auto | always | never) overrides the probe. A warm-up sized in passes is capped at
 ``MAX_WARMUP_STEPS`` (one line says so); training rows that all share one gold answer are
 refused in one line, whatever ``--sft-first`` says.
@@ -35,7 +36,11 @@ from grpo.run.phase_data import fall_back_to_all
 
 SIGNAL_SHARE = 0.5  # below it, most groups teach RL nothing: warm up on the labels first
 WARMUP_BETA = 1.0  # KL weight toward the warm-up in RL after it (section 11: .1 drifts, 1 holds)
-WARMUP_PASSES = 5.6  # the warm-up's default size in passes over the training rows (measured: 250 x 32 on 1,418 rows)
+WARMUP_RL_LR = 1e-4  # RL's lr after a warm-up (section 12: from a 17-pass warm-up, 5e-4 loses more of it)
+# Phase B's settings when it starts from this plan's warm-up (each kept where the user sets it)
+AFTER_WARMUP = {"optim.beta": WARMUP_BETA, "optim.lr": WARMUP_RL_LR}
+WARMUP_PASSES = 17  # the warm-up's size in passes over the training rows (section 12: digits' test EM .44 at 5.6,
+# .64 at 10, .78 at 17, .84 at 25 passes; 17 keeps a 2,000-row run within 10 minutes on one core)
 PROBE_PROMPTS = 16
 MAX_WARMUP_STEPS = 1000  # ~7 minutes on one core of the 2-core CPU (0.43 s a step of 32 rows on the tiny model)
 
@@ -86,8 +91,8 @@ def sft_first(plan: list[str], configs: dict[str, TrainConfig], user_keys: set[s
     if choice not in ("auto", "always", "never"):
         raise ConfigError(f"--sft-first {choice!r}: use auto, always or never")
     first = configs[plan[0]]
-    if plan == ["B"] and root is not None and not _set(user_keys, "B", "optim.beta"):
-        _keep_saved_beta(configs["B"], root)
+    if plan == ["B"] and root is not None:
+        _keep_saved_choices(configs["B"], root, user_keys)
     if first.run.data == "synthetic":
         return plan
     check_answers_vary(first)
@@ -113,14 +118,16 @@ def sft_first(plan: list[str], configs: dict[str, TrainConfig], user_keys: set[s
         raise ConfigError(f"own data: {rows} training rows are too few to warm up on ({warm.phase.prompts_per_step} "
                           "a step, --warmup.phase.prompts_per_step); add rows, or run RL alone with --sft-first never")
     b.phase.init = "warmup:latest"
-    if not _set(user_keys, "B", "optim.beta"):
-        b.optim.beta = WARMUP_BETA
+    for key, value in AFTER_WARMUP.items():
+        if not _set(user_keys, "B", key):
+            _assign(b, key, value)
     why = (f"the base answered {found.with_correct} of {found.groups} probe prompts correctly at least once in "
            f"G={first.sampling.G} samples ({found.share:.0%} < {SIGNAL_SHARE:.0%}): RL alone would get almost no signal"
            if found is not None else "--sft-first always")
     print(f"own data: {why}; so the warm-up first (SFT on the labels: {warm.phase.steps} steps x "
           f"{warm.phase.prompts_per_step} = {warm.phase.steps * warm.phase.prompts_per_step / max(1, rows):.1f} passes "
-          f"over {rows} rows), then phase B from it with a KL to it (beta {b.optim.beta:g}); "
+          f"over {rows} rows), then phase B from it with a KL to it (beta {b.optim.beta:g}), lr {b.optim.lr:g}"
+          f"{', guided groups' if b.sampling.guided else ''}; "
           "--sft-first never runs RL alone", flush=True)
     return ["warmup"] + [p for p in plan if p != "A"]
 
@@ -141,14 +148,25 @@ def check_answers_vary(cfg: TrainConfig) -> None:
                           "answer column (--data.columns answer=COLUMN)")
 
 
-def _keep_saved_beta(b: TrainConfig, root: Path) -> None:
-    """A resumed phase B that started from a warm-up goes on with the KL weight it ran with."""
+def _keep_saved_choices(b: TrainConfig, root: Path, user_keys: set[str]) -> None:
+    """A resumed phase B that started from a warm-up goes on with what this plan chose for it
+    (``AFTER_WARMUP``: KL weight, lr, guided groups), each unless the command sets it."""
     saved = root / "config_B.json"
-    if (root / "warmup").is_dir() and saved.is_file():
-        try:
-            b.optim.beta = float(json.loads(saved.read_text())["optim"]["beta"])
-        except (ValueError, KeyError, TypeError):
-            pass  # an unreadable saved config: the resume's own checks say so
+    if not ((root / "warmup").is_dir() and saved.is_file()):
+        return
+    try:
+        config = json.loads(saved.read_text())
+        for key in AFTER_WARMUP:
+            if not _set(user_keys, "B", key):
+                section, name = key.split(".")
+                _assign(b, key, config[section][name])
+    except (ValueError, KeyError, TypeError):
+        pass  # an unreadable saved config: the resume's own checks say so
+
+
+def _assign(cfg: TrainConfig, key: str, value) -> None:
+    section, name = key.split(".")
+    setattr(getattr(cfg, section), name, type(AFTER_WARMUP[key])(value))
 
 
 def _set(user_keys: set[str], phase: str, key: str) -> bool:

@@ -53,20 +53,23 @@ def test_no_signal_warms_up_first_then_rl_from_it_with_a_kl_to_it(unseen, tmp_pa
     assert not (run / "A").exists() and (run / "warmup").is_dir()
     b = json.loads((run / "config_B.json").read_text())
     assert b["phase"]["init"] == "warmup:latest" and b["optim"]["beta"] == 1.0
+    assert b["optim"]["lr"] == 1e-4 and b["sampling"]["guided"] is False  # own_data.AFTER_WARMUP
     assert load_checkpoint(resolve(run, "B:latest")).extra["reference"].startswith("warmup/")
     # the same command again: B resumes (one more step) with the KL weight it ran with
     rc, out, err = run_main(run, *FAST, "--phase", "B", "--run.data", str(unseen), "--B.phase.steps", "2")
     assert rc == 0, err
-    assert json.loads((run / "config_B.json").read_text())["optim"]["beta"] == 1.0
+    b = json.loads((run / "config_B.json").read_text())
+    assert b["optim"]["beta"] == 1.0 and b["optim"]["lr"] == 1e-4
 
 
 def test_the_warm_up_is_sized_in_passes_and_user_options_win(unseen, tmp_path):
     rc, out, err = run_main(tmp_path / "run", *FAST, "--phase", "B", "--run.data", str(unseen), "--sft-first", "always",
-                            "--B.optim.beta", "0.25", "--warmup.phase.steps", "1")
+                            "--B.optim.beta", "0.25", "--warmup.phase.steps", "1", "--optim.lr", "3e-4")
     assert rc == 0, err
     assert "own data: --sft-first always; so the warm-up first (SFT on the labels: 1 steps x 4" in out
-    assert json.loads((tmp_path / "run" / "config_B.json").read_text())["optim"]["beta"] == 0.25
-    # the default size: 4.5 passes over the training rows, printed (not run: --sft-first never below)
+    b = json.loads((tmp_path / "run" / "config_B.json").read_text())
+    assert b["optim"]["beta"] == 0.25 and b["optim"]["lr"] == 3e-4  # what the user set wins
+    # the default size: WARMUP_PASSES over the training rows, printed (not run)
     from grpo.cli import phase_configs
     from grpo.own_data import WARMUP_PASSES, _training_rows, sft_first
     from grpo.run.phase_data import fall_back_to_all
@@ -111,13 +114,13 @@ def test_a_warm_up_over_the_step_cap_is_capped_with_one_line(unseen, monkeypatch
     from grpo.cli import phase_configs
     from grpo.run.phase_data import fall_back_to_all
 
-    monkeypatch.setattr(own_data, "MAX_WARMUP_STEPS", 10)  # the 60 polygons' 5.6 passes: about 70 steps of 4
+    monkeypatch.setattr(own_data, "MAX_WARMUP_STEPS", 10)  # the 60 polygons at 17 passes: about 200 steps of 4
     configs = phase_configs("B", "tiny", {"run.data": str(unseen), "warmup.phase.prompts_per_step": "4"})
     fall_back_to_all(configs)
     assert own_data.sft_first(["A", "B"], configs, set(), "cpu", "always") == ["warmup", "B"]
     assert configs["warmup"].phase.steps == 10
     line = next(ln for ln in capsys.readouterr().out.splitlines() if "capped at 10" in ln)
-    assert re.search(r"own data: 5.6 passes over \d+ rows would be \d+ warm-up steps; capped at 10 \(0.\d passes", line)
+    assert re.search(r"own data: 17 passes over \d+ rows would be \d+ warm-up steps; capped at 10 \(0.\d passes", line)
     configs = phase_configs("B", "tiny", {"run.data": str(unseen), "warmup.phase.steps": "50"})
     fall_back_to_all(configs)
     own_data.sft_first(["A", "B"], configs, {"warmup.phase.steps"}, "cpu", "always")
