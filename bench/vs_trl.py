@@ -49,8 +49,10 @@ per group (the shared prefix); TRL samples with transformers' ``generate`` throu
 unmerged adapters over bitsandbytes' NF4, each prompt (and its image) repeated G times, and
 its policy pass runs full rows. Tiny: our rollouts come from the merged fp32 copy (the
 embedded default's sampling.rollout = merged); qwen7b: from the NF4 + LoRA policy itself (the
-preset's plain rollout). Our step also computes the rollout correction (tiny: sequence level;
-qwen7b: the preset's token-level truncation), which TRL does not do without vLLM. Tiny
+preset's plain rollout), or with --rollout merged from the merged fp32 copy (the preset's
+option: the LoRA merged into a dequantised copy, refreshed after each optimiser step). Our
+step also computes the rollout correction (tiny: sequence level; qwen7b: the preset's
+token-level truncation), which TRL does not do without vLLM. Tiny
 completions are sampled, so the two sides' lengths differ from step to step: the table
 reports the completion tokens per step of each.
 
@@ -135,7 +137,7 @@ def build_ours(args, with_model: bool = True) -> dict:
         from grpo.model.load import load_bundle
         from grpo.model.tiny import tiny_image_processor
 
-        cfg = phase_config("A", "qwen7b", {**sizes, **phase_overrides(args)}, "A")
+        cfg = phase_config("A", "qwen7b", {**sizes, **phase_overrides(args), "sampling.rollout": args.rollout}, "A")
         bundle = build_ours_qwen7b(args) if with_model else None
         tokenizer, image_processor = load_bundle("tiny").tokenizer, tiny_image_processor(args.image_px)
     out = dict(cfg=cfg, tokenizer=tokenizer, image_processor=image_processor, force_length=args.shape == "qwen7b",
@@ -382,8 +384,9 @@ def run_workers(args, argv: list[str]) -> dict[str, list[dict]]:
                 step[side] = listen(procs[side], side)
                 if i >= args.warmup:
                     sides[side].append(step[side])
-            print(f"# step {i + 1}: TRL {step['trl']['step']:.3f} s, ours {step['ours']['step']:.3f} s"
-                  + (" (warm-up)" if i < args.warmup else ""), flush=True)
+            print(f"# step {i + 1}{' (warm-up)' if i < args.warmup else ''}: " + "; ".join(
+                f"{side} {step[side]['step']:.3f} s (" + ", ".join(f"{p} {step[side][p]:.3f}" for p in PARTS) + ")"
+                for side in ("trl", "ours")), flush=True)  # each step's parts: a stopped run keeps them
     finally:
         for p in procs.values():
             p.stdin.close()
@@ -441,6 +444,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--vision-layers", type=int, default=2, help="qwen7b: vision blocks (the 7B: 32)")
     p.add_argument("--image-px", type=int, default=448, help="qwen7b: image side (448 -> 256 visual tokens)")
     p.add_argument("--vocab", type=int, default=152064, help="qwen7b: vocabulary (the 7B's: 152,064)")
+    p.add_argument("--rollout", choices=["plain", "merged"], default="plain",
+                   help="qwen7b: our sampler, the preset's plain path (default) or its merged fp32 copy")
     p.add_argument("--model-cache", default="/tmp/vs_trl_models", help="qwen7b: where the random model is saved")
     p.add_argument("--rounds", type=int, default=3, help="timed rounds, one step of each side per round")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps of each side first")
@@ -491,7 +496,7 @@ def main(argv: list[str] | None = None) -> None:
 
     shape = ("embedded default phase A" if args.shape == "tiny" else
              f"Qwen2.5-VL-7B's widths, {args.layers} LM + {args.vision_layers} vision layers, vocabulary "
-             f"{args.vocab:,}, {args.image_px} px")
+             f"{args.vocab:,}, {args.image_px} px, our rollout {args.rollout}")
     print(f"# one GRPO step, ours vs TRL, on {device_name('cpu')}: {shape}, B={args.B} x G={args.G}, "
           f"{args.max_new_tokens} new tokens, {args.warmup} warm-up + {args.rounds} timed round(s), allocator "
           f"{args.allocator}; torch {torch.__version__}, transformers {transformers.__version__}", flush=True)
