@@ -387,18 +387,72 @@ def test_vs_trl_ours_only():
     assert re.search(r"^summary: our step [\d.]+ s \(median\), TRL not run$", out, re.M)
 
 
-def test_vs_trl_against_trl():
-    """Both sides at tiny sizes; skipped where TRL is not importable (it is never a dependency)."""
+def trl_path() -> str:
+    """The folder holding trl, or a skip where TRL is not importable (it is never a dependency)."""
     import importlib.util
 
     spec = importlib.util.find_spec("trl")
     if spec is None:
         pytest.skip("trl not importable: pip install --no-deps --target DIR trl==1.16.*; run with PYTHONPATH=DIR")
-    out = cli("bench.vs_trl", *VS_TRL_TINY, path=str(Path(spec.origin).parents[1]), timeout=600)
+    return str(Path(spec.origin).parents[1])
+
+
+def test_vs_trl_against_trl():
+    """Both sides at tiny sizes, each in its worker process, the allocator as each side's users run it."""
+    out = cli("bench.vs_trl", *VS_TRL_TINY, "--allocator", "default", path=trl_path(), timeout=600)
     ours, trl = vs_trl_row(out, "ours"), vs_trl_row(out, "trl")
     assert ours[0] == trl[0] == 1 and trl[2] > 0 and trl[4] > 0
+    assert re.search(r"^# trl [\d.]+, peft [\d.]+; glibc malloc tuned: ours True, TRL False$", out, re.M)
     assert re.search(r"^summary: TRL step / our step = [\d.]+x \(medians [\d.]+ s / [\d.]+ s; per round [\d.]+x\)",
                      out, re.M)
+
+
+VS_TRL_QWEN7B = ("--shape", "qwen7b", "--layers", "1", "--vision-layers", "1", "--vocab", "1024", "--image-px", "56",
+                 "--G", "2", "--max-new-tokens", "2", "--rounds", "1", "--warmup", "0")
+
+
+def test_vs_trl_qwen7b_ours_only(tmp_path):
+    """The 7B's widths, one layer each, a small vocabulary: built, saved, loaded; every row the full budget."""
+    out = cli("bench.vs_trl", "--ours-only", *VS_TRL_QWEN7B, "--model-cache", str(tmp_path))
+    steps, step, gen, rewards, logp, backward, opt, other, tokens = vs_trl_row(out, "ours")
+    assert steps == 1 and gen > 0 and logp > 0 and backward > 0 and tokens == 4  # 2 rows x 2 tokens, no stop
+    assert "7B's widths, 1 LM + 1 vision layers, vocabulary 1,024, 56 px, our rollout plain, B=1 x G=2" in out
+    assert (tmp_path / "qwen7b-1x1-v1024" / "config.json").exists()
+
+
+def test_vs_trl_qwen7b_against_trl(tmp_path):
+    """Both sides on the same saved 7B-shaped model: equal completion tokens (lengths forced)."""
+    out = cli("bench.vs_trl", *VS_TRL_QWEN7B, "--model-cache", str(tmp_path), path=trl_path(), timeout=600)
+    ours, trl = vs_trl_row(out, "ours"), vs_trl_row(out, "trl")
+    assert ours[-1] == trl[-1] == 4 and trl[1] > 0
+    assert "glibc malloc tuned: ours True, TRL True" in out
+
+
+def test_vs_trl_sweep_ours_only(tmp_path):
+    """--sweep G with our side alone: a point per value in the JSON, the shared prefix's prediction, a PNG."""
+    import json
+
+    from PIL import Image
+
+    out = cli("bench.vs_trl", "--ours-only", *VS_TRL_TINY, "--sweep", "G", "--sweep-values", "2,3",
+              "--out", str(tmp_path))
+    data = json.loads((tmp_path / "vs_trl_G.json").read_text())
+    assert [p["value"] for p in data["points"]] == [2, 3] and data["allocator"] == "equal"
+    for p in data["points"]:
+        assert p["ours"]["step"] > 0 and p["prompt_tokens"] > 0 and "ratio" not in p
+        P, T, G = p["prompt_tokens"], p["completion_tokens_per_row"], p["G"]
+        assert abs(p["predicted_ratio"] - G * (P + T) / (P + G * T)) < 1e-9
+    assert Image.open(tmp_path / "vs_trl_G.png").size[0] > 0
+    assert re.search(r"^summary: sweep G: 2: ours [\d.]+ s \(prefix predicts [\d.]+x\); 3: ", out, re.M)
+
+
+def test_vs_trl_sweep_prediction():
+    from bench.vs_trl_sweep import image_px, predicted_ratio
+
+    assert predicted_ratio(300, 100, 1) == 1.0  # one row: nothing shared
+    assert predicted_ratio(0, 100, 8) == 1.0  # no prompt: nothing to share
+    assert abs(predicted_ratio(320, 128, 8) - 8 * 448 / (320 + 8 * 128)) < 1e-12
+    assert [image_px(v) for v in (64, 256, 1024)] == [224, 448, 896]
 
 
 def test_vs_trl_errors_are_one_line(monkeypatch):
@@ -406,6 +460,10 @@ def test_vs_trl_errors_are_one_line(monkeypatch):
 
     with pytest.raises(SystemExit, match=r"^--G 1: must be >= 2"):
         vs_trl.main(["--ours-only", "--G", "1"])
+    with pytest.raises(SystemExit, match=r"^--image-px 50: must be a multiple of 28"):
+        vs_trl.main(["--ours-only", "--shape", "qwen7b", "--image-px", "50"])
+    with pytest.raises(SystemExit, match=r"^--sweep visual: only with --shape qwen7b"):
+        vs_trl.main(["--ours-only", "--sweep", "visual"])
     monkeypatch.setitem(sys.modules, "trl", None)  # import trl now raises ImportError
     with pytest.raises(SystemExit, match=r"^TRL is not importable .*pip install --no-deps --target DIR"):
         vs_trl.main([])
