@@ -89,7 +89,7 @@ def write_demonstrations(out: SampleOutput, demos: dict[int, tuple[str, list[int
     ids, mask = pad_right(out.completion_ids, T, pad_id).clone(), pad_right(out.completion_mask, T, 0).clone()
     lp, flp = pad_right(out.logprobs, T, 0.0).clone(), pad_right(out.filtered_logprobs, T, 0.0).clone()
     finished, truncated, texts = out.finished.clone(), out.truncated.clone(), list(out.texts)
-    guided = torch.zeros_like(out.finished) if out.guided is None else out.guided.clone()
+    guided = out.guided_rows.clone()
     for row, (text, tokens) in demos.items():
         n = len(tokens)
         ids[row], mask[row], lp[row], flp[row] = pad_id, 0, 0.0, 0.0

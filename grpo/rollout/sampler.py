@@ -133,7 +133,7 @@ class SampleOutput:
         G = outs[0].G if G is None else G
         guided = None
         if any(o.guided is not None for o in outs):
-            guided = torch.cat([torch.zeros_like(o.finished) if o.guided is None else o.guided for o in outs])
+            guided = torch.cat([o.guided_rows for o in outs])
             guided = guided if rows is None else guided[rows]
         return cls(completion_ids=stack("completion_ids", pad_id), completion_mask=stack("completion_mask", 0),
                    logprobs=stack("logprobs", 0.0), filtered_logprobs=stack("filtered_logprobs", 0.0),
@@ -141,6 +141,11 @@ class SampleOutput:
                    texts=texts if rows is None else [texts[i] for i in rows.tolist()],
                    prompt_index=group_rows(context.B, G, outs[0].completion_ids.device), G=G, context=context,
                    guided=guided)
+
+    @property
+    def guided_rows(self) -> torch.Tensor:
+        """[N] bool, the rows holding a demonstration (grpo/rollout/guided.py); all False when ``guided`` is None."""
+        return torch.zeros_like(self.finished) if self.guided is None else self.guided
 
 
 def pad_right(x: torch.Tensor, T: int, value: float | int | bool) -> torch.Tensor:

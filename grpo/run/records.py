@@ -80,7 +80,7 @@ def guided_record(logs: list) -> dict:
     (a demonstration's slot counts 0: it replaced a wrong completion), which the step's
     "correctness" (demonstrations included) overstates."""
     G = logs[0].out.G
-    guided = torch.cat([m.out.guided if m.out.guided is not None else torch.zeros_like(m.out.finished) for m in logs])
+    guided = torch.cat([m.out.guided_rows for m in logs])
     correct = torch.cat([m.scores.components["correctness"] for m in logs]).float()
     return dict(share=float(guided.sum()) / max(1, guided.numel() // G),
                 sampled_correctness=float((correct * ~guided).mean()))
