@@ -2,6 +2,7 @@
 
     python -m bench.tower_probe DIR [DIR ...]            # own-data sets (data.jsonl + images)
     python -m bench.tower_probe DIR --model tiny --steps 300
+    python -m bench.tower_probe --quantities 3000        # the curriculum's quantities, one by one
 
 For each set: every image through the shipped base's vision tower and merger (the tokens the
 language model reads, frozen, no LoRA), the tokens of an image concatenated into one vector
@@ -15,6 +16,13 @@ it, and a policy that fails to answer is the language side's (or RL's) failure; 
 is near chance, the base cannot see what the question asks, and no amount of RL on top of a
 frozen tower will fix it: that is the base's limit (the README's "Your own data"). A linear
 probe is a lower bound on what the tokens carry (a deeper reader might do better).
+
+``--quantities N`` asks it of the synthetic curriculum, one quantity at a time: N training and
+N/4 test figures a stage (data/synthetic.py's splits), and for each (family, quantity) that the
+questions name (an example's ``intermediates``: "red circles", "height of bar B", "purple
+line"...) with at least --min-rows figures of each split, a probe from the figure's tokens to
+that quantity's value. A quantity the probe reads near chance is one the tower does not carry,
+whatever the policy on top does (issue "base reads": what to change in the base).
 """
 
 from __future__ import annotations
@@ -73,14 +81,65 @@ def probe_set(bundle, directory: Path, steps: int) -> dict[str, float]:
             "probe_shuffled": probe_accuracy(shuffled, y_tr, x_te, y_te, len(labels), steps)}
 
 
+def quantity_rows(examples) -> dict[tuple[str, str], list[tuple[int, str]]]:
+    """(family, quantity name) -> [(index into examples, the quantity's value)]: the readings each
+    question needs (its ``intermediates``), computed quantities ("sum", "base x height") included."""
+    out: dict[tuple[str, str], list[tuple[int, str]]] = {}
+    for i, ex in enumerate(examples):
+        for item in ex.intermediates or []:
+            out.setdefault((ex.metadata["family"], item.name), []).append((i, item.value))
+    return out
+
+
+def probe_quantities(bundle, n: int, steps: int, min_rows: int, seed: int = 0) -> list[dict]:
+    """One probe per (family, quantity) of the curriculum: see the module's docstring."""
+    from data.synthetic import generate
+
+    rows = []
+    for stage in (1, 2, 3):
+        train, test = generate("train", stage, n, seed), generate("test", stage, max(1, n // 4), seed)
+        x_tr, x_te = features(bundle, train), features(bundle, test)
+        q_tr, q_te = quantity_rows(train), quantity_rows(test)
+        for key in sorted(q_tr):
+            tr, te = q_tr[key], q_te.get(key, [])
+            if len(tr) < min_rows or len(te) < max(1, min_rows // 4):
+                continue
+            labels = sorted({v for _, v in tr + te})
+            index = {v: j for j, v in enumerate(labels)}
+            y_tr = torch.tensor([index[v] for _, v in tr])
+            y_te = torch.tensor([index[v] for _, v in te])
+            majority = int(torch.bincount(y_tr, minlength=len(labels)).argmax())
+            rows.append({"stage": stage, "family": key[0], "quantity": key[1], "train": len(tr), "test": len(te),
+                         "classes": len(labels), "chance": float((y_te == majority).float().mean()),
+                         "probe": probe_accuracy(x_tr[[i for i, _ in tr]], y_tr, x_te[[i for i, _ in te]], y_te,
+                                                 len(labels), steps)})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.tower_probe", description=__doc__.split("\n\n")[0])
-    ap.add_argument("sets", nargs="+", type=Path, help="own-data directories (data.jsonl + images)")
+    ap.add_argument("sets", nargs="*", type=Path, help="own-data directories (data.jsonl + images)")
+    ap.add_argument("--quantities", type=int, default=0, metavar="N",
+                    help="probe the synthetic curriculum's quantities one by one, from N training figures a stage")
+    ap.add_argument("--min-rows", type=int, default=40,
+                    help="--quantities: probe a quantity only with at least this many training figures (default 40)")
     ap.add_argument("--model", default="tiny", help="the base whose tower is probed (default: the shipped tiny)")
     ap.add_argument("--steps", type=int, default=300, help="full-batch probe training steps (default 300)")
     a = ap.parse_args(argv)
+    if not a.sets and a.quantities <= 0:
+        ap.error("name at least one own-data directory, or --quantities N (N > 0)")
     torch.set_num_threads(1)
     bundle = load_bundle(a.model, dtype=torch.float32, device="cpu")
+    if a.quantities > 0:
+        rows = probe_quantities(bundle, a.quantities, a.steps, a.min_rows)
+        print(f"{'stage':>5} {'family':<14} {'quantity':<22} {'train':>6} {'test':>5} {'classes':>7} {'chance':>7} "
+              f"{'probe':>6}")
+        for r in rows:
+            print(f"{r['stage']:>5} {r['family']:<14} {r['quantity'][:22]:<22} {r['train']:>6} {r['test']:>5} "
+                  f"{r['classes']:>7} {r['chance']:>7.3f} {r['probe']:>6.3f}", flush=True)
+        print(f"summary: {len(rows)} quantities probed on {a.model}'s frozen merged visual tokens")
+    if not a.sets:
+        return 0
     print(f"{'set':<28} {'train':>6} {'test':>5} {'classes':>7} {'chance':>7} {'probe':>6} {'shuffled':>8}")
     for d in a.sets:
         r = probe_set(bundle, d, a.steps)

@@ -513,3 +513,18 @@ def test_tower_probe(tmp_path):
     train, test, classes, chance, probe, shuffled = row.split()[1:]
     assert (int(train), int(test), int(classes)) == (27, 3, 6) and all(0 <= float(v) <= 1 for v in (chance, probe, shuffled))
     assert "summary: 1 sets probed on tiny's frozen merged visual tokens" in out
+
+
+def test_tower_probe_quantities():
+    """bench.tower_probe --quantities at a tiny size: one row per (family, quantity) with enough
+    figures, counts that add up, and a summary line; no set and no --quantities is one usage error."""
+    out = cli("bench.tower_probe", "--quantities", "40", "--min-rows", "4", "--steps", "3")
+    rows = [line.split() for line in out.splitlines() if re.match(r"^\s+[123] ", line)]
+    assert rows and {r[0] for r in rows} <= {"1", "2", "3"}
+    for r in rows:  # stage family quantity... train test classes chance probe
+        train, test, classes = int(r[-5]), int(r[-4]), int(r[-3])
+        assert train >= 4 and test >= 1 and classes >= 1 and 0 <= float(r[-2]) <= 1 and 0 <= float(r[-1]) <= 1
+    assert f"summary: {len(rows)} quantities probed on tiny's frozen merged visual tokens" in out
+    proc = subprocess.run([sys.executable, "-m", "bench.tower_probe"], cwd=ROOT, capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert proc.returncode == 2 and "name at least one own-data directory, or --quantities N" in proc.stderr
