@@ -45,7 +45,7 @@ from eval.metrics import mean_interval, wilson_interval
 
 # A number as a reasoning writes it: optional sign, digits with optional thousands commas, an
 # optional decimal part (or a bare ".5"); normalize_number decides what it means.
-_NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|-?\.\d+")
+NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|-?\.\d+")
 KEYS = ("answer_follows", "right_reasoning_wrong", "arithmetic_right", "key_step_accuracy")
 # One clause of a reasoning: split at ":" ";" and at a "," or "." before a space or the end (not
 # inside "1,000" or "6.5").
@@ -100,7 +100,7 @@ def reasoning_result(text: str) -> str | None:
     if not reasoning:
         return None
     tail = reasoning[reasoning.rfind("=") + 1:] if "=" in reasoning else reasoning
-    found = _NUMBER.findall(tail)
+    found = NUMBER.findall(tail)
     if not found:
         return None
     # after "=" the result is the first number ("= 13 apples, plus ..."); without one, the last

@@ -7,6 +7,7 @@ part) and one part (the rest of its parts are these commands and the kernel test
 suite runs anyway). bench/learning.py's CLI runs in
 tests/test_bench_learning.py."""
 
+import json
 import os
 import re
 import subprocess
@@ -528,3 +529,37 @@ def test_tower_probe_quantities():
     proc = subprocess.run([sys.executable, "-m", "bench.tower_probe"], cwd=ROOT, capture_output=True, text=True,
                           env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert proc.returncode == 2 and "name at least one own-data directory, or --quantities N" in proc.stderr
+
+
+def test_misreads(tmp_path):
+    """bench.misreads on a report of four known answers to synthetic test figures: one right, one
+    misread ("red circles: 2" where the figure has 1, the sum right on it), one wrong plan (every
+    reading right, combined wrongly) and one arithmetic slip (not a misread); a run without a
+    report is one usage error."""
+    from data.contract import format_response, is_exact, parse_response
+    from data.synthetic import generate
+    from eval.reasoning import completion_reasoning
+
+    ex = generate("test", 1, 1, 0)[0]
+    assert ex.metadata["family"] == "scene_count" and [i.value for i in ex.intermediates] == ["1", "2", "2"], ex.reasoning
+    names = [i.name for i in ex.intermediates]  # red circles, blue triangles, orange squares
+    texts = [format_response(ex.reasoning, ex.answer),
+             format_response(f"{names[0]}: 2. {names[1]}: 2. {names[2]}: 2. 2 + 2 + 2 = 6.", "6"),
+             format_response(f"{names[0]}: 1. {names[1]}: 2. {names[2]}: 2. 1 + 2 = 3.", "3"),
+             format_response(f"{names[0]}: 1. {names[1]}: 2. {names[2]}: 2. 1 + 2 + 2 = 6.", "6")]
+    report = tmp_path / "run" / "report"
+    report.mkdir(parents=True)
+    with open(report / "samples_B_latest.jsonl", "w") as f:
+        for text in texts:
+            answer = parse_response(text).answer
+            f.write(json.dumps({"pid": ex.pid, "text": text, "parseable": answer is not None,
+                                "exact": is_exact(answer, ex.answer),
+                                **completion_reasoning(text, ex.answer, ex.key_steps)}) + "\n")
+    out = cli("bench.misreads", str(tmp_path / "run"))
+    assert out.startswith("misread: 2 of 4 answers (50.0%); charged by name 1, by value 0, plan 1"), out
+    assert re.search(r"^scene_count\s+red circles\s+1\s+4\s+25\.0%$", out, re.M), out  # 4 answers needed it
+    assert re.search(r"^scene_count\s+\(plan\)\s+1\s+0\s+-$", out, re.M), out
+    assert re.search(r"^1\s+4\s+2\s+50\.0%$", out, re.M), out  # stage 1: 4 answers, 2 misread
+    proc = subprocess.run([sys.executable, "-m", "bench.misreads", str(tmp_path / "none")], cwd=ROOT,
+                          capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert proc.returncode == 2 and "does not exist: run the phase to its end-of-run report" in proc.stderr
