@@ -14,8 +14,11 @@ train_state.py) at ``WARMUP_BETA`` and runs at lr ``WARMUP_RL_LR`` (the tiny pre
 GRPO gradient of one rollout batch is mostly noise, AdamW moves every parameter about lr per
 step whatever its gradient's size, and on own data what SFT taught lives only in the adapter,
 so without the anchor the adapter's walk erases it within tens of steps (bench/EXPERIMENTS.md
-sections 11-12). Options the user set win: an explicit ``--optim.beta``, ``--B.optim.beta``,
-``--optim.lr``, ``--B.optim.lr`` or ``--warmup.phase.steps`` is kept, and ``--sft-first``
+sections 11-12). The warm-up, and every phase after it, trains LoRA in the vision tower and
+its merger too (``PLAN_VISION``): a kind of figure the base never saw is read better with them
+(section 13). Options the user set win: an explicit ``--optim.beta``, ``--B.optim.beta``,
+``--optim.lr``, ``--B.optim.lr``, ``--lora.vision``, ``--lora.merger`` or
+``--warmup.phase.steps`` is kept, and ``--sft-first``
 (auto | always | never) overrides the probe. A warm-up sized in passes is capped at
 ``MAX_WARMUP_STEPS`` (one line says so); training rows that all share one gold answer are
 refused in one line, whatever ``--sft-first`` says.
@@ -39,6 +42,10 @@ WARMUP_BETA = 1.0  # KL weight toward the warm-up in RL after it (section 11: .1
 WARMUP_RL_LR = 1e-4  # RL's lr after a warm-up (section 12: from a 17-pass warm-up, 5e-4 loses more of it)
 # Phase B's settings when it starts from this plan's warm-up (each kept where the user sets it)
 AFTER_WARMUP = {"optim.beta": WARMUP_BETA, "optim.lr": WARMUP_RL_LR}
+# LoRA in the vision tower's blocks and in the merger, in the warm-up and in every phase after it
+# (which carry its adapters): a new kind of figure is read better with them (section 13)
+PLAN_VISION = {"lora.vision": True, "lora.merger": True}
+CHOICES = {**AFTER_WARMUP, **PLAN_VISION}  # every setting the plan chooses, with its type
 WARMUP_PASSES = 17  # the warm-up's size in passes over the training rows (section 12: digits' test EM .44 at 5.6,
 # .64 at 10, .78 at 17, .84 at 25 passes; 17 keeps a 2,000-row run within 10 minutes on one core)
 PROBE_PROMPTS = 16
@@ -86,15 +93,16 @@ def probe(cfg: TrainConfig, device: str, prompts: int = PROBE_PROMPTS) -> Probe:
 def sft_first(plan: list[str], configs: dict[str, TrainConfig], user_keys: set[str], device: str,
               choice: str = "auto", root: Path | None = None) -> list[str]:
     """The plan for own data: ``plan`` as is, or the warm-up and then B (and C) from it (``configs``
-    changed in place: the warm-up's steps, B's start and KL weight). Prints the one line.
-    A phase B that this chose before and that now resumes keeps its KL weight (``root``)."""
+    changed in place: the warm-up's steps and vision adapters, B's start, KL weight and lr).
+    Prints the one line. A phase after a warm-up this chose before (``root``) keeps what it
+    chose: a resumed B its KL weight and lr, B and C the warm-up's vision adapters."""
     if choice not in ("auto", "always", "never"):
         raise ConfigError(f"--sft-first {choice!r}: use auto, always or never")
     first = configs[plan[0]]
-    if plan == ["B"] and root is not None:
-        _keep_saved_choices(configs["B"], root, user_keys)
     if first.run.data == "synthetic":
         return plan
+    if root is not None:
+        _keep_saved_choices(plan, configs, root, user_keys)
     check_answers_vary(first)
     if plan[:2] != ["A", "B"] or choice == "never":
         return plan
@@ -121,15 +129,22 @@ def sft_first(plan: list[str], configs: dict[str, TrainConfig], user_keys: set[s
     for key, value in AFTER_WARMUP.items():
         if not _set(user_keys, "B", key):
             _assign(b, key, value)
+    after = [p for p in plan if p != "A"]
+    for phase in ["warmup"] + after:
+        for key, value in PLAN_VISION.items():
+            if not _set(user_keys, phase, key):
+                _assign(configs[phase], key, value)
+        if root is not None and (root / "warmup").is_dir():  # a warm-up begun before keeps its adapters
+            _keep(configs[phase], phase, root / "config_warmup.json", PLAN_VISION, user_keys)
     why = (f"the base answered {found.with_correct} of {found.groups} probe prompts correctly at least once in "
            f"G={first.sampling.G} samples ({found.share:.0%} < {SIGNAL_SHARE:.0%}): RL alone would get almost no signal"
            if found is not None else "--sft-first always")
     print(f"own data: {why}; so the warm-up first (SFT on the labels: {warm.phase.steps} steps x "
           f"{warm.phase.prompts_per_step} = {warm.phase.steps * warm.phase.prompts_per_step / max(1, rows):.1f} passes "
           f"over {rows} rows), then phase B from it with a KL to it (beta {b.optim.beta:g}), lr {b.optim.lr:g}"
-          f"{', guided groups' if b.sampling.guided else ''}; "
-          "--sft-first never runs RL alone", flush=True)
-    return ["warmup"] + [p for p in plan if p != "A"]
+          f"{', guided groups' if b.sampling.guided else ''}; LoRA in the vision tower {_on(warm.lora.vision)} and "
+          f"merger {_on(warm.lora.merger)}; --sft-first never runs RL alone", flush=True)
+    return ["warmup"] + after
 
 
 def check_answers_vary(cfg: TrainConfig) -> None:
@@ -148,25 +163,37 @@ def check_answers_vary(cfg: TrainConfig) -> None:
                           "answer column (--data.columns answer=COLUMN)")
 
 
-def _keep_saved_choices(b: TrainConfig, root: Path, user_keys: set[str]) -> None:
-    """A resumed phase B that started from a warm-up goes on with what this plan chose for it
-    (``AFTER_WARMUP``: KL weight, lr), each unless the command sets it."""
-    saved = root / "config_B.json"
-    if not ((root / "warmup").is_dir() and saved.is_file()):
+def _keep_saved_choices(plan: list[str], configs: dict[str, TrainConfig], root: Path, user_keys: set[str]) -> None:
+    """The phases after a warm-up in ``root`` go on with what the plan chose for them, each
+    unless the command sets it: a resumed phase B its ``AFTER_WARMUP`` (KL weight, lr), and B or
+    C the warm-up's vision adapters (``PLAN_VISION``: dropping trained adapters is refused)."""
+    if not (root / "warmup").is_dir():
         return
+    if plan == ["B"]:
+        _keep(configs["B"], "B", root / "config_B.json", AFTER_WARMUP, user_keys)
+    for phase in plan:
+        if phase in ("B", "C"):
+            _keep(configs[phase], phase, root / "config_warmup.json", PLAN_VISION, user_keys)
+
+
+def _keep(cfg: TrainConfig, phase: str, saved: Path, keys: dict, user_keys: set[str]) -> None:
     try:
         config = json.loads(saved.read_text())
-        for key in AFTER_WARMUP:
-            if not _set(user_keys, "B", key):
+        for key in keys:
+            if not _set(user_keys, phase, key):
                 section, name = key.split(".")
-                _assign(b, key, config[section][name])
-    except (ValueError, KeyError, TypeError):
-        pass  # an unreadable saved config: the resume's own checks say so
+                _assign(cfg, key, config[section][name])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # no saved config, or an unreadable one: the resume's own checks say so
 
 
 def _assign(cfg: TrainConfig, key: str, value) -> None:
     section, name = key.split(".")
-    setattr(getattr(cfg, section), name, type(AFTER_WARMUP[key])(value))
+    setattr(getattr(cfg, section), name, type(CHOICES[key])(value))
+
+
+def _on(flag: bool) -> str:
+    return "on" if flag else "off (as set)"
 
 
 def _set(user_keys: set[str], phase: str, key: str) -> bool:
