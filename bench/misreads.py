@@ -12,8 +12,9 @@ and whose every equation is right (``arithmetic_right`` true, or no equation to 
 reasoning did the right sums on the wrong numbers (or on the wrong plan). Each is charged to
 one quantity, the first of the example's intermediates that the reasoning gets wrong:
 
-    by name    the reasoning writes "<name>: <number>" (the contract's own phrasing) with
-               another number than the gold's;
+    by name    the reasoning writes "<name>: <number>" (the curriculum's own phrasing; for a
+               computed quantity the number after the clause's last "=", as in "full
+               rectangle: 5 x 3 = 15") with another number than the gold's;
     by value   else, the first intermediate whose gold value is not among the reasoning's
                numbers (a reasoning that names things differently);
     plan       every intermediate's value is there: the numbers were read right and combined
@@ -66,14 +67,25 @@ def misread_quantity(text: str, example: Example) -> tuple[str, str]:
     reasoning = (parse_response(text).reasoning or "").lower()
     items = list(example.intermediates or [])
     for item in items:
-        m = re.search(re.escape(item.name.lower()) + r"\s*:\s*(" + NUMBER.pattern + ")", reasoning)
-        if m and not is_exact(m.group(1), item.value):
+        written = _written_value(reasoning, item.name.lower())
+        if written is not None and not is_exact(written, item.value):
             return item.name, "name"
     numbers = {normalize_number(n) for n in NUMBER.findall(reasoning)}
     for item in items:
         if normalize_number(item.value) not in numbers:
             return item.name, "value"
     return "(plan)", "plan"
+
+
+def _written_value(reasoning: str, name: str) -> str | None:
+    """The number a reasoning gives for "<name>: ..." up to the clause's end: after its last "="
+    where the clause computes it ("full rectangle: 5 x 3 = 15" -> 15), else its first number."""
+    m = re.search(re.escape(name) + r"\s*:(.*?)(?:[.;](?=\s|$)|$)", reasoning)
+    if m is None:
+        return None
+    clause = m.group(1)
+    found = NUMBER.findall(clause[clause.rfind("=") + 1:] if "=" in clause else clause)
+    return found[0] if found else None
 
 
 def breakdown(records: list[dict], examples: dict[str, Example]) -> dict:

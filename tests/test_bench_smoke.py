@@ -547,16 +547,24 @@ def test_misreads(tmp_path):
              format_response(f"{names[0]}: 2. {names[1]}: 2. {names[2]}: 2. 2 + 2 + 2 = 6.", "6"),
              format_response(f"{names[0]}: 1. {names[1]}: 2. {names[2]}: 2. 1 + 2 = 3.", "3"),
              format_response(f"{names[0]}: 1. {names[1]}: 2. {names[2]}: 2. 1 + 2 + 2 = 6.", "6")]
+    # a computed quantity, written "name: 5 x 3 = 15": its value is the clause's result, so only
+    # the misread cut corner is charged
+    grid = generate("test", 3, 1, 0)[0]
+    assert grid.metadata["family"] == "grid_geometry" and grid.reasoning.startswith("full rectangle: 5 x 3 = 15. "
+                                                                                  "cut corner: 2 x 2 = 4."), grid.reasoning
+    answers = [(ex, t) for t in texts] + [(grid, format_response("full rectangle: 5 x 3 = 15. cut corner: 2 x 3 = 6. "
+                                                                 "15 - 6 = 9.", "9"))]
     report = tmp_path / "run" / "report"
     report.mkdir(parents=True)
     with open(report / "samples_B_latest.jsonl", "w") as f:
-        for text in texts:
+        for example, text in answers:
             answer = parse_response(text).answer
-            f.write(json.dumps({"pid": ex.pid, "text": text, "parseable": answer is not None,
-                                "exact": is_exact(answer, ex.answer),
-                                **completion_reasoning(text, ex.answer, ex.key_steps)}) + "\n")
+            f.write(json.dumps({"pid": example.pid, "text": text, "parseable": answer is not None,
+                                "exact": is_exact(answer, example.answer),
+                                **completion_reasoning(text, example.answer, example.key_steps)}) + "\n")
     out = cli("bench.misreads", str(tmp_path / "run"))
-    assert out.startswith("misread: 2 of 4 answers (50.0%); charged by name 1, by value 0, plan 1"), out
+    assert out.startswith("misread: 3 of 5 answers (60.0%); charged by name 2, by value 0, plan 1"), out
+    assert re.search(r"^grid_geometry\s+cut corner\s+1\s+1\s+100\.0%$", out, re.M), out
     assert re.search(r"^scene_count\s+red circles\s+1\s+4\s+25\.0%$", out, re.M), out  # 4 answers needed it
     assert re.search(r"^scene_count\s+\(plan\)\s+1\s+0\s+-$", out, re.M), out
     assert re.search(r"^1\s+4\s+2\s+50\.0%$", out, re.M), out  # stage 1: 4 answers, 2 misread
