@@ -2,12 +2,13 @@
 
     python -m bench.own_sets digits  OUT            # 1,797 scanned handwritten digits (scikit-learn), 0-9
     python -m bench.own_sets digit_sum OUT --n 1800 # two scanned digits side by side, "their sum?", 0-18
+                                                    # (--reasoning: with "left digit: 3. right digit: 7. 3 + 7 = 10.")
     python -m bench.own_sets polygons OUT --n 1200  # a filled regular polygon, "how many sides?", 3-8
     python -m data.clock --out OUT --n 1200         # clock faces, "which hour?", 1-12 (its own module)
     python -m bench.own_sets shuffled OUT --source SET   # SET with its training rows' answers permuted
 
 Each writes ``OUT/data.jsonl`` (``{"pid", "question", "answer", "image"}`` a line) and
-``OUT/images/``: no reasoning, no metadata, as a user's own set arrives; train with
+``OUT/images/``: no reasoning (but digit_sum's with ``--reasoning``), no metadata, as a user's own set arrives; train with
 ``python -m grpo.train --phase B --run.data OUT``. They are the measuring sets of the README's
 "Your own data: what to expect":
 
@@ -69,8 +70,10 @@ def digits(n: int, seed: int) -> list[tuple[dict, Image.Image]]:
              _scan_image(images[i], SIZE)) for i in order[:n]]
 
 
-def digit_sum(n: int, seed: int) -> list[tuple[dict, Image.Image]]:
-    """Two scans side by side (each half the width), the answer their sum."""
+def digit_sum(n: int, seed: int, reasoning: bool = False) -> list[tuple[dict, Image.Image]]:
+    """Two scans side by side (each half the width), the answer their sum; ``reasoning``: each row
+    also carries its worked reasoning, "left digit: 3. right digit: 7. 3 + 7 = 10." (the same
+    rows and images either way)."""
     images, target = _scans()
     rng, rows = random.Random(f"digit_sum/{seed}"), []
     for k in range(n):
@@ -79,8 +82,12 @@ def digit_sum(n: int, seed: int) -> list[tuple[dict, Image.Image]]:
         half = SIZE // 2
         canvas.paste(_scan_image(images[a], half), (0, SIZE // 4))
         canvas.paste(_scan_image(images[b], half), (half, SIZE // 4))
-        rows.append(({"pid": f"sum-{seed}-{k}", "question": "What is the sum of the two digits in the image?",
-                      "answer": str(int(target[a] + target[b]))}, canvas))
+        ta, tb = int(target[a]), int(target[b])
+        row = {"pid": f"sum-{seed}-{k}", "question": "What is the sum of the two digits in the image?",
+               "answer": str(ta + tb)}
+        if reasoning:
+            row["reasoning"] = f"left digit: {ta}. right digit: {tb}. {ta} + {tb} = {ta + tb}."
+        rows.append((row, canvas))
     return rows
 
 
@@ -125,12 +132,12 @@ def shuffled(source: Path, out: Path, seed: int) -> int:
     return len(rows)
 
 
-def write(family: str, out: Path, n: int, seed: int) -> int:
+def write(family: str, out: Path, n: int, seed: int, reasoning: bool = False) -> int:
     """Write the set; the directory must be new or empty. -> rows written."""
     if out.exists() and any(out.iterdir()):
         raise SystemExit(f"bench.own_sets: {out} is not empty; name a new directory")
     (out / "images").mkdir(parents=True, exist_ok=True)
-    rows = FAMILIES[family](n, seed)
+    rows = digit_sum(n, seed, reasoning=True) if reasoning else FAMILIES[family](n, seed)
     with open(out / "data.jsonl", "w") as f:
         for row, img in rows:
             row = dict(row, image=f"images/{row['pid']}.png")
@@ -146,7 +153,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n", type=int, default=1797, help="rows (digits: at most 1,797; default 1797)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--source", type=Path, help="shuffled: the set whose training answers to permute")
+    ap.add_argument("--reasoning", action="store_true",
+                    help="digit_sum: each row also carries its worked reasoning (the warm-up's target), the same rows")
     a = ap.parse_args(argv)
+    if a.reasoning and a.family != "digit_sum":
+        ap.error(f"--reasoning is for digit_sum (its two readings and their sum), not {a.family}")
     if a.family == "shuffled":
         if a.source is None or not (a.source / "data.jsonl").is_file():
             ap.error(f"shuffled needs --source SET, a directory with data.jsonl (got {a.source})")
@@ -157,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if a.n < 1 or (a.family == "digits" and a.n > 1797):
         ap.error(f"--n {a.n}: must be 1..{1797 if a.family == 'digits' else 'any'}")
-    n = write(a.family, a.out, a.n, a.seed)
+    n = write(a.family, a.out, a.n, a.seed, a.reasoning)
     print(f"wrote {n} {a.family} rows to {a.out}; train with: python -m grpo.train --phase B --run.data {a.out}")
     return 0
 

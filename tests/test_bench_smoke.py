@@ -571,3 +571,24 @@ def test_misreads(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "bench.misreads", str(tmp_path / "none")], cwd=ROOT,
                           capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert proc.returncode == 2 and "does not exist: run the phase to its end-of-run report" in proc.stderr
+
+
+def test_own_sets_digit_sum_reasoning(monkeypatch, tmp_path):
+    """bench.own_sets digit_sum --reasoning: the same rows and images, each with its worked
+    reasoning, whose readings add up to the gold; --reasoning on another family is one usage error.
+    (The scans are stubbed: scikit-learn is not a test dependency.)"""
+    import numpy as np
+
+    import bench.own_sets as own_sets
+
+    scans = (np.random.default_rng(0).integers(0, 17, (30, 8, 8)).astype(float), np.arange(30) % 10)
+    monkeypatch.setattr(own_sets, "_scans", lambda: scans)
+    plain, worked = own_sets.digit_sum(12, 0), own_sets.digit_sum(12, 0, reasoning=True)
+    for (a, img_a), (b, img_b) in zip(plain, worked):
+        assert "reasoning" not in a and {k: v for k, v in b.items() if k != "reasoning"} == a
+        assert img_a.tobytes() == img_b.tobytes()
+        m = re.fullmatch(r"left digit: (\d)\. right digit: (\d)\. (\d) \+ (\d) = (\d+)\.", b["reasoning"])
+        assert m and m[1] == m[3] and m[2] == m[4] and int(m[1]) + int(m[2]) == int(m[5]) == int(b["answer"])
+    proc = subprocess.run([sys.executable, "-m", "bench.own_sets", "polygons", str(tmp_path / "p"), "--reasoning"],
+                          cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert proc.returncode == 2 and "--reasoning is for digit_sum" in proc.stderr
