@@ -193,7 +193,7 @@ def _assign(cfg: TrainConfig, key: str, value) -> None:
 
 
 def _on(flag: bool) -> str:
-    return "on" if flag else "off (as set)"
+    return "on" if flag else "off"
 
 
 def _set(user_keys: set[str], phase: str, key: str) -> bool:

@@ -81,7 +81,7 @@ def test_the_warm_up_is_sized_in_passes_and_user_options_win(unseen, tmp_path):
     b = json.loads((tmp_path / "run" / "config_B.json").read_text())
     assert b["optim"]["beta"] == 0.25 and b["optim"]["lr"] == 3e-4  # what the user set wins
     assert not b["lora"]["vision"] and not b["lora"]["merger"]  # --lora.vision false wins in every phase
-    assert "LoRA in the vision tower off (as set) and merger off (as set)" in out
+    assert "LoRA in the vision tower off and merger off" in out
     # the default size: WARMUP_PASSES over the training rows, printed (not run)
     from grpo.cli import phase_configs
     from grpo.own_data import WARMUP_PASSES, _training_rows, sft_first
