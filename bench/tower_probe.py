@@ -19,9 +19,9 @@ probe is a lower bound on what the tokens carry (a deeper reader might do better
 
 ``--quantities N`` asks it of the synthetic curriculum, one quantity at a time: N training and
 N/4 test figures a stage (data/synthetic.py's splits), and for each (family, quantity) that the
-questions name (an example's ``intermediates``: "red circles", "height of bar B", "purple
-line"...) with at least --min-rows figures of each split, a probe from the figure's tokens to
-that quantity's value. A quantity the probe reads near chance is one the tower does not carry,
+questions name (an example's ``intermediates``: "red circles", "purple bar", "purple line"...)
+with at least --min-rows training figures and a quarter as many test ones, a probe from the
+figure's tokens to that quantity's value. A quantity the probe reads near chance is one the tower does not carry,
 whatever the policy on top does (issue "base reads": what to change in the base).
 """
 
