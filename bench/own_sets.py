@@ -137,7 +137,7 @@ def write(family: str, out: Path, n: int, seed: int, reasoning: bool = False) ->
     if out.exists() and any(out.iterdir()):
         raise SystemExit(f"bench.own_sets: {out} is not empty; name a new directory")
     (out / "images").mkdir(parents=True, exist_ok=True)
-    rows = digit_sum(n, seed, reasoning=True) if reasoning else FAMILIES[family](n, seed)
+    rows = FAMILIES[family](n, seed, reasoning=True) if reasoning else FAMILIES[family](n, seed)
     with open(out / "data.jsonl", "w") as f:
         for row, img in rows:
             row = dict(row, image=f"images/{row['pid']}.png")

@@ -65,20 +65,24 @@ def probe_accuracy(x_tr, y_tr, x_te, y_te, classes: int, steps: int, seed: int =
     return float((w(x_te).argmax(1) == y_te).float().mean())
 
 
+def classes(train: list[str], test: list[str]) -> tuple[torch.Tensor, torch.Tensor, int, float]:
+    """The values as class indices (train, test), the number of classes, and chance: the test
+    share of the most common training value."""
+    index = {v: i for i, v in enumerate(sorted(set(train) | set(test)))}
+    y_tr, y_te = torch.tensor([index[v] for v in train]), torch.tensor([index[v] for v in test])
+    majority = int(torch.bincount(y_tr, minlength=len(index)).argmax())
+    return y_tr, y_te, len(index), float((y_te == majority).float().mean())
+
+
 def probe_set(bundle, directory: Path, steps: int) -> dict[str, float]:
     rows, _ = load_source(str(directory))  # (examples, skipped reasons)
     train, test = split_test(rows)
-    labels = sorted({ex.answer for ex in rows})
-    index = {a: i for i, a in enumerate(labels)}
+    y_tr, y_te, k, chance = classes([ex.answer for ex in train], [ex.answer for ex in test])
     x_tr, x_te = features(bundle, train), features(bundle, test)
-    y_tr = torch.tensor([index[ex.answer] for ex in train])
-    y_te = torch.tensor([index[ex.answer] for ex in test])
-    majority = int(torch.bincount(y_tr, minlength=len(labels)).argmax())
     shuffled = x_tr[torch.randperm(len(train), generator=torch.Generator().manual_seed(1))]
-    return {"train": len(train), "test": len(test), "classes": len(labels),
-            "chance": float((y_te == majority).float().mean()),
-            "probe": probe_accuracy(x_tr, y_tr, x_te, y_te, len(labels), steps),
-            "probe_shuffled": probe_accuracy(shuffled, y_tr, x_te, y_te, len(labels), steps)}
+    return {"train": len(train), "test": len(test), "classes": k, "chance": chance,
+            "probe": probe_accuracy(x_tr, y_tr, x_te, y_te, k, steps),
+            "probe_shuffled": probe_accuracy(shuffled, y_tr, x_te, y_te, k, steps)}
 
 
 def quantity_rows(examples) -> dict[tuple[str, str], list[tuple[int, str]]]:
@@ -104,15 +108,11 @@ def probe_quantities(bundle, n: int, steps: int, min_rows: int, seed: int = 0) -
             tr, te = q_tr[key], q_te.get(key, [])
             if len(tr) < min_rows or len(te) < max(1, min_rows // 4):
                 continue
-            labels = sorted({v for _, v in tr + te})
-            index = {v: j for j, v in enumerate(labels)}
-            y_tr = torch.tensor([index[v] for _, v in tr])
-            y_te = torch.tensor([index[v] for _, v in te])
-            majority = int(torch.bincount(y_tr, minlength=len(labels)).argmax())
+            y_tr, y_te, k, chance = classes([v for _, v in tr], [v for _, v in te])
             rows.append({"stage": stage, "family": key[0], "quantity": key[1], "train": len(tr), "test": len(te),
-                         "classes": len(labels), "chance": float((y_te == majority).float().mean()),
-                         "probe": probe_accuracy(x_tr[[i for i, _ in tr]], y_tr, x_te[[i for i, _ in te]], y_te,
-                                                 len(labels), steps)})
+                         "classes": k, "chance": chance,
+                         "probe": probe_accuracy(x_tr[[i for i, _ in tr]], y_tr, x_te[[i for i, _ in te]], y_te, k,
+                                                 steps)})
     return rows
 
 

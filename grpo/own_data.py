@@ -94,24 +94,36 @@ def sft_first(plan: list[str], configs: dict[str, TrainConfig], user_keys: set[s
               choice: str = "auto", root: Path | None = None) -> list[str]:
     """The plan for own data: ``plan`` as is, or the warm-up and then B (and C) from it (``configs``
     changed in place: the warm-up's steps and vision adapters, B's start, KL weight and lr).
-    Prints the one line. A phase after a warm-up this chose before (``root``) keeps what it
-    chose: a resumed B its KL weight and lr, B and C the warm-up's vision adapters."""
+    Prints the one line. With a warm-up in the run directory (``root``) what was chosen before
+    is kept: a resumed B its KL weight and lr, the warm-up, B and C the warm-up's vision adapters."""
     if choice not in ("auto", "always", "never"):
         raise ConfigError(f"--sft-first {choice!r}: use auto, always or never")
-    first = configs[plan[0]]
-    if first.run.data == "synthetic":
+    if configs[plan[0]].run.data == "synthetic":
         return plan
+    plan, line = _choose(plan, configs, user_keys, device, choice)
     if root is not None:
         _keep_saved_choices(plan, configs, root, user_keys)
+    if line:  # said once the saved choices are in: a warm-up begun before keeps its adapters
+        warm = configs["warmup"]
+        print(f"{line}; LoRA in the vision tower {_on(warm.lora.vision)} and merger {_on(warm.lora.merger)}; "
+              "--sft-first never runs RL alone", flush=True)
+    return plan
+
+
+def _choose(plan: list[str], configs: dict[str, TrainConfig], user_keys: set[str], device: str,
+            choice: str) -> tuple[list[str], str | None]:
+    """``sft_first``'s decision for own data from the command alone (nothing saved read yet):
+    (the plan, the start of the line that says why it warms up first, or None)."""
+    first = configs[plan[0]]
     check_answers_vary(first)
     if plan[:2] != ["A", "B"] or choice == "never":
-        return plan
+        return plan, None
     found = probe(first, device) if choice == "auto" else None
     if found is not None and found.share >= SIGNAL_SHARE:
         print(f"own data: the base answered {found.with_correct} of {found.groups} probe prompts correctly at "
               f"least once in G={first.sampling.G} samples ({found.share:.0%} >= {SIGNAL_SHARE:.0%}): RL has signal, "
               f"running {' -> '.join(plan)} (--sft-first always warms up on the labels first)")
-        return plan
+        return plan, None
     warm, b = configs["warmup"], configs["B"]
     fall_back_to_all({"warmup": warm})  # no MathVista metadata: the warm-up too reads every row
     rows = found.rows if found is not None else _training_rows(warm)
@@ -134,17 +146,14 @@ def sft_first(plan: list[str], configs: dict[str, TrainConfig], user_keys: set[s
         for key, value in PLAN_VISION.items():
             if not _set(user_keys, phase, key):
                 _assign(configs[phase], key, value)
-        if root is not None and (root / "warmup").is_dir():  # a warm-up begun before keeps its adapters
-            _keep(configs[phase], phase, root / "config_warmup.json", PLAN_VISION, user_keys)
     why = (f"the base answered {found.with_correct} of {found.groups} probe prompts correctly at least once in "
            f"G={first.sampling.G} samples ({found.share:.0%} < {SIGNAL_SHARE:.0%}): RL alone would get almost no signal"
            if found is not None else "--sft-first always")
-    print(f"own data: {why}; so the warm-up first (SFT on the labels: {warm.phase.steps} steps x "
-          f"{warm.phase.prompts_per_step} = {warm.phase.steps * warm.phase.prompts_per_step / max(1, rows):.1f} passes "
-          f"over {rows} rows), then phase B from it with a KL to it (beta {b.optim.beta:g}), lr {b.optim.lr:g}"
-          f"{', guided groups' if b.sampling.guided else ''}; LoRA in the vision tower {_on(warm.lora.vision)} and "
-          f"merger {_on(warm.lora.merger)}; --sft-first never runs RL alone", flush=True)
-    return ["warmup"] + after
+    line = (f"own data: {why}; so the warm-up first (SFT on the labels: {warm.phase.steps} steps x "
+            f"{warm.phase.prompts_per_step} = {warm.phase.steps * warm.phase.prompts_per_step / max(1, rows):.1f} "
+            f"passes over {rows} rows), then phase B from it with a KL to it (beta {b.optim.beta:g}), lr "
+            f"{b.optim.lr:g}{', guided groups' if b.sampling.guided else ''}")
+    return ["warmup"] + after, line
 
 
 def check_answers_vary(cfg: TrainConfig) -> None:
@@ -164,15 +173,16 @@ def check_answers_vary(cfg: TrainConfig) -> None:
 
 
 def _keep_saved_choices(plan: list[str], configs: dict[str, TrainConfig], root: Path, user_keys: set[str]) -> None:
-    """The phases after a warm-up in ``root`` go on with what the plan chose for them, each
-    unless the command sets it: a resumed phase B its ``AFTER_WARMUP`` (KL weight, lr), and B or
-    C the warm-up's vision adapters (``PLAN_VISION``: dropping trained adapters is refused)."""
+    """With a warm-up in ``root``, the plan's phases go on with what was chosen for them before,
+    each unless the command sets it: a resumed phase B its ``AFTER_WARMUP`` (KL weight, lr), and
+    the warm-up itself, B and C the warm-up's vision adapters (``PLAN_VISION``: a warm-up begun
+    before keeps its own, and dropping trained adapters is refused)."""
     if not (root / "warmup").is_dir():
         return
     if plan == ["B"]:
         _keep(configs["B"], "B", root / "config_B.json", AFTER_WARMUP, user_keys)
     for phase in plan:
-        if phase in ("B", "C"):
+        if phase in ("warmup", "B", "C"):
             _keep(configs[phase], phase, root / "config_warmup.json", PLAN_VISION, user_keys)
 
 
