@@ -126,7 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="tiny", help="the base whose tower is probed (default: the shipped tiny)")
     ap.add_argument("--steps", type=int, default=300, help="full-batch probe training steps (default 300)")
     a = ap.parse_args(argv)
-    if not a.sets and a.quantities <= 0:
+    if a.quantities < 0 or a.min_rows < 1:
+        ap.error(f"--quantities {a.quantities} / --min-rows {a.min_rows}: N must be >= 0 (0 = off), --min-rows >= 1")
+    if not a.sets and a.quantities == 0:
         ap.error("name at least one own-data directory, or --quantities N (N > 0)")
     torch.set_num_threads(1)
     bundle = load_bundle(a.model, dtype=torch.float32, device="cpu")

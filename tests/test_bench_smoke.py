@@ -529,6 +529,9 @@ def test_tower_probe_quantities():
     proc = subprocess.run([sys.executable, "-m", "bench.tower_probe"], cwd=ROOT, capture_output=True, text=True,
                           env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert proc.returncode == 2 and "name at least one own-data directory, or --quantities N" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "bench.tower_probe", "--quantities", "-3"], cwd=ROOT, capture_output=True,
+                          text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert proc.returncode == 2 and "--quantities -3 / --min-rows 40: N must be >= 0" in proc.stderr
 
 
 def test_misreads(tmp_path):
