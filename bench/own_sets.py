@@ -2,7 +2,8 @@
 
     python -m bench.own_sets digits  OUT            # 1,797 scanned handwritten digits (scikit-learn), 0-9
     python -m bench.own_sets digit_sum OUT --n 1800 # two scanned digits side by side, "their sum?", 0-18
-                                                    # (--reasoning: with "left digit: 3. right digit: 7. 3 + 7 = 10.")
+                                                    # (--reasoning: with "left digit: 3. right digit: 7. 3 + 7 = 10."
+                                                    #  and those three steps as key_steps)
     python -m bench.own_sets polygons OUT --n 1200  # a filled regular polygon, "how many sides?", 3-8
     python -m data.clock --out OUT --n 1200         # clock faces, "which hour?", 1-12 (its own module)
     python -m bench.own_sets shuffled OUT --source SET   # SET with its training rows' answers permuted
@@ -72,8 +73,9 @@ def digits(n: int, seed: int) -> list[tuple[dict, Image.Image]]:
 
 def digit_sum(n: int, seed: int, reasoning: bool = False) -> list[tuple[dict, Image.Image]]:
     """Two scans side by side (each half the width), the answer their sum; ``reasoning``: each row
-    also carries its worked reasoning, "left digit: 3. right digit: 7. 3 + 7 = 10." (the same
-    rows and images either way)."""
+    also carries its worked reasoning, "left digit: 3. right digit: 7. 3 + 7 = 10.", and that
+    reasoning's three steps as ``key_steps`` (what R1-VL's step reward, ``step_rar``, credits: each
+    reading and the sum); the same rows and images either way."""
     images, target = _scans()
     rng, rows = random.Random(f"digit_sum/{seed}"), []
     for k in range(n):
@@ -86,7 +88,9 @@ def digit_sum(n: int, seed: int, reasoning: bool = False) -> list[tuple[dict, Im
         row = {"pid": f"sum-{seed}-{k}", "question": "What is the sum of the two digits in the image?",
                "answer": str(ta + tb)}
         if reasoning:
-            row["reasoning"] = f"left digit: {ta}. right digit: {tb}. {ta} + {tb} = {ta + tb}."
+            steps = [f"left digit: {ta}", f"right digit: {tb}", f"{ta} + {tb} = {ta + tb}"]
+            row["reasoning"] = ". ".join(steps) + "."
+            row["key_steps"] = [[step] for step in steps]
         rows.append((row, canvas))
     return rows
 

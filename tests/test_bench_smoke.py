@@ -578,20 +578,30 @@ def test_misreads(tmp_path):
 
 def test_own_sets_digit_sum_reasoning(monkeypatch, tmp_path):
     """bench.own_sets digit_sum --reasoning: the same rows and images, each with its worked
-    reasoning, whose readings add up to the gold; --reasoning on another family is one usage error.
+    reasoning, whose readings add up to the gold, and its three steps as key_steps that the step
+    reward finds in it; --reasoning on another family is one usage error.
     (The scans are stubbed: scikit-learn is not a test dependency.)"""
     import numpy as np
 
     import bench.own_sets as own_sets
+    from data.contract import parse_response
+    from data.jsonl import load_jsonl
+    from grpo.rewards.steps import step_rar
 
     scans = (np.random.default_rng(0).integers(0, 17, (30, 8, 8)).astype(float), np.arange(30) % 10)
     monkeypatch.setattr(own_sets, "_scans", lambda: scans)
     plain, worked = own_sets.digit_sum(12, 0), own_sets.digit_sum(12, 0, reasoning=True)
     for (a, img_a), (b, img_b) in zip(plain, worked):
-        assert "reasoning" not in a and {k: v for k, v in b.items() if k != "reasoning"} == a
+        assert "reasoning" not in a and {k: v for k, v in b.items() if k not in ("reasoning", "key_steps")} == a
         assert img_a.tobytes() == img_b.tobytes()
         m = re.fullmatch(r"left digit: (\d)\. right digit: (\d)\. (\d) \+ (\d) = (\d+)\.", b["reasoning"])
         assert m and m[1] == m[3] and m[2] == m[4] and int(m[1]) + int(m[2]) == int(m[5]) == int(b["answer"])
+        assert b["key_steps"] == [[f"left digit: {m[1]}"], [f"right digit: {m[2]}"], [f"{m[1]} + {m[2]} = {m[5]}"]]
+        text = f"<REASONING>{b['reasoning']}</REASONING><SOLUTION>{b['answer']}</SOLUTION>"
+        assert step_rar(text, parse_response(text), b["key_steps"], b["answer"]) == pytest.approx(1.1)
+    own_sets.write("digit_sum", tmp_path / "w", 12, 0, reasoning=True)  # the loader carries them to the reward
+    loaded = load_jsonl(tmp_path / "w")
+    assert [ex.key_steps for ex in loaded] == [row["key_steps"] for row, _ in worked]
     proc = subprocess.run([sys.executable, "-m", "bench.own_sets", "polygons", str(tmp_path / "p"), "--reasoning"],
                           cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert proc.returncode == 2 and "--reasoning is for digit_sum" in proc.stderr
