@@ -30,7 +30,10 @@ module then computes base(x) + the frozen copy's delta, by the same arithmetic a
 Decoding (`frozen_adapter_casts`): a rollout calls every adapter once per generated token with
 weights that do not change until it ends, so inside that context A and B are cast (and
 transposed) once per module, not per call -- at the 7B's widths in bf16, 14 of a decoder layer's
-85 operators per token. The alpha / r scaling is skipped when it is 1.0 (alpha = r, both
+85 operators per token. An NF4 base whose bitsandbytes matmul dequantises the whole weight and
+then multiplies (the CPU's) is dequantised once per rollout too, the same bits
+(`lora.quant.dequantised_forward`); the price is every such projection in the compute dtype
+while the rollout decodes. The alpha / r scaling is skipped when it is 1.0 (alpha = r, both
 presets): multiplying by 1.0 changes no bit, forward or backward.
 """
 from __future__ import annotations
@@ -43,18 +46,21 @@ import torch
 import torch.nn as nn
 
 _FROZEN_CASTS: dict | None = None  # inside frozen_adapter_casts: (id(module), dtype) -> (A^T, B^T), (ids, dtype) -> stacked A^T
+_DEQUANTISED: dict | None = None  # inside frozen_adapter_casts: (id(NF4 base layer), dtype) -> its dequantised weight
 
 
 @contextmanager
 def frozen_adapter_casts():
-    """While it is open, no-grad LoRA calls reuse one cast of each module's A and B (the caller
-    promises not to change the adapters meanwhile: the sampler around one rollout)."""
-    global _FROZEN_CASTS
-    saved, _FROZEN_CASTS = _FROZEN_CASTS, {}
+    """While it is open, no-grad LoRA calls reuse one cast of each module's A and B, and an NF4
+    base one dequantisation of its weight where that is how bitsandbytes multiplies anyway
+    (lora.quant.dequantised_forward: the same bits). The caller promises not to change the
+    adapters or the base meanwhile: the sampler around one rollout."""
+    global _FROZEN_CASTS, _DEQUANTISED
+    saved, _FROZEN_CASTS, saved_dq, _DEQUANTISED = _FROZEN_CASTS, {}, _DEQUANTISED, {}
     try:
         yield
     finally:
-        _FROZEN_CASTS = saved
+        _FROZEN_CASTS, _DEQUANTISED = saved, saved_dq
 
 
 def is_linear4bit(module: nn.Module) -> bool:
@@ -118,9 +124,19 @@ class LoRALinear(nn.Module):
             return self.base_layer.compute_dtype or x.dtype
         return self.base_layer.weight.dtype
 
+    def base(self, x: torch.Tensor) -> torch.Tensor:
+        """base_layer(x); inside frozen_adapter_casts an NF4 base dequantises its weight once, not per call."""
+        if _DEQUANTISED is not None and is_linear4bit(self.base_layer):
+            from lora.quant import dequantised_forward  # lora.quant imports this module
+
+            y = dequantised_forward(self.base_layer, x, _DEQUANTISED)
+            if y is not None:
+                return y
+        return self.base_layer(x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in] -> y: [..., out]
-        y = self.base_layer(x)
+        y = self.base(x)
         if self.disabled:
             if self.ref_A is None:
                 return y  # reference model = the base: LoRA off costs nothing extra
@@ -175,7 +191,7 @@ def fused_forward(modules: list[nn.Module], x: torch.Tensor) -> list[torch.Tenso
     modules' A's are stacked into one matmul (``_add_adapters``): q/k/v's three, gate/up's two."""
     if not all(isinstance(m, LoRALinear) and m.decodes_fused(x) for m in modules):
         return [m(x) for m in modules]
-    ys = [m.base_layer(x) for m in modules]
+    ys = [m.base(x) for m in modules]
     _add_adapters(modules, x, ys)
     return ys
 

@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.nn as nn
 from test_lora import image_batch, lm_loss, logits, randomize_lora_B, text_batch, tiny_model
+from test_sampler import prompts, sharp  # noqa: F401 (fixtures)
 
 from lora import (
     LoRALinear,
@@ -27,6 +28,7 @@ from lora import (
     dequantize_weight,
     disable_adapters,
     enable_gradient_checkpointing,
+    frozen_adapter_casts,
     inject_lora,
     is_linear4bit,
     lora_modules,
@@ -216,6 +218,93 @@ def test_one_code_path_on_every_cpu_eval_pass_leaves_training_gradients_unchange
     for a, b in zip(before, grads()):
         assert torch.equal(a, b)
 
+
+
+# ---------------------------------------------------------------- one dequantisation per rollout
+@pytest.mark.parametrize("compute_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("double_quant", [True, False])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("rows", [(1, 128), (8, 128), (2, 5, 128)])
+def test_dequantised_forward_is_the_layers_forward_bit_for_bit(compute_dtype, double_quant, bias, rows):
+    """What the decode loop runs instead of Linear4bit's forward (no grad): the same bits, for
+    each way the layer can hold its weight and each batch shape; the weight is dequantised once
+    and kept (a second call finds it in the cache)."""
+    from lora.quant import dequantised_forward, gemm_4bit_dequantises_whole
+
+    g = torch.Generator().manual_seed(3)
+    lin = linear_with(torch.randn(96, 128, generator=g) * 0.05, torch.randn(96, generator=g) if bias else None)
+    layer = quantize_linear_4bit(lin, compute_dtype=compute_dtype, double_quant=double_quant)
+    assert gemm_4bit_dequantises_whole(torch.device("cpu"))  # this bitsandbytes' CPU path: the premise
+    cache = {}
+    with torch.no_grad():
+        for _call in (0, 1):
+            x = torch.randn(*rows, generator=g)
+            want, got = layer(x), dequantised_forward(layer, x, cache)
+            assert got is not None and got.dtype == want.dtype == x.dtype
+            assert torch.equal(got, want)
+            assert len(cache) == 1  # dequantised on the first call, reused on the second
+    weight = next(iter(cache.values()))
+    assert weight.dtype == compute_dtype and weight.shape == (96, 128)
+
+
+def test_dequantised_forward_declines_where_bitsandbytes_computes_otherwise(monkeypatch):
+    """None (the caller then runs the layer itself) with grad on, for the repacked CPU layout,
+    and where the device has a gemm kernel of its own; inside frozen_adapter_casts a LoRALinear
+    over such a layer still gives the layer's output."""
+    import lora.quant as quant
+
+    g = torch.Generator().manual_seed(4)
+    layer = quantize_linear_4bit(linear_with(torch.randn(32, 64, generator=g)), compute_dtype=torch.float32)
+    x = torch.randn(3, 64, generator=g)
+    assert quant.dequantised_forward(layer, x, {}) is None  # grad enabled
+    with torch.no_grad():
+        layer.support_avx512bf16_for_cpu = True  # would repack at an eval-mode call on such a CPU
+        assert quant.dequantised_forward(layer, x, {}) is not None  # training mode: bitsandbytes does not repack
+        assert quant.dequantised_forward(layer.eval(), x, {}) is None
+        layer.support_avx512bf16_for_cpu = False
+        monkeypatch.setitem(quant._GEMM_IS_DEFAULT, "cpu", False)  # a device kernel of its own
+        assert quant.dequantised_forward(layer, x, {}) is None
+        wrapped = LoRALinear(layer, r=4, alpha=4)
+        with frozen_adapter_casts():
+            assert torch.equal(wrapped(x), layer(x))  # B = 0: the base alone
+
+
+def test_the_sampler_dequantises_each_nf4_projection_once_and_samples_the_same_bits(sharp, prompts, monkeypatch):  # noqa: F811
+    """The sampler's tiny model in NF4 with LoRA: a rollout's tokens and log-probs are the same
+    bits with the reuse as without it (every call through Linear4bit's own forward), and the
+    reuse runs: one dequantised weight per projection, each called once per decode step."""
+    import copy
+
+    import lora.quant as quant
+    from grpo.model.load import ModelBundle
+    from grpo.rollout.sampler import sample
+
+    model = copy.deepcopy(sharp.model)
+    quantize_model_4bit(model, compute_dtype=torch.float32, verbose=False)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        inject_lora(model, verbose=False)
+        randomize_lora_B(model)
+    bundle = ModelBundle(model=model, tokenizer=sharp.tokenizer, image_processor=sharp.image_processor, source="nf4")
+    projections = sum(is_linear4bit(m) for m in model.modules())
+    calls, sizes = [], []
+    real = quant.dequantised_forward
+
+    def counting(layer, x, cache):
+        out = real(layer, x, cache)
+        calls.append(out is not None)
+        sizes.append(len(cache))
+        return out
+
+    monkeypatch.setattr(quant, "dequantised_forward", counting)
+    steps = 6
+    reused = sample(bundle, prompts, G=3, max_new_tokens=steps, temperature=1.0, seed=0, compact=False)
+    assert projections and all(calls) and max(sizes) == projections
+    assert len(calls) == (steps - 1) * projections  # the first token comes from the prefill
+    monkeypatch.setattr(quant, "dequantised_forward", lambda layer, x, cache: None)
+    plain = sample(bundle, prompts, G=3, max_new_tokens=steps, temperature=1.0, seed=0, compact=False)
+    assert torch.equal(reused.completion_ids, plain.completion_ids)
+    assert torch.equal(reused.logprobs, plain.logprobs) and torch.equal(reused.filtered_logprobs, plain.filtered_logprobs)
 
 # ---------------------------------------------------------------- bad input
 def test_quantize_bad_input():

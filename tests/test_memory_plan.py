@@ -413,3 +413,36 @@ def test_the_reference_adapter_of_a_warm_up_is_counted_resident(tiny):
     copies = sum(t.numel() * t.element_size() for m in lora_modules(model).values() for t in (m.ref_A, m.ref_B))
     after = plan_step(shapes_of_model(model, cfg), cfg, device="cpu")
     assert copies > 0 and planned_phases(after)["resident"] - planned_phases(before)["resident"] == copies
+
+
+def test_the_plain_decode_on_a_cpu_counts_the_projections_it_keeps_dequantised(tiny, monkeypatch):
+    """The plain rollout on a CPU keeps every NF4 projection dequantised while it decodes
+    (lora.quant.dequantised_forward): the plan's part is the bytes that cache holds; the merged
+    rollout and CUDA (bitsandbytes' own kernel there) add nothing."""
+    import lora.quant as quant
+    from grpo.model.prompts import encode_prompts
+    from grpo.rollout.sampler import sample
+
+    cfg, bundle = tiny
+    kept = {}
+    real = quant.dequantised_forward
+
+    def recording(layer, x, cache):
+        out = real(layer, x, cache)
+        kept.update(cache)
+        return out
+
+    monkeypatch.setattr(quant, "dequantised_forward", recording)
+    sample(bundle, encode_prompts(bundle, generate("train", 1, 1)), G=2, max_new_tokens=3, seed=0)
+    held = sum(w.numel() * w.element_size() for w in kept.values())
+    plain = copy.deepcopy(cfg)
+    plain.sampling.rollout = "plain"
+
+    def part(c, device):
+        parts = plan_step(shapes_of_model(bundle.model, c), c, device=device).parts
+        return sum(p.bytes for p in parts if p.name.startswith("decode: every NF4 projection"))
+
+    assert held > 0 and part(plain, "cpu") == held
+    merged = copy.deepcopy(plain)
+    merged.sampling.rollout = "merged"
+    assert part(merged, "cpu") == 0 and part(plain, "cuda") == 0

@@ -443,9 +443,10 @@ def _add_resident(plan: Plan, sh: Shapes, cfg: TrainConfig) -> None:
                  "the adapted projections in the compute dtype")
 
 
-def _add_sampling(plan: Plan, sh: Shapes, cfg: TrainConfig, P: int, dequant: int) -> None:
+def _add_sampling(plan: Plan, sh: Shapes, cfg: TrainConfig, P: int, dequant: int, dequant_all: int) -> None:
     """Sampling: the KV cache of N rows at full length, built from the B-prompt prefill (of
-    P tokens each), the decode's transients and one dequantised NF4 weight."""
+    P tokens each), the decode's transients and one dequantised NF4 weight, or all of them
+    (``dequant_all``: where the plain decode keeps them for the rollout)."""
     s, b, B = cfg.sampling, sh.compute_bytes, cfg.phase.prompts_per_step
     N, S = B * s.G, P + s.max_new_tokens  # rows, the sampler's sequence
     kv_per_token = 2 * sh.layers * sh.kv_dim * b  # K and V of every layer
@@ -459,6 +460,9 @@ def _add_sampling(plan: Plan, sh: Shapes, cfg: TrainConfig, P: int, dequant: int
     plan.add("prefill: one layer's activations (B prompts)", "sampling", B * P * layer_transient_no_grad_per_token(sh))
     plan.add("decode logits transients", "sampling", N * decode_bytes_per_row(sh))
     plan.add("dequantised NF4 weight (one projection)", "sampling", dequant)
+    if dequant_all:
+        plan.add("decode: every NF4 projection dequantised once per rollout", "sampling", dequant_all,
+                 "kept while it decodes (lora.quant.dequantised_forward)")
 
 
 def _add_vision(plan: Plan, sh: Shapes, cfg: TrainConfig, images: int, m: int) -> None:
@@ -498,10 +502,13 @@ def plan_step(sh: Shapes, cfg: TrainConfig, *, device: str = "cuda", micro_batch
 
     _add_resident(plan, sh, cfg)
     # bitsandbytes multiplies a batch of rows by an NF4 weight by dequantising it whole first
-    # (on CUDA inside its gemm op; a CPU forward runs a fused kernel, its backward dequantises too)
+    # (on CUDA inside its gemm op). On a CPU its no-grad forward does the same, and the plain
+    # decode keeps every projection dequantised for the rollout (lora.quant.dequantised_forward);
+    # the merged rollout decodes from its own copy, counted as resident.
     dequant_bwd = sh.largest_projection * b if sh.quantized_bytes else 0
     dequant = dequant_bwd if device == "cuda" else 0
-    _add_sampling(plan, sh, cfg, P, dequant)
+    keeps_all = device != "cuda" and sh.quantized_bytes and cfg.sampling.rollout == "plain"
+    _add_sampling(plan, sh, cfg, P, dequant, sh.merged_params * b if keeps_all else 0)
 
     # ---- training passes over one micro-batch of m rows (m / G prompts)
     chunk = min(m, max(1, o.logits_chunk_tokens // T)) * T  # completion tokens per LM-head chunk
