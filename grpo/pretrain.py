@@ -236,8 +236,9 @@ def model_card(p: dict, digests: dict[str, str]) -> str:
     return f"""# tiny Qwen2.5-VL, pretrained for vlgrpo's embedded default
 
 The real `Qwen2_5_VLForConditionalGeneration` class at toy size (text: 4 layers, d = 128;
-vision: 2 blocks, d = 64; 112 px images -> 16 visual tokens; a 1024-token byte-level BPE
-trained on the synthetic curriculum's text), trained from random weights on this project's
+vision: 2 blocks, d = 64; 112 px images -> 16 visual tokens; a byte-level BPE trained on the
+synthetic curriculum's text, asked for 1,024 tokens, as many as its corpus supports: config.json's
+vocab_size), trained from random weights on this project's
 synthetic visual-numeric curriculum. It reads simple figures (scenes, tables, charts,
 grids) and answers in the `<REASONING>...</REASONING><SOLUTION>n</SOLUTION>` contract only
 part of the time, on purpose: GRPO's phase A has format to fix.

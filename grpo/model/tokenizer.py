@@ -18,8 +18,9 @@ it trains its own, the same *kind* of tokenizer as Qwen2's:
   non-special* tokens: one id each (the policy emits a tag in one step, and the rewards'
   regexes see it whole), and they survive ``decode(skip_special_tokens=True)``.
 
-Simplified relative to Qwen: no tool-call / FIM added tokens, and a vocabulary of about
-a thousand tokens instead of 151k (the LM head is then a rounding error in the cost).
+Simplified relative to Qwen: no tool-call / FIM added tokens, and a vocabulary of at most
+1,024 tokens instead of 151k (556 for the shipped model: the merges its small corpus supports;
+the LM head is then a rounding error in the cost).
 """
 
 from __future__ import annotations
