@@ -16,9 +16,10 @@ step whatever its gradient's size, and on own data what SFT taught lives only in
 so without the anchor the adapter's walk erases it within tens of steps (bench/EXPERIMENTS.md
 sections 11-12). The warm-up, and every phase after it, trains LoRA in the vision tower and
 its merger too (``PLAN_VISION``): a kind of figure the base never saw is read better with them
-(section 13). Options the user set win: an explicit ``--optim.beta``, ``--B.optim.beta``,
-``--optim.lr``, ``--B.optim.lr``, ``--lora.vision``, ``--lora.merger`` or
-``--warmup.phase.steps`` is kept, and ``--sft-first``
+(section 13); on the shipped tiny base also on lm_head (``HEAD``), whose rows for tokens its
+pretraining never wrote cannot be told apart otherwise (section 16). Options the user set win: an
+explicit ``--optim.beta``, ``--B.optim.beta``, ``--optim.lr``, ``--B.optim.lr``, ``--lora.vision``,
+``--lora.merger``, ``--lora.targets`` or ``--warmup.phase.steps`` is kept, and ``--sft-first``
 (auto | always | never) overrides the probe. A warm-up sized in passes is capped at
 ``MAX_WARMUP_STEPS`` (one line says so); training rows that all share one gold answer are
 refused in one line, whatever ``--sft-first`` says.
@@ -45,7 +46,13 @@ AFTER_WARMUP = {"optim.beta": WARMUP_BETA, "optim.lr": WARMUP_RL_LR}
 # LoRA in the vision tower's blocks and in the merger, in the warm-up and in every phase after it
 # (which carry its adapters): a new kind of figure is read better with them (section 13)
 PLAN_VISION = {"lora.vision": True, "lora.merger": True}
-CHOICES = {**AFTER_WARMUP, **PLAN_VISION}  # every setting the plan chooses, with its type
+# LoRA on the output head too, where the base is the shipped tiny one: its pretraining curriculum writes 88 of its 556
+# tokens, and the output rows of the other 468 stayed nearly parallel (cosine > .9), so no adapter below the head can
+# make one of them likely. A warm-up target with such a token ('t' of "the answer is") is then learned greedily at
+# p ~ .03, and sampled at temperature 1 it is one of ~460 near-equal tokens: RL trains on that noise (section 16). A
+# base pretrained on text writes its whole vocabulary and gets no head adapter.
+HEAD = "lm_head"
+CHOICES = {**AFTER_WARMUP, **PLAN_VISION, "lora.targets": ()}  # every setting the plan chooses, with its type
 WARMUP_PASSES = 17  # the warm-up's size in passes over the training rows (section 12: digits' test EM .44 at 5.6,
 # .64 at 10, .78 at 17, .84 at 25 passes; 17 keeps a 2,000-row run within 10 minutes on one core)
 PROBE_PROMPTS = 16
@@ -105,8 +112,8 @@ def sft_first(plan: list[str], configs: dict[str, TrainConfig], user_keys: set[s
         _keep_saved_choices(plan, configs, root, user_keys)
     if line:  # said once the saved choices are in: a warm-up begun before keeps its adapters
         warm = configs["warmup"]
-        print(f"{line}; LoRA in the vision tower {_on(warm.lora.vision)} and merger {_on(warm.lora.merger)}; "
-              "--sft-first never runs RL alone", flush=True)
+        print(f"{line}; LoRA in the vision tower {_on(warm.lora.vision)}, merger {_on(warm.lora.merger)} and "
+              f"lm_head {_on(HEAD in warm.lora.targets)}; --sft-first never runs RL alone", flush=True)
     return plan
 
 
@@ -143,9 +150,12 @@ def _choose(plan: list[str], configs: dict[str, TrainConfig], user_keys: set[str
             _assign(b, key, value)
     after = [p for p in plan if p != "A"]
     for phase in ["warmup"] + after:
+        cfg = configs[phase]
         for key, value in PLAN_VISION.items():
             if not _set(user_keys, phase, key):
-                _assign(configs[phase], key, value)
+                _assign(cfg, key, value)
+        if cfg.model.name == "tiny" and HEAD not in cfg.lora.targets and not _set(user_keys, phase, "lora.targets"):
+            _assign(cfg, "lora.targets", (*cfg.lora.targets, HEAD))
     why = (f"the base answered {found.with_correct} of {found.groups} probe prompts correctly at least once in "
            f"G={first.sampling.G} samples ({found.share:.0%} < {SIGNAL_SHARE:.0%}): RL alone would get almost no signal"
            if found is not None else "--sft-first always")
@@ -175,15 +185,16 @@ def check_answers_vary(cfg: TrainConfig) -> None:
 def _keep_saved_choices(plan: list[str], configs: dict[str, TrainConfig], root: Path, user_keys: set[str]) -> None:
     """With a warm-up in ``root``, the plan's phases go on with what was chosen for them before,
     each unless the command sets it: a resumed phase B its ``AFTER_WARMUP`` (KL weight, lr), and
-    the warm-up itself, B and C the warm-up's vision adapters (``PLAN_VISION``: a warm-up begun
-    before keeps its own, and dropping trained adapters is refused)."""
+    the warm-up itself, B and C the warm-up's adapters (``PLAN_VISION`` and the targets, lm_head
+    among them or not: a warm-up begun before keeps its own, and dropping trained adapters is
+    refused)."""
     if not (root / "warmup").is_dir():
         return
     if plan == ["B"]:
         _keep(configs["B"], "B", root / "config_B.json", AFTER_WARMUP, user_keys)
     for phase in plan:
         if phase in ("warmup", "B", "C"):
-            _keep(configs[phase], phase, root / "config_warmup.json", PLAN_VISION, user_keys)
+            _keep(configs[phase], phase, root / "config_warmup.json", [*PLAN_VISION, "lora.targets"], user_keys)
 
 
 def _keep(cfg: TrainConfig, phase: str, saved: Path, keys: dict, user_keys: set[str]) -> None:

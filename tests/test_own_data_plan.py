@@ -54,34 +54,38 @@ def test_no_signal_warms_up_first_then_rl_from_it_with_a_kl_to_it(unseen, tmp_pa
     b = json.loads((run / "config_B.json").read_text())
     assert b["phase"]["init"] == "warmup:latest" and b["optim"]["beta"] == 1.0
     assert b["optim"]["lr"] == 1e-4 and b["sampling"]["guided"] is False  # own_data.AFTER_WARMUP
-    assert "LoRA in the vision tower on and merger on" in line
+    assert "LoRA in the vision tower on, merger on and lm_head on" in line
     w = json.loads((run / "config_warmup.json").read_text())
     assert w["lora"]["vision"] and w["lora"]["merger"] and b["lora"]["vision"] and b["lora"]["merger"]  # PLAN_VISION
+    assert w["lora"]["targets"][-1] == b["lora"]["targets"][-1] == "lm_head"  # own_data.HEAD: the tiny base
     tensors = load_checkpoint(resolve(run, "warmup:latest")).tensors
     assert any(".visual.blocks." in k for k in tensors) and any(".visual.merger." in k for k in tensors)
+    assert any(k.startswith("lm_head.") for k in tensors)
     assert load_checkpoint(resolve(run, "B:latest")).extra["reference"].startswith("warmup/")
     # the same command again: B resumes (one more step) with the KL weight, lr and adapters it ran with
     rc, out, err = run_main(run, *FAST, "--phase", "B", "--run.data", str(unseen), "--B.phase.steps", "2")
     assert rc == 0, err
     b = json.loads((run / "config_B.json").read_text())
     assert b["optim"]["beta"] == 1.0 and b["optim"]["lr"] == 1e-4 and b["lora"]["vision"] and b["lora"]["merger"]
-    # and phase C after it carries the warm-up's vision adapters (dropping them would be refused)
+    assert "lm_head" in b["lora"]["targets"]
+    # and phase C after it carries the warm-up's adapters (dropping them would be refused)
     rc, out, err = run_main(run, *FAST, "--phase", "C", "--run.data", str(unseen))
     assert rc == 0, err
     c = json.loads((run / "config_C.json").read_text())
-    assert c["lora"]["vision"] and c["lora"]["merger"]
+    assert c["lora"]["vision"] and c["lora"]["merger"] and "lm_head" in c["lora"]["targets"]
 
 
 def test_the_warm_up_is_sized_in_passes_and_user_options_win(unseen, tmp_path):
     rc, out, err = run_main(tmp_path / "run", *FAST, "--phase", "B", "--run.data", str(unseen), "--sft-first", "always",
                             "--B.optim.beta", "0.25", "--warmup.phase.steps", "1", "--optim.lr", "3e-4",
-                            "--lora.vision", "false", "--merger", "false")
+                            "--lora.vision", "false", "--merger", "false", "--lora.targets", "q_proj,v_proj")
     assert rc == 0, err
     assert "own data: --sft-first always; so the warm-up first (SFT on the labels: 1 steps x 4" in out
     b = json.loads((tmp_path / "run" / "config_B.json").read_text())
     assert b["optim"]["beta"] == 0.25 and b["optim"]["lr"] == 3e-4  # what the user set wins
     assert not b["lora"]["vision"] and not b["lora"]["merger"]  # --lora.vision false wins in every phase
-    assert "LoRA in the vision tower off and merger off" in out
+    assert b["lora"]["targets"] == ["q_proj", "v_proj"]  # and targets the user names get no lm_head
+    assert "LoRA in the vision tower off, merger off and lm_head off" in out
     # the default size: WARMUP_PASSES over the training rows, printed (not run)
     from grpo.cli import phase_configs
     from grpo.own_data import WARMUP_PASSES, _training_rows, sft_first

@@ -29,11 +29,12 @@ def _image(seed: int, size=(112, 112)) -> Image.Image:
     return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
 
 
-def _sharp_lora(device="cpu", dtype=torch.float32, four_bit=False, lora_seed=0) -> ModelBundle:
-    """The tiny architecture at 7x the init scale (greedy tokens vary) with a non-zero LoRA."""
+def _sharp_lora(device="cpu", dtype=torch.float32, four_bit=False, lora_seed=0, head=False) -> ModelBundle:
+    """The tiny architecture at 7x the init scale (greedy tokens vary) with a non-zero LoRA
+    (``head``: on lm_head too, as the own-data plan trains the tiny base)."""
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    from lora import LoRAConfig, inject_lora, lora_parameters
+    from lora import DEFAULT_TARGETS, LoRAConfig, inject_lora, lora_parameters
 
     base = load_bundle("tiny")
     cfg = copy.deepcopy(base.model.config)
@@ -45,7 +46,8 @@ def _sharp_lora(device="cpu", dtype=torch.float32, four_bit=False, lora_seed=0) 
             from lora import quantize_model_4bit
 
             quantize_model_4bit(model, compute_dtype=dtype, device=device, verbose=False)
-        inject_lora(model, LoRAConfig(r=4), verbose=False)
+        inject_lora(model, LoRAConfig(r=4, target_modules=DEFAULT_TARGETS + (("lm_head",) if head else ())),
+                    verbose=False)
         torch.manual_seed(lora_seed)
         with torch.no_grad():
             for p in lora_parameters(model):
@@ -97,6 +99,27 @@ def test_refresh_follows_the_adapter(prompts):
     assert not torch.equal(rollout.sample(b, prompts, G=1, max_new_tokens=10, temperature=0).completion_ids, plain)
     rollout.refresh()
     assert torch.equal(rollout.sample(b, prompts, G=1, max_new_tokens=10, temperature=0).completion_ids, plain)
+
+
+def test_an_adapted_lm_head_is_merged_sampled_alike_and_refreshed(prompts):
+    """LoRA on lm_head (the own-data plan on the tiny base): the merged copy holds the head with
+    its adapter, samples the plain path's tokens for a seed, and follows the head's adapter."""
+    from lora import LoRALinear
+
+    b = _sharp_lora(four_bit=True, head=True)
+    head = b.model.lm_head
+    assert isinstance(head, LoRALinear)
+    rollout = MergedRollout(b.model)
+    fast = rollout.sample(b, prompts, G=3, max_new_tokens=10, temperature=1.0, seed=3)
+    plain = sample(b, prompts, G=3, max_new_tokens=10, temperature=1.0, seed=3, compact=False)
+    assert torch.equal(fast.completion_ids, plain.completion_ids)
+    torch.testing.assert_close(fast.logprobs, plain.logprobs, rtol=0, atol=1e-4)
+    with torch.no_grad():
+        head.lora_B.mul_(-5.0)  # the head's adapter alone changes
+    moved = sample(b, prompts, G=1, max_new_tokens=10, temperature=0).completion_ids
+    assert not torch.equal(rollout.sample(b, prompts, G=1, max_new_tokens=10, temperature=0).completion_ids, moved)
+    rollout.refresh()
+    assert torch.equal(rollout.sample(b, prompts, G=1, max_new_tokens=10, temperature=0).completion_ids, moved)
 
 
 def test_nf4_base_greedy_tokens_equal_the_plain_path(prompts):

@@ -121,6 +121,7 @@ class Shapes:
     reference_lora_params: int = 0  # a frozen copy of the warm-up's adapter: the reference (lora.inject.freeze_reference_adapter)
     vision_patch_elems: int = 0  # elements of one image patch as the tower takes it (3 x 2 x 14 x 14)
     vision_merge: int = 2  # spatial merge: merge^2 patches make one visual token
+    head_lora: bool = False  # LoRA on lm_head: its product [tokens, V] and the sum beside the head's own logits
 
     @property
     def vision_trains(self) -> bool:
@@ -182,7 +183,7 @@ def shapes_of_model(model: torch.nn.Module, cfg: TrainConfig) -> Shapes:
                   vision_intermediate=v.intermediate_size, vision_heads=v.num_heads, vision_targets=frozenset(blocks),
                   merger_lora=merger_lora > 0, vision_lora_params=vision_lora, merger_lora_params=merger_lora,
                   reference_lora_params=reference, vision_patch_elems=v.in_channels * v.temporal_patch_size * v.patch_size**2,
-                  vision_merge=v.spatial_merge_size)
+                  vision_merge=v.spatial_merge_size, head_lora="lm_head" in lora)
 
 
 def _quantizable(name: str, p: torch.Tensor) -> bool:
@@ -363,11 +364,13 @@ def logits_bytes_per_token(sh: Shapes, device: str, backward: bool) -> int:
     compute dtype, and in backward their gradient of the same size (the kernel writes it
     into a new buffer). CPU (PyTorch reference): the logits, an fp32 copy, the scaled copy
     and the log-softmax (fp32), and in backward the gathered gradient scattered to [V] and
-    the log-softmax's gradient (fp32)."""
+    the log-softmax's gradient (fp32). LoRA on lm_head: its product and the sum, while the
+    head's own logits live."""
     V, b = sh.vocab, sh.compute_bytes
+    head = 2 * b * V if sh.head_lora else 0
     if device == "cuda":
-        return (2 if backward else 1) * b * V
-    return (b + 3 * 4 + (2 * 4 if backward else 0)) * V
+        return (2 if backward else 1) * b * V + head
+    return (b + 3 * 4 + (2 * 4 if backward else 0)) * V + head
 
 
 def entropy_bonus_bytes(sh: Shapes, chunk: int, block_tokens: int = 128) -> int:
@@ -382,8 +385,9 @@ def entropy_bonus_bytes(sh: Shapes, chunk: int, block_tokens: int = 128) -> int:
 def decode_bytes_per_row(sh: Shapes) -> int:
     """The sampler's per-step logits transients per row (grpo/rollout/sampler.py
     sample_token): the LM head's output, its fp32 copy, the scaled logits, the log-softmax
-    before and after filtering, the exponential draws and their log (fp32 [V] each)."""
-    return (sh.compute_bytes + 6 * 4) * sh.vocab
+    before and after filtering, the exponential draws and their log (fp32 [V] each); with LoRA
+    on lm_head, its product and the sum too."""
+    return (sh.compute_bytes * (3 if sh.head_lora else 1) + 6 * 4) * sh.vocab
 
 
 # ----------------------------------------------------------------------------- the plan
