@@ -32,7 +32,7 @@ weights that do not change until it ends, so inside that context A and B are cas
 transposed) once per module, not per call -- at the 7B's widths in bf16, 14 of a decoder layer's
 85 operators per token. An NF4 base whose bitsandbytes matmul dequantises the whole weight and
 then multiplies (the CPU's) is dequantised once per rollout too, the same bits
-(`lora.quant.dequantised_forward`); the price is every such projection in the compute dtype
+(`lora.dequant`); the price is every such projection in the compute dtype
 while the rollout decodes. The alpha / r scaling is skipped when it is 1.0 (alpha = r, both
 presets): multiplying by 1.0 changes no bit, forward or backward.
 """
@@ -45,6 +45,8 @@ from contextlib import contextmanager
 import torch
 import torch.nn as nn
 
+import lora.dequant as dequant
+
 _FROZEN_CASTS: dict | None = None  # inside frozen_adapter_casts: (id(module), dtype) -> (A^T, B^T), (ids, dtype) -> stacked A^T
 _DEQUANTISED: dict | None = None  # inside frozen_adapter_casts: (id(NF4 base layer), dtype) -> its dequantised weight
 
@@ -53,7 +55,7 @@ _DEQUANTISED: dict | None = None  # inside frozen_adapter_casts: (id(NF4 base la
 def frozen_adapter_casts():
     """While it is open, no-grad LoRA calls reuse one cast of each module's A and B, and an NF4
     base one dequantisation of its weight where that is how bitsandbytes multiplies anyway
-    (lora.quant.dequantised_forward: the same bits). The caller promises not to change the
+    (lora.dequant: the same bits). The caller promises not to change the
     adapters or the base meanwhile: the sampler around one rollout."""
     global _FROZEN_CASTS, _DEQUANTISED
     saved, _FROZEN_CASTS, saved_dq, _DEQUANTISED = _FROZEN_CASTS, {}, _DEQUANTISED, {}
@@ -127,9 +129,7 @@ class LoRALinear(nn.Module):
     def base(self, x: torch.Tensor) -> torch.Tensor:
         """base_layer(x); inside frozen_adapter_casts an NF4 base dequantises its weight once, not per call."""
         if _DEQUANTISED is not None and is_linear4bit(self.base_layer):
-            from lora.quant import dequantised_forward  # lora.quant imports this module
-
-            y = dequantised_forward(self.base_layer, x, _DEQUANTISED)
+            y = dequant.dequantised_forward(self.base_layer, x, _DEQUANTISED)
             if y is not None:
                 return y
         return self.base_layer(x)

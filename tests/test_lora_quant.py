@@ -229,7 +229,7 @@ def test_dequantised_forward_is_the_layers_forward_bit_for_bit(compute_dtype, do
     """What the decode loop runs instead of Linear4bit's forward (no grad): the same bits, for
     each way the layer can hold its weight and each batch shape; the weight is dequantised once
     and kept (a second call finds it in the cache)."""
-    from lora.quant import dequantised_forward, gemm_4bit_dequantises_whole
+    from lora.dequant import dequantised_forward, gemm_4bit_dequantises_whole
 
     g = torch.Generator().manual_seed(3)
     lin = linear_with(torch.randn(96, 128, generator=g) * 0.05, torch.randn(96, generator=g) if bias else None)
@@ -251,19 +251,19 @@ def test_dequantised_forward_declines_where_bitsandbytes_computes_otherwise(monk
     """None (the caller then runs the layer itself) with grad on, for the repacked CPU layout,
     and where the device has a gemm kernel of its own; inside frozen_adapter_casts a LoRALinear
     over such a layer still gives the layer's output."""
-    import lora.quant as quant
+    import lora.dequant as dequant
 
     g = torch.Generator().manual_seed(4)
     layer = quantize_linear_4bit(linear_with(torch.randn(32, 64, generator=g)), compute_dtype=torch.float32)
     x = torch.randn(3, 64, generator=g)
-    assert quant.dequantised_forward(layer, x, {}) is None  # grad enabled
+    assert dequant.dequantised_forward(layer, x, {}) is None  # grad enabled
     with torch.no_grad():
         layer.support_avx512bf16_for_cpu = True  # would repack at an eval-mode call on such a CPU
-        assert quant.dequantised_forward(layer, x, {}) is not None  # training mode: bitsandbytes does not repack
-        assert quant.dequantised_forward(layer.eval(), x, {}) is None
+        assert dequant.dequantised_forward(layer, x, {}) is not None  # training mode: bitsandbytes does not repack
+        assert dequant.dequantised_forward(layer.eval(), x, {}) is None
         layer.support_avx512bf16_for_cpu = False
-        monkeypatch.setitem(quant._GEMM_IS_DEFAULT, "cpu", False)  # a device kernel of its own
-        assert quant.dequantised_forward(layer, x, {}) is None
+        monkeypatch.setitem(dequant._GEMM_IS_DEFAULT, "cpu", False)  # a device kernel of its own
+        assert dequant.dequantised_forward(layer, x, {}) is None
         wrapped = LoRALinear(layer, r=4, alpha=4)
         with frozen_adapter_casts():
             assert torch.equal(wrapped(x), layer(x))  # B = 0: the base alone
@@ -275,7 +275,7 @@ def test_the_sampler_dequantises_each_nf4_projection_once_and_samples_the_same_b
     reuse runs: one dequantised weight per projection, each called once per decode step."""
     import copy
 
-    import lora.quant as quant
+    import lora.dequant as dequant
     from grpo.model.load import ModelBundle
     from grpo.rollout.sampler import sample
 
@@ -288,7 +288,7 @@ def test_the_sampler_dequantises_each_nf4_projection_once_and_samples_the_same_b
     bundle = ModelBundle(model=model, tokenizer=sharp.tokenizer, image_processor=sharp.image_processor, source="nf4")
     projections = sum(is_linear4bit(m) for m in model.modules())
     calls, sizes = [], []
-    real = quant.dequantised_forward
+    real = dequant.dequantised_forward
 
     def counting(layer, x, cache):
         out = real(layer, x, cache)
@@ -296,12 +296,12 @@ def test_the_sampler_dequantises_each_nf4_projection_once_and_samples_the_same_b
         sizes.append(len(cache))
         return out
 
-    monkeypatch.setattr(quant, "dequantised_forward", counting)
+    monkeypatch.setattr(dequant, "dequantised_forward", counting)
     steps = 6
     reused = sample(bundle, prompts, G=3, max_new_tokens=steps, temperature=1.0, seed=0, compact=False)
     assert projections and all(calls) and max(sizes) == projections
     assert len(calls) == (steps - 1) * projections  # the first token comes from the prefill
-    monkeypatch.setattr(quant, "dequantised_forward", lambda layer, x, cache: None)
+    monkeypatch.setattr(dequant, "dequantised_forward", lambda layer, x, cache: None)
     plain = sample(bundle, prompts, G=3, max_new_tokens=steps, temperature=1.0, seed=0, compact=False)
     assert torch.equal(reused.completion_ids, plain.completion_ids)
     assert torch.equal(reused.logprobs, plain.logprobs) and torch.equal(reused.filtered_logprobs, plain.filtered_logprobs)

@@ -417,22 +417,22 @@ def test_the_reference_adapter_of_a_warm_up_is_counted_resident(tiny):
 
 def test_the_plain_decode_on_a_cpu_counts_the_projections_it_keeps_dequantised(tiny, monkeypatch):
     """The plain rollout on a CPU keeps every NF4 projection dequantised while it decodes
-    (lora.quant.dequantised_forward): the plan's part is the bytes that cache holds; the merged
+    (lora.dequant.dequantised_forward): the plan's part is the bytes that cache holds; the merged
     rollout and CUDA (bitsandbytes' own kernel there) add nothing."""
-    import lora.quant as quant
+    import lora.dequant as dequant
     from grpo.model.prompts import encode_prompts
     from grpo.rollout.sampler import sample
 
     cfg, bundle = tiny
     kept = {}
-    real = quant.dequantised_forward
+    real = dequant.dequantised_forward
 
     def recording(layer, x, cache):
         out = real(layer, x, cache)
         kept.update(cache)
         return out
 
-    monkeypatch.setattr(quant, "dequantised_forward", recording)
+    monkeypatch.setattr(dequant, "dequantised_forward", recording)
     sample(bundle, encode_prompts(bundle, generate("train", 1, 1)), G=2, max_new_tokens=3, seed=0)
     held = sum(w.numel() * w.element_size() for w in kept.values())
     plain = copy.deepcopy(cfg)

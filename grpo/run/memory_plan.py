@@ -466,7 +466,7 @@ def _add_sampling(plan: Plan, sh: Shapes, cfg: TrainConfig, P: int, dequant: int
     plan.add("dequantised NF4 weight (one projection)", "sampling", dequant)
     if dequant_all:
         plan.add("decode: every NF4 projection dequantised once per rollout", "sampling", dequant_all,
-                 "kept while it decodes (lora.quant.dequantised_forward)")
+                 "kept while it decodes (lora.dequant)")
 
 
 def _add_vision(plan: Plan, sh: Shapes, cfg: TrainConfig, images: int, m: int) -> None:
@@ -507,7 +507,7 @@ def plan_step(sh: Shapes, cfg: TrainConfig, *, device: str = "cuda", micro_batch
     _add_resident(plan, sh, cfg)
     # bitsandbytes multiplies a batch of rows by an NF4 weight by dequantising it whole first
     # (on CUDA inside its gemm op). On a CPU its no-grad forward does the same, and the plain
-    # decode keeps every projection dequantised for the rollout (lora.quant.dequantised_forward);
+    # decode keeps every projection dequantised for the rollout (lora.dequant);
     # the merged rollout decodes from its own copy, counted as resident.
     dequant_bwd = sh.largest_projection * b if sh.quantized_bytes else 0
     dequant = dequant_bwd if device == "cuda" else 0
