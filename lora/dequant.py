@@ -36,9 +36,10 @@ def dequantised_forward(layer: nn.Module, x: torch.Tensor, cache: dict) -> torch
     would take another path (then call the layer)."""
     state = getattr(layer.weight, "quant_state", None)
     dtype = layer.compute_dtype
-    if (torch.is_grad_enabled() or state is None or dtype is None or not layer.compute_type_is_set
+    # attributes read with getattr: a bitsandbytes without them declines (the layer runs as usual)
+    if (torch.is_grad_enabled() or state is None or dtype is None or not getattr(layer, "compute_type_is_set", False)
             or getattr(state, "packing_format_for_cpu", False)
-            or (x.device.type == "cpu" and layer.support_avx512bf16_for_cpu and not layer.training)
+            or (x.device.type == "cpu" and getattr(layer, "support_avx512bf16_for_cpu", True) and not layer.training)
             or len(state.shape) != 2 or (x.shape[-1] == state.shape[0] and x.shape[-1] != state.shape[1])
             or (state.nested and state.state2.blocksize != 256)
             or (layer.bias is not None and layer.bias.dtype != dtype)
