@@ -100,9 +100,9 @@ def probe(cfg: TrainConfig, device: str, prompts: int = PROBE_PROMPTS) -> Probe:
 def sft_first(plan: list[str], configs: dict[str, TrainConfig], user_keys: set[str], device: str,
               choice: str = "auto", root: Path | None = None) -> list[str]:
     """The plan for own data: ``plan`` as is, or the warm-up and then B (and C) from it (``configs``
-    changed in place: the warm-up's steps and vision adapters, B's start, KL weight and lr).
+    changed in place: the warm-up's steps and adapters, B's start, KL weight and lr).
     Prints the one line. With a warm-up in the run directory (``root``) what was chosen before
-    is kept: a resumed B its KL weight and lr, the warm-up, B and C the warm-up's vision adapters."""
+    is kept: a resumed B its KL weight and lr, the warm-up, B and C the warm-up's adapters."""
     if choice not in ("auto", "always", "never"):
         raise ConfigError(f"--sft-first {choice!r}: use auto, always or never")
     if configs[plan[0]].run.data == "synthetic":

@@ -269,24 +269,16 @@ def test_dequantised_forward_declines_where_bitsandbytes_computes_otherwise(monk
             assert torch.equal(wrapped(x), layer(x))  # B = 0: the base alone
 
 
-def test_the_sampler_dequantises_each_nf4_projection_once_and_samples_the_same_bits(sharp, prompts, monkeypatch):  # noqa: F811
+def test_the_sampler_dequantises_each_nf4_projection_once_and_samples_the_same_bits(prompts, monkeypatch):  # noqa: F811
     """The sampler's tiny model in NF4 with LoRA: a rollout's tokens and log-probs are the same
     bits with the reuse as without it (every call through Linear4bit's own forward), and the
     reuse runs: one dequantised weight per projection, each called once per decode step."""
-    import copy
-
     import lora.dequant as dequant
-    from grpo.model.load import ModelBundle
     from grpo.rollout.sampler import sample
+    from tests.test_rollout_merged import _sharp_lora
 
-    model = copy.deepcopy(sharp.model)
-    quantize_model_4bit(model, compute_dtype=torch.float32, verbose=False)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        inject_lora(model, verbose=False)
-        randomize_lora_B(model)
-    bundle = ModelBundle(model=model, tokenizer=sharp.tokenizer, image_processor=sharp.image_processor, source="nf4")
-    projections = sum(is_linear4bit(m) for m in model.modules())
+    bundle = _sharp_lora(four_bit=True)  # the sharp tiny model in NF4 (fp32 compute) with a non-zero LoRA
+    projections = sum(is_linear4bit(m) for m in bundle.model.modules())
     calls, sizes = [], []
     real = dequant.dequantised_forward
 
