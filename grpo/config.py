@@ -323,6 +323,12 @@ class PhaseConfig:
     perception_steps: int = 0
     """Warm-up of a random base: steps on image captions (image-only prompt) before the worked-reasoning SFT (the tiny
     model's warm-up: 800)."""
+    val_every: int = 0
+    """Warm-up: also evaluate on the held-out validation rows every this many SFT steps (its validation curve, printed
+    and logged; 0 = only at the end). The GRPO phases evaluate every run.eval_every steps."""
+    patience: int = 0
+    """Warm-up with val_every: stop once this many evaluations in a row found no higher validation EM than the best one
+    before them (0 = run every step). The stopped warm-up is finished there, with that step's weights."""
 
 
 @dataclass

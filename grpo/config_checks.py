@@ -357,6 +357,14 @@ def _phase_and_run_checks(cfg: Any) -> list[tuple[bool, str]]:
     checks = [
         (p.steps >= 0, f"phase.steps={p.steps}: must be >= 0"),
         (p.prompts_per_step >= 1, f"phase.prompts_per_step={p.prompts_per_step}: must be >= 1"),
+        (p.val_every >= 0 and p.patience >= 0,
+         f"phase.val_every={p.val_every}, phase.patience={p.patience}: must be >= 0 (0 = off)"),
+        (p.name == "warmup" or (p.val_every == 0 and p.patience == 0),
+         f"phase.val_every={p.val_every}, phase.patience={p.patience}: the warm-up's validation curve; phase {p.name} "
+         f"evaluates every run.eval_every steps (set --warmup.phase.val_every, or --run.eval_every for phase {p.name})"),
+        (p.patience == 0 or p.val_every > 0,
+         f"phase.patience={p.patience} stops on the validation curve, which needs phase.val_every > 0 (evaluations "
+         f"every that many SFT steps)"),
         (bool(p.mixture) and all(v >= 0 for v in p.mixture.values()) and sum(p.mixture.values()) > 0,
          f"phase.mixture={p.mixture}: needs at least one stage with positive probability"),
         (set(p.mixture) <= {1, 2, 3, ALL}, f"phase.mixture={p.mixture}: stages are 1, 2 and 3 (or all: every usable row)"),

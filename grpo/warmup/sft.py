@@ -43,6 +43,7 @@ perception stage: the model already sees.
 
 from __future__ import annotations
 
+import copy
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -185,18 +186,41 @@ def warmup_losses(model, batch: dict[str, torch.Tensor], examples: Sequence[Exam
 HEAD_PREFIX = "perception_head."  # the head's tensors in a periodic warm-up checkpoint (the final one has none)
 
 
+@dataclass
+class ValCurve:
+    """The warm-up's validation curve (phase.val_every): the best EM so far, where, and how many
+    evaluations since found none higher. Saved with every periodic checkpoint, so a resumed
+    warm-up stops where a straight one would."""
+
+    best: float = -1.0
+    best_step: int = 0
+    since: int = 0
+    at: int = 0  # the step of the last evaluation
+
+    def add(self, em: float, step: int) -> None:
+        self.at = step
+        if em > self.best:
+            self.best, self.best_step, self.since = em, step, 0
+        else:
+            self.since += 1
+
+    def exhausted(self, patience: int) -> bool:
+        return patience > 0 and self.since >= patience
+
+
 def _latest_is_periodic_at(files: RunFiles, step: int) -> bool:
     reg = read_registry(files.root, "warmup")
     return bool(reg["checkpoints"]) and reg["checkpoints"][-1]["step"] == step and bool(reg["checkpoints"][-1].get("periodic"))
 
 
-def _resume_warmup(files: RunFiles, model, head, opt, stream: MixtureStream, rng: random.Random, tiny: bool) -> int:
+def _resume_warmup(files: RunFiles, model, head, opt, stream: MixtureStream, rng: random.Random, tiny: bool,
+                   curve: ValCurve) -> int:
     """Put a stopped warm-up's state back; -> the step to continue at (0: nothing to resume).
 
     Restores what the next step reads: every trained weight (the model's, or its LoRA), the
     perception head, AdamW's moments (all parameter groups), the stream position and the
-    style rng where the batch after the saved step begins, and the global RNGs. Called
-    after everything that draws from the global RNGs was built.
+    style rng where the batch after the saved step begins, the validation curve, and the
+    global RNGs. Called after everything that draws from the global RNGs was built.
     """
     r, damaged = resume_point(files.root, "warmup", set_aside=True)
     for bad_step, why in damaged:
@@ -218,6 +242,7 @@ def _resume_warmup(files: RunFiles, model, head, opt, stream: MixtureStream, rng
     stream.load_state_dict(data["stream"])
     version, internal, gauss = data["style_rng"]
     rng.setstate((version, tuple(internal), gauss))
+    curve.__init__(**r.scheduler_state.get("val_curve", {}))
     restore_rng(r.rng)
     print(f"resuming phase warmup at step {r.step} from {r.path}", flush=True)
     return r.step
@@ -273,11 +298,11 @@ def _log_warmup_step(files: RunFiles, bar: Progress, cfg: TrainConfig, k: int, t
               else f"[warmup {k + 1}/{total}] {info}", flush=True)
 
 
-def _evaluate_and_save(cfg: TrainConfig, files: RunFiles, bundle: Any, eval_examples: list, done: int, tiny: bool,
-                       save_progress: Callable[[int], None], opt: torch.optim.Optimizer) -> None:
-    """The warm-up's end: the checkpoint-side evaluation, then its checkpoint (``done`` counts
-    every optimiser step, captions included). A stop abandons the evaluation and leaves the
-    last step saved as periodic, so a resume redoes it."""
+def _validate(cfg: TrainConfig, files: RunFiles, bundle: Any, eval_examples: list, done: int,
+              save_progress: Callable[[int], None]) -> Any:
+    """The checkpoint-side evaluation at step ``done`` (every optimiser step, captions
+    included), printed and logged. A stop abandons it and leaves that step saved as periodic,
+    so a resume redoes it."""
     try:
         result = checkpoint_eval(bundle, eval_examples, cfg)
     except EvalAbandoned:
@@ -286,6 +311,13 @@ def _evaluate_and_save(cfg: TrainConfig, files: RunFiles, bundle: Any, eval_exam
         raise Stopped(stop_message(f"warmup step {done} (its evaluation abandoned)"), STOP.signum) from None
     print_eval("warmup", done, result)
     files.write_log(dict(event="eval", phase="warmup", step=done, metrics=result.flat()))
+    return result
+
+
+def _evaluate_and_save(cfg: TrainConfig, files: RunFiles, bundle: Any, eval_examples: list, done: int, tiny: bool,
+                       save_progress: Callable[[int], None], opt: torch.optim.Optimizer) -> None:
+    """The warm-up's end: the checkpoint-side evaluation, then its checkpoint."""
+    result = _validate(cfg, files, bundle, eval_examples, done, save_progress)
     files.write_samples("warmup", done, result.records, eval_examples)
     model = bundle.model
     tensors = base_tensors(model) if tiny else adapter_tensors(lora_state_dict(model))
@@ -320,7 +352,8 @@ def run_warmup(cfg: TrainConfig, files: RunFiles, device: str) -> None:
         version, internal, gauss = rng.getstate()
         return {"stream": stream.state_dict(), "style_rng": [version, list(internal), gauss]}
 
-    first = _resume_warmup(files, model, head, opt, stream, rng, tiny)  # 0: a new warm-up
+    curve = ValCurve()  # phase.val_every's evaluations so far
+    first = _resume_warmup(files, model, head, opt, stream, rng, tiny, curve)  # 0: a new warm-up
     data = data_state()
     clock = SaveClock(cfg)
 
@@ -330,7 +363,8 @@ def run_warmup(cfg: TrainConfig, files: RunFiles, device: str) -> None:
         if head is not None:
             tensors.update({HEAD_PREFIX + k: v for k, v in head.state_dict().items()})
         save_checkpoint(files.root, "warmup", done, tensors=tensors, optimizer=opt,
-                        scheduler_state={"step": done, "data": data}, controller_state={},
+                        scheduler_state={"step": done, "data": data, "val_curve": vars(curve).copy()},
+                        controller_state={},
                         data_position=data["stream"]["position"], metrics={}, scores={}, config_json=cfg.to_json(),
                         extra={"kind": "base" if tiny else "adapter", "base": None}, periodic=True)
         clock.saved()
@@ -351,8 +385,20 @@ def run_warmup(cfg: TrainConfig, files: RunFiles, device: str) -> None:
             # the producer runs ahead: the state after THIS batch travels with it, for a save after its step
             yield k, stage, lr, examples, batch, labels, data_state()
 
+    def val_due(done: int) -> bool:  # a point of the validation curve after this many steps (none at the end)
+        sft_steps = done - n_caption
+        return bool(cfg.phase.val_every) and 0 < sft_steps and done < total and sft_steps % cfg.phase.val_every == 0
+
+    def curve_says_stop(done: int) -> bool:
+        return _curve_says_stop(cfg, files, bundle, eval_subset(cfg, val), done, curve, save_progress)
+
     bar = Progress(total, "warmup", first)
-    for k, stage, lr, examples, batch, labels, data in prefetch(batches()):  # noqa: B007 (save_progress reads data)
+    # resumed where a point of the curve was due but abandoned (a stop during it): that point first;
+    # a warm-up whose curve had stopped it (its final evaluation abandoned) trains no further
+    stopped = curve.exhausted(cfg.phase.patience) or (val_due(first) and curve.at != first and curve_says_stop(first))
+    done = first
+    steps = [] if stopped else prefetch(batches())
+    for k, stage, lr, examples, batch, labels, data in steps:  # noqa: B007 (save_progress reads data)
         t0 = time.time()
         batch = {key: v.to(device) for key, v in batch.items()}
         set_lr(opt, lr)
@@ -368,11 +414,32 @@ def run_warmup(cfg: TrainConfig, files: RunFiles, device: str) -> None:
         else:
             guard.succeeded()
         _log_warmup_step(files, bar, cfg, k, total, stage, lr, t0, lm_loss, perc_loss, gnorm)
+        if val_due(k + 1) and curve_says_stop(k + 1):
+            done = k + 1
+            break
         if STOP.requested or (k + 1 < total and clock.due(k + 1)):  # the last step is saved with its eval below
             save_progress(k + 1)
             if STOP.requested:
                 bar.close()
                 raise Stopped(stop_message(f"warmup step {k + 1}"), STOP.signum)
+        done = k + 1
     bar.close()
     model.eval()
-    _evaluate_and_save(cfg, files, bundle, eval_subset(cfg, val), total, tiny, save_progress, opt)
+    if done < total:  # stopped on its curve: a warm-up of that many steps, finished (grpo/state/resume.py)
+        cfg = copy.deepcopy(cfg)
+        cfg.phase.steps = done - n_caption
+    _evaluate_and_save(cfg, files, bundle, eval_subset(cfg, val), done, tiny, save_progress, opt)
+
+
+def _curve_says_stop(cfg: TrainConfig, files: RunFiles, bundle: Any, eval_examples: list, done: int,
+                     curve: ValCurve, save_progress: Callable[[int], None]) -> bool:
+    """One point of the validation curve at step ``done``; whether phase.patience says stop here."""
+    bundle.model.eval()
+    em = _validate(cfg, files, bundle, eval_examples, done, save_progress).metrics["exact_match"]
+    bundle.model.train()
+    curve.add(em, done)
+    stop = curve.exhausted(cfg.phase.patience)
+    print(f"warmup: validation EM {em:.3f} at step {done}, best {curve.best:.3f} at step {curve.best_step}"
+          + (f"; {curve.since} evaluations without a higher one: stopping here (--warmup.phase.patience "
+             f"{cfg.phase.patience}; {cfg.phase.steps} steps were planned)" if stop else ""), flush=True)
+    return stop
