@@ -271,11 +271,12 @@ ended). Under torchrun the wait must stay under the process group's 2-hour timeo
 signal. With auto (the default), a command that would start RL from the base first samples the
 base on 16 training prompts; if fewer than half get any correct completion, it runs the warm-up
 (SFT on the labels, 17 passes over the rows, at most 1,000 steps, LoRA on the vision tower
-and merger too, and on lm_head where the base is the shipped tiny one) and then phase B from it
-at lr 1e-4, with a KL term to the warm-up's policy (--optim.beta 1) that keeps RL from erasing
-what SFT taught; one line says what it chose and why, and an option you set wins
-(--warmup.phase.steps, --B.optim.lr, --B.optim.beta, --lora.vision, --lora.merger,
---lora.targets). always: that plan without the probe; never: RL alone, as before.
+and merger too) and then phase B from it with a KL term to the warm-up's policy (--optim.beta
+1) that keeps RL from erasing what SFT taught. On the shipped tiny base the plan also trains
+LoRA on lm_head and sets the warm-up's lr to 4e-3 and B's to 1e-4 (another model keeps its
+preset's lr). One line says what it chose and why, and an option you set wins
+(--warmup.phase.steps, --warmup.optim.lr, --B.optim.lr, --B.optim.beta, --lora.vision,
+--lora.merger, --lora.targets). always: that plan without the probe; never: RL alone, as before.
 
 --preset: tiny by default; a --model.name that is Qwen2.5-VL-7B (its hub id, or a local
 directory whose config.json is one) chooses qwen7b, and says so; the other Qwen2.5-VL sizes

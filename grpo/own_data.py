@@ -10,17 +10,21 @@ first stage, sized in passes over the training rows) and then phase B from it (t
 format is the contract, so phase A's structure stage is skipped), with one line saying so.
 
 Phase B from a warm-up keeps a KL term to the warm-up's policy (its reference, grpo/state/
-train_state.py) at ``WARMUP_BETA`` and runs at lr ``WARMUP_RL_LR`` (the tiny preset's phase B: 5e-4): a
-GRPO gradient of one rollout batch is mostly noise, AdamW moves every parameter about lr per
-step whatever its gradient's size, and on own data what SFT taught lives only in the adapter,
-so without the anchor the adapter's walk erases it within tens of steps (bench/EXPERIMENTS.md
-sections 11-12). The warm-up, and every phase after it, trains LoRA in the vision tower and
-its merger too (``PLAN_VISION``): a kind of figure the base never saw is read better with them
-(section 13); on the shipped tiny base also on lm_head (``HEAD``), whose rows for tokens its
-pretraining never wrote cannot be told apart otherwise (section 16). Options the user set win: an
-explicit ``--optim.beta``, ``--B.optim.beta``, ``--optim.lr``, ``--B.optim.lr``, ``--lora.vision``,
-``--lora.merger``, ``--lora.targets`` or ``--warmup.phase.steps`` is kept, and ``--sft-first``
-(auto | always | never) overrides the probe. A warm-up sized in passes is capped at
+train_state.py) at ``WARMUP_BETA``: a GRPO gradient of one rollout batch is mostly noise, AdamW
+moves every parameter about lr per step whatever its gradient's size, and on own data what SFT
+taught lives only in the adapter, so without the anchor the adapter's walk erases it within
+tens of steps (bench/EXPERIMENTS.md sections 11-12). On the shipped tiny base the plan also sets
+both learning rates (``TINY_LR``): the warm-up's 4e-3 (8x the preset's: at 5e-4 a new kind of
+figure is still being learned when the linearly decayed lr is spent, section 17) and B's 1e-4
+(a fifth of the preset's, section 12). They were measured on the tiny base only; a pretrained
+model keeps its preset's lr (the 7B's 1e-5) in every phase. The warm-up, and every phase after
+it, trains LoRA in the vision tower and its merger too (``PLAN_VISION``): a kind of figure the
+base never saw is read better with them (section 13); on the shipped tiny base also on lm_head
+(``HEAD``), whose rows for tokens its pretraining never wrote cannot be told apart otherwise
+(section 16). Options the user set win: an explicit ``--optim.beta``, ``--B.optim.beta``,
+``--optim.lr``, ``--warmup.optim.lr``, ``--B.optim.lr``, ``--lora.vision``, ``--lora.merger``,
+``--lora.targets`` or ``--warmup.phase.steps`` is kept, and ``--sft-first`` (auto | always |
+never) overrides the probe. A warm-up sized in passes is capped at
 ``MAX_WARMUP_STEPS`` (one line says so); training rows that all share one gold answer are
 refused in one line, whatever ``--sft-first`` says.
 """
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,9 +45,14 @@ from grpo.run.phase_data import fall_back_to_all
 
 SIGNAL_SHARE = 0.5  # below it, most groups teach RL nothing: warm up on the labels first
 WARMUP_BETA = 1.0  # KL weight toward the warm-up in RL after it (section 11: .1 drifts, 1 holds)
-WARMUP_RL_LR = 1e-4  # RL's lr after a warm-up (section 12: from a 17-pass warm-up, 5e-4 loses more of it)
 # Phase B's settings when it starts from this plan's warm-up (each kept where the user sets it)
-AFTER_WARMUP = {"optim.beta": WARMUP_BETA, "optim.lr": WARMUP_RL_LR}
+AFTER_WARMUP = {"optim.beta": WARMUP_BETA}
+# Each phase's lr on the shipped tiny base (kept where the user sets it; other models keep their preset's):
+# - the warm-up's: 8x the preset's 5e-4 (section 17, 17 passes, seed 0, test EM at 5e-4 / 2e-3 / 4e-3): clock faces
+#   .376 / .947 / .982, polygons .265 / .306 / .541 (8e-3: .529), digits .855 / .899 / .950, digit sums .100 / - / .428;
+#   at 5e-4 the clock faces' loss is still near .09 when the linearly decayed lr is spent, at 4e-3 it reaches 0;
+# - B's after it: a fifth of the preset's 5e-4 (section 12: from a 17-pass warm-up, 5e-4 loses more of it).
+TINY_LR = {"warmup": 4e-3, "B": 1e-4}
 # LoRA in the vision tower's blocks and in the merger, in the warm-up and in every phase after it
 # (which carry its adapters): a new kind of figure is read better with them (section 13)
 PLAN_VISION = {"lora.vision": True, "lora.merger": True}
@@ -52,9 +62,9 @@ PLAN_VISION = {"lora.vision": True, "lora.merger": True}
 # p ~ .03, and sampled at temperature 1 it is one of ~460 near-equal tokens: RL trains on that noise (section 16). A
 # base pretrained on text writes its whole vocabulary and gets no head adapter.
 HEAD = "lm_head"
-CHOICES = {**AFTER_WARMUP, **PLAN_VISION, "lora.targets": ()}  # every setting the plan chooses, with its type
-WARMUP_PASSES = 17  # the warm-up's size in passes over the training rows (section 12: digits' test EM .44 at 5.6,
-# .64 at 10, .78 at 17, .84 at 25 passes; 17 keeps a 2,000-row run within 10 minutes on one core)
+CHOICES = {**AFTER_WARMUP, **PLAN_VISION, "lora.targets": (), "optim.lr": 0.0}  # every setting the plan chooses, typed
+WARMUP_PASSES = 17  # the warm-up's size in passes over the training rows (section 12, lr 5e-4: digits' test EM .44
+# at 5.6, .64 at 10, .78 at 17, .84 at 25 passes; 17 keeps a 2,000-row run within 10 minutes on one core)
 PROBE_PROMPTS = 16
 MAX_WARMUP_STEPS = 1000  # ~8 minutes on one core of the 2-core CPU (measured 0.47 s a step of 32 rows, tiny model)
 
@@ -154,15 +164,19 @@ def _choose(plan: list[str], configs: dict[str, TrainConfig], user_keys: set[str
         for key, value in PLAN_VISION.items():
             if not _set(user_keys, phase, key):
                 _assign(cfg, key, value)
-        if cfg.model.name == "tiny" and HEAD not in cfg.lora.targets and not _set(user_keys, phase, "lora.targets"):
+        if cfg.model.name != "tiny":
+            continue
+        if HEAD not in cfg.lora.targets and not _set(user_keys, phase, "lora.targets"):
             _assign(cfg, "lora.targets", (*cfg.lora.targets, HEAD))
+        if phase in TINY_LR and not _set(user_keys, phase, "optim.lr"):
+            _assign(cfg, "optim.lr", TINY_LR[phase])
     why = (f"the base answered {found.with_correct} of {found.groups} probe prompts correctly at least once in "
            f"G={first.sampling.G} samples ({found.share:.0%} < {SIGNAL_SHARE:.0%}): RL alone would get almost no signal"
            if found is not None else "--sft-first always")
     line = (f"own data: {why}; so the warm-up first (SFT on the labels: {warm.phase.steps} steps x "
             f"{warm.phase.prompts_per_step} = {warm.phase.steps * warm.phase.prompts_per_step / max(1, rows):.1f} "
-            f"passes over {rows} rows), then phase B from it with a KL to it (beta {b.optim.beta:g}), lr "
-            f"{b.optim.lr:g}{', guided groups' if b.sampling.guided else ''}")
+            f"passes over {rows} rows at lr {warm.optim.lr:g}), then phase B from it with a KL to it (beta "
+            f"{b.optim.beta:g}), lr {b.optim.lr:g}{', guided groups' if b.sampling.guided else ''}")
     return ["warmup"] + after, line
 
 
@@ -184,20 +198,21 @@ def check_answers_vary(cfg: TrainConfig) -> None:
 
 def _keep_saved_choices(plan: list[str], configs: dict[str, TrainConfig], root: Path, user_keys: set[str]) -> None:
     """With a warm-up in ``root``, the plan's phases go on with what was chosen for them before,
-    each unless the command sets it: a resumed phase B its ``AFTER_WARMUP`` (KL weight, lr), and
-    the warm-up itself, B and C the warm-up's adapters (``PLAN_VISION`` and the targets, lm_head
-    among them or not: a warm-up begun before keeps its own, and dropping trained adapters is
-    refused)."""
+    each unless the command sets it: a resumed phase B its ``AFTER_WARMUP`` (KL weight) and lr,
+    the warm-up its lr (its schedule continues), and the warm-up, B and C the warm-up's adapters
+    (``PLAN_VISION`` and the targets, lm_head among them or not: a warm-up begun before keeps its
+    own, and dropping trained adapters is refused)."""
     if not (root / "warmup").is_dir():
         return
     if plan == ["B"]:
-        _keep(configs["B"], "B", root / "config_B.json", AFTER_WARMUP, user_keys)
+        _keep(configs["B"], "B", root / "config_B.json", [*AFTER_WARMUP, "optim.lr"], user_keys)
     for phase in plan:
         if phase in ("warmup", "B", "C"):
-            _keep(configs[phase], phase, root / "config_warmup.json", [*PLAN_VISION, "lora.targets"], user_keys)
+            keys = [*PLAN_VISION, "lora.targets"] + (["optim.lr"] if phase == "warmup" else [])
+            _keep(configs[phase], phase, root / "config_warmup.json", keys, user_keys)
 
 
-def _keep(cfg: TrainConfig, phase: str, saved: Path, keys: dict, user_keys: set[str]) -> None:
+def _keep(cfg: TrainConfig, phase: str, saved: Path, keys: Iterable[str], user_keys: set[str]) -> None:
     try:
         config = json.loads(saved.read_text())
         for key in keys:

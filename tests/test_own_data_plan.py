@@ -17,7 +17,11 @@ import pytest
 from test_own_data import minimal_rows
 from train_helpers import run_main
 
+import grpo.own_data as own_data
 from bench.own_sets import polygons
+from grpo.cli import phase_configs
+from grpo.own_data import TINY_LR, WARMUP_PASSES, _training_rows, sft_first
+from grpo.run.phase_data import fall_back_to_all
 from grpo.state.checkpoint import load_checkpoint
 from grpo.state.registry import resolve
 
@@ -53,9 +57,10 @@ def test_no_signal_warms_up_first_then_rl_from_it_with_a_kl_to_it(unseen, tmp_pa
     assert not (run / "A").exists() and (run / "warmup").is_dir()
     b = json.loads((run / "config_B.json").read_text())
     assert b["phase"]["init"] == "warmup:latest" and b["optim"]["beta"] == 1.0
-    assert b["optim"]["lr"] == 1e-4 and b["sampling"]["guided"] is False  # own_data.AFTER_WARMUP
+    assert b["optim"]["lr"] == 1e-4 and b["sampling"]["guided"] is False  # own_data.TINY_LR, AFTER_WARMUP
     assert "LoRA in the vision tower on, merger on and lm_head on" in line
     w = json.loads((run / "config_warmup.json").read_text())
+    assert w["optim"]["lr"] == 4e-3 and "passes over" in line and "rows at lr 0.004)" in line  # TINY_LR: the tiny base
     assert w["lora"]["vision"] and w["lora"]["merger"] and b["lora"]["vision"] and b["lora"]["merger"]  # PLAN_VISION
     assert w["lora"]["targets"][-1] == b["lora"]["targets"][-1] == "lm_head"  # own_data.HEAD: the tiny base
     tensors = load_checkpoint(resolve(run, "warmup:latest")).tensors
@@ -68,6 +73,13 @@ def test_no_signal_warms_up_first_then_rl_from_it_with_a_kl_to_it(unseen, tmp_pa
     b = json.loads((run / "config_B.json").read_text())
     assert b["optim"]["beta"] == 1.0 and b["optim"]["lr"] == 1e-4 and b["lora"]["vision"] and b["lora"]["merger"]
     assert "lm_head" in b["lora"]["targets"]
+    # a warm-up begun at another lr keeps it when the plan resumes it (its schedule continues)
+    w["optim"]["lr"] = 7e-4
+    (run / "config_warmup.json").write_text(json.dumps(w))
+    configs = phase_configs("B", "tiny", {"run.data": str(unseen)})
+    fall_back_to_all(configs)
+    own_data._keep_saved_choices(["warmup", "B"], configs, run, set())
+    assert configs["warmup"].optim.lr == 7e-4 and configs["B"].optim.lr == 5e-4  # B's own lr only on a resumed B
     # and phase C after it carries the warm-up's adapters (dropping them would be refused)
     rc, out, err = run_main(run, *FAST, "--phase", "C", "--run.data", str(unseen))
     assert rc == 0, err
@@ -83,19 +95,28 @@ def test_the_warm_up_is_sized_in_passes_and_user_options_win(unseen, tmp_path):
     assert "own data: --sft-first always; so the warm-up first (SFT on the labels: 1 steps x 4" in out
     b = json.loads((tmp_path / "run" / "config_B.json").read_text())
     assert b["optim"]["beta"] == 0.25 and b["optim"]["lr"] == 3e-4  # what the user set wins
+    assert json.loads((tmp_path / "run" / "config_warmup.json").read_text())["optim"]["lr"] == 3e-4  # in every phase
     assert not b["lora"]["vision"] and not b["lora"]["merger"]  # --lora.vision false wins in every phase
     assert b["lora"]["targets"] == ["q_proj", "v_proj"]  # and targets the user names get no lm_head
     assert "LoRA in the vision tower off, merger off and lm_head off" in out
     # the default size: WARMUP_PASSES over the training rows, printed (not run)
-    from grpo.cli import phase_configs
-    from grpo.own_data import WARMUP_PASSES, _training_rows, sft_first
-    from grpo.run.phase_data import fall_back_to_all
-
     configs = phase_configs("B", "tiny", {"run.data": str(unseen)})
     fall_back_to_all(configs)
     assert sft_first(["A", "B"], configs, set(), "cpu", "always") == ["warmup", "B"]
     rows, per_step = _training_rows(configs["warmup"]), configs["warmup"].phase.prompts_per_step
     assert 40 <= rows <= 54 and configs["warmup"].phase.steps == math.ceil(WARMUP_PASSES * rows / per_step)
+
+
+def test_the_tiny_bases_learning_rates_are_not_a_pretrained_models(unseen):
+    """TINY_LR was measured on the shipped tiny base; another model's phases keep their preset's lr."""
+    for name, head in (("tiny", True), ("tiny-random", False)):
+        configs = phase_configs("B", "tiny", {"run.data": str(unseen), "model.name": name})
+        fall_back_to_all(configs)
+        preset = {phase: configs[phase].optim.lr for phase in ("warmup", "B")}
+        assert sft_first(["A", "B"], configs, set(), "cpu", "always") == ["warmup", "B"]
+        lrs = {phase: configs[phase].optim.lr for phase in ("warmup", "B")}
+        assert lrs == (TINY_LR if head else preset), (name, lrs)
+        assert ("lm_head" in configs["B"].lora.targets) == head and configs["B"].optim.beta == 1.0
 
 
 def test_signal_keeps_the_plan_and_never_skips_the_probe(tmp_path):
@@ -127,10 +148,6 @@ def test_one_gold_answer_for_every_row_is_one_line(tmp_path):
 
 
 def test_a_warm_up_over_the_step_cap_is_capped_with_one_line(unseen, monkeypatch, capsys):
-    import grpo.own_data as own_data
-    from grpo.cli import phase_configs
-    from grpo.run.phase_data import fall_back_to_all
-
     monkeypatch.setattr(own_data, "MAX_WARMUP_STEPS", 10)  # the 60 polygons at 17 passes: about 200 steps of 4
     configs = phase_configs("B", "tiny", {"run.data": str(unseen), "warmup.phase.prompts_per_step": "4"})
     fall_back_to_all(configs)
