@@ -3,6 +3,7 @@
     python -m bench.tower_probe DIR [DIR ...]            # own-data sets (data.jsonl + images)
     python -m bench.tower_probe DIR --model tiny --steps 300
     python -m bench.tower_probe --quantities 3000        # the curriculum's quantities, one by one
+    python -m bench.tower_probe --quantities 1500 --model DIR --image-size 224   # a base built at 224 px
 
 For each set: every image through the shipped base's vision tower and merger (the tokens the
 language model reads, frozen, no LoRA), the tokens of an image concatenated into one vector
@@ -22,7 +23,9 @@ N/4 test figures a stage (data/synthetic.py's splits), and for each (family, qua
 questions name (an example's ``intermediates``: "red circles", "purple bar", "purple line"...)
 with at least --min-rows training figures and a quarter as many test ones, a probe from the
 figure's tokens to that quantity's value. A quantity the probe reads near chance is one the tower does not carry,
-whatever the policy on top does (issue "base reads": what to change in the base).
+whatever the policy on top does (issue "base reads": what to change in the base). The figures are
+drawn at ``--image-size`` px (112 by default, the shipped base's size): a candidate base built at
+another size is probed at its own (its processor's pixel cap decides how many tokens reach the probe).
 """
 
 from __future__ import annotations
@@ -95,13 +98,14 @@ def quantity_rows(examples) -> dict[tuple[str, str], list[tuple[int, str]]]:
     return out
 
 
-def probe_quantities(bundle, n: int, steps: int, min_rows: int, seed: int = 0) -> list[dict]:
+def probe_quantities(bundle, n: int, steps: int, min_rows: int, seed: int = 0, image_size: int = 112) -> list[dict]:
     """One probe per (family, quantity) of the curriculum: see the module's docstring."""
     from data.synthetic import generate
 
     rows = []
     for stage in (1, 2, 3):
-        train, test = generate("train", stage, n, seed), generate("test", stage, max(1, n // 4), seed)
+        train = generate("train", stage, n, seed, image_size)
+        test = generate("test", stage, max(1, n // 4), seed, image_size)
         x_tr, x_te = features(bundle, train), features(bundle, test)
         q_tr, q_te = quantity_rows(train), quantity_rows(test)
         for key in sorted(q_tr):
@@ -125,21 +129,26 @@ def main(argv: list[str] | None = None) -> int:
                     help="--quantities: probe a quantity only with at least this many training figures (default 40)")
     ap.add_argument("--model", default="tiny", help="the base whose tower is probed (default: the shipped tiny)")
     ap.add_argument("--steps", type=int, default=300, help="full-batch probe training steps (default 300)")
+    ap.add_argument("--image-size", type=int, default=112, metavar="PX",
+                    help="--quantities: draw the curriculum's figures at PX px (default 112, the shipped base's)")
     a = ap.parse_args(argv)
     if a.quantities < 0 or a.min_rows < 1:
         ap.error(f"--quantities {a.quantities} / --min-rows {a.min_rows}: N must be >= 0 (0 = off), --min-rows >= 1")
+    if a.image_size < 32:
+        ap.error(f"--image-size {a.image_size}: the curriculum draws its figures at 32 px or more")
     if not a.sets and a.quantities == 0:
         ap.error("name at least one own-data directory, or --quantities N (N > 0)")
     torch.set_num_threads(1)
     bundle = load_bundle(a.model, dtype=torch.float32, device="cpu")
     if a.quantities > 0:
-        rows = probe_quantities(bundle, a.quantities, a.steps, a.min_rows)
+        rows = probe_quantities(bundle, a.quantities, a.steps, a.min_rows, image_size=a.image_size)
         print(f"{'stage':>5} {'family':<14} {'quantity':<22} {'train':>6} {'test':>5} {'classes':>7} {'chance':>7} "
               f"{'probe':>6}")
         for r in rows:
             print(f"{r['stage']:>5} {r['family']:<14} {r['quantity'][:22]:<22} {r['train']:>6} {r['test']:>5} "
                   f"{r['classes']:>7} {r['chance']:>7.3f} {r['probe']:>6.3f}", flush=True)
-        print(f"summary: {len(rows)} quantities probed on {a.model}'s frozen merged visual tokens")
+        print(f"summary: {len(rows)} quantities probed on {a.model}'s frozen merged visual tokens "
+              f"({a.image_size} px figures)")
     if not a.sets:
         return 0
     print(f"{'set':<28} {'train':>6} {'test':>5} {'classes':>7} {'chance':>7} {'probe':>6} {'shuffled':>8}")

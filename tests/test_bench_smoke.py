@@ -532,6 +532,21 @@ def test_tower_probe_quantities():
     proc = subprocess.run([sys.executable, "-m", "bench.tower_probe", "--quantities", "-3"], cwd=ROOT, capture_output=True,
                           text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert proc.returncode == 2 and "--quantities -3 / --min-rows 40: N must be >= 0" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "bench.tower_probe", "--quantities", "8", "--image-size", "20"],
+                          cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert proc.returncode == 2 and "--image-size 20: the curriculum draws its figures at 32 px or more" in proc.stderr
+
+
+def test_tower_probe_quantities_at_another_image_size(monkeypatch):
+    """--image-size draws the curriculum's figures at that size (a candidate base built at it)."""
+    import bench.tower_probe as tower_probe
+    import data.synthetic
+
+    sizes = []
+    real = data.synthetic.generate
+    monkeypatch.setattr(data.synthetic, "generate", lambda *a: sizes.append(a[-1]) or real(*a))
+    assert tower_probe.main(["--quantities", "6", "--min-rows", "2", "--steps", "2", "--image-size", "140"]) == 0
+    assert sizes == [140] * 6  # train and test of each of the three stages
 
 
 def test_misreads(tmp_path):
