@@ -132,13 +132,14 @@ def _record_wall(run_dir: Path, seconds: float) -> dict:
     return saved
 
 
-def evaluate_base(bundle, seed: int, n_per_stage: int, max_new_tokens: int) -> dict:
-    """Greedy test-split metrics of the pretrained model, with the shuffled-image control."""
+def evaluate_base(bundle, seed: int, n_per_stage: int, max_new_tokens: int, image_size: int = 112) -> dict:
+    """Greedy test-split metrics of the pretrained model, with the shuffled-image control, on
+    figures drawn at ``image_size`` px (the size it was trained on)."""
     from data.synthetic import generate
     from eval.results import EvalProtocol
     from grpo.evaluation.model_eval import evaluate_model
 
-    examples = [ex for s in (1, 2, 3) for ex in generate("test", s, n_per_stage, seed, 112)]
+    examples = [ex for s in (1, 2, 3) for ex in generate("test", s, n_per_stage, seed, image_size)]
     protocol = EvalProtocol(max_new_tokens=max_new_tokens, temperature=0.0, seed=seed, batch_size=64)
     result = evaluate_model(bundle, examples, protocol)
     out = {"n": len(examples), "exact_match": result.metrics["exact_match"],
@@ -169,12 +170,16 @@ def export(run_dir: Path, out: Path, wall_s: float, peak_mb: float, test_seed: i
         raise shipped.ShippedModelError(f"{run_dir}: the warm-up stopped at step {ckpt.step} of {total}; run the "
                                         "same command again to finish it before exporting")
     torch.manual_seed(cfg.run.seed)
-    bundle = load_bundle(SOURCE_MODEL, seed=cfg.run.seed)
+    # the image size and pixel bounds it was trained with: the evaluation sees what training saw, and the
+    # exported processor keeps the bounds (without them a base trained on 224 px figures would be scored,
+    # and then used, on 112 px ones: the shipped processor's cap)
+    bundle = load_bundle(SOURCE_MODEL, seed=cfg.run.seed, max_pixels=cfg.model.max_pixels,
+                         min_pixels=cfg.model.min_pixels)
     load_base_weights(bundle.model, ckpt.tensors)
     bundle.model.eval()
     print(f"pretrain: evaluating the base on the test split ({test_per_stage} per stage, seed {test_seed}, greedy, "
-          "with shuffled images as the control)", flush=True)
-    metrics = evaluate_base(bundle, test_seed, test_per_stage, 48)
+          f"{cfg.model.image_size} px, with shuffled images as the control)", flush=True)
+    metrics = evaluate_base(bundle, test_seed, test_per_stage, 48, cfg.model.image_size)
     gap = metrics.get("control/overall", {})
     print(f"pretrain: test EM {metrics['exact_match']:.3f}, parseable {metrics['parseable_rate']:.3f}, "
           f"shuffled-image EM {gap.get('exact_match_shuffled', float('nan')):.3f}, "

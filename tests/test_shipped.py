@@ -128,6 +128,19 @@ def test_pretrain_exports_a_pretrained_model_and_rebuilds_it_byte_for_byte(tmp_p
     assert hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest() == digest
 
 
+def test_a_base_pretrained_at_another_image_size_is_scored_and_exported_at_it(tmp_path):
+    """--model.image_size / --model.max_pixels (a candidate base that sees more visual tokens): the
+    export's test figures are drawn at that size and its processor keeps the pixel cap, so the
+    model directory reads images as its training did (the shipped processor caps at 112 x 112)."""
+    out = tmp_path / "model"
+    proc = _pretrain("--out", str(out), "--run-dir", str(tmp_path / "run"), *SMOKE,
+                     "--model.image_size", "56", "--model.max_pixels", str(56 * 56))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "greedy, 56 px, with shuffled images" in proc.stdout
+    assert load_bundle(str(out)).pixel_bounds[1] == 56 * 56
+    assert load_bundle("tiny").pixel_bounds[1] == 112 * 112
+
+
 def test_the_main_command_starts_phase_A_from_the_shipped_base(tmp_path):
     run = tmp_path / "run"
     rc, out, err = run_main(run, "--phase", "B", "--model.device", "cpu", "--run.train_per_stage", "20",
