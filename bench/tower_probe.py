@@ -41,6 +41,7 @@ from data.sources import load_source
 from grpo.model.load import load_bundle
 from grpo.model.prompt_context import vision_features
 from grpo.model.prompts import encode_prompts
+from grpo.model.tiny import TINY_IMAGE_SIZE
 
 
 @torch.no_grad()
@@ -98,7 +99,8 @@ def quantity_rows(examples) -> dict[tuple[str, str], list[tuple[int, str]]]:
     return out
 
 
-def probe_quantities(bundle, n: int, steps: int, min_rows: int, seed: int = 0, image_size: int = 112) -> list[dict]:
+def probe_quantities(bundle, n: int, steps: int, min_rows: int, seed: int = 0,
+                     image_size: int = TINY_IMAGE_SIZE) -> list[dict]:
     """One probe per (family, quantity) of the curriculum: see the module's docstring."""
     from data.synthetic import generate
 
@@ -129,8 +131,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="--quantities: probe a quantity only with at least this many training figures (default 40)")
     ap.add_argument("--model", default="tiny", help="the base whose tower is probed (default: the shipped tiny)")
     ap.add_argument("--steps", type=int, default=300, help="full-batch probe training steps (default 300)")
-    ap.add_argument("--image-size", type=int, default=112, metavar="PX",
-                    help="--quantities: draw the curriculum's figures at PX px (default 112, the shipped base's)")
+    ap.add_argument("--image-size", type=int, default=TINY_IMAGE_SIZE, metavar="PX",
+                    help=f"--quantities: draw the curriculum's figures at PX px (default {TINY_IMAGE_SIZE}, the "
+                         "shipped base's)")
     a = ap.parse_args(argv)
     if a.quantities < 0 or a.min_rows < 1:
         ap.error(f"--quantities {a.quantities} / --min-rows {a.min_rows}: N must be >= 0 (0 = off), --min-rows >= 1")

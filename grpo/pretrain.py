@@ -132,7 +132,7 @@ def _record_wall(run_dir: Path, seconds: float) -> dict:
     return saved
 
 
-def evaluate_base(bundle, seed: int, n_per_stage: int, max_new_tokens: int, image_size: int = 112) -> dict:
+def evaluate_base(bundle, seed: int, n_per_stage: int, max_new_tokens: int, image_size: int) -> dict:
     """Greedy test-split metrics of the pretrained model, with the shuffled-image control, on
     figures drawn at ``image_size`` px (the size it was trained on)."""
     from data.synthetic import generate

@@ -353,6 +353,7 @@ def run_warmup(cfg: TrainConfig, files: RunFiles, device: str) -> None:
         return {"stream": stream.state_dict(), "style_rng": [version, list(internal), gauss]}
 
     curve = ValCurve()  # phase.val_every's evaluations so far
+    val_examples = eval_subset(cfg, val)  # the rows every evaluation of the warm-up scores
     first = _resume_warmup(files, model, head, opt, stream, rng, tiny, curve)  # 0: a new warm-up
     data = data_state()
     clock = SaveClock(cfg)
@@ -390,7 +391,7 @@ def run_warmup(cfg: TrainConfig, files: RunFiles, device: str) -> None:
         return bool(cfg.phase.val_every) and 0 < sft_steps and done < total and sft_steps % cfg.phase.val_every == 0
 
     def curve_says_stop(done: int) -> bool:
-        return _curve_says_stop(cfg, files, bundle, eval_subset(cfg, val), done, curve, save_progress)
+        return _curve_says_stop(cfg, files, bundle, val_examples, done, curve, save_progress)
 
     bar = Progress(total, "warmup", first)
     # resumed where a point of the curve was due but abandoned (a stop during it): that point first;
@@ -428,7 +429,7 @@ def run_warmup(cfg: TrainConfig, files: RunFiles, device: str) -> None:
     if done < total:  # stopped on its curve: a warm-up of that many steps, finished (grpo/state/resume.py)
         cfg = copy.deepcopy(cfg)
         cfg.phase.steps = done - n_caption
-    _evaluate_and_save(cfg, files, bundle, eval_subset(cfg, val), done, tiny, save_progress, opt)
+    _evaluate_and_save(cfg, files, bundle, val_examples, done, tiny, save_progress, opt)
 
 
 def _curve_says_stop(cfg: TrainConfig, files: RunFiles, bundle: Any, eval_examples: list, done: int,
