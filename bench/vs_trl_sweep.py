@@ -66,7 +66,7 @@ def run_sweep(args, argv: list[str], run_point, report) -> None:
         setattr(args, attr, setting)
         print(f"# --- {label} = {value} ({flag} {setting})", flush=True)
         sides = run_point(args, [*argv, flag, str(setting)])
-        report(sides)
+        report(sides, args.shape)
         points.append(point(sides, args, value))
         path.write_text(json.dumps({"sweep": args.sweep, "label": label, "shape": args.shape,
                                     "allocator": args.allocator, "points": points}, indent=1))
