@@ -187,10 +187,9 @@ def test_padding_is_left_out_of_the_token_wise_parts(tiny, G, checkpointing):
     every = ctx.B * ctx.P + ids.numel()
     assert real < every and out[True][2][0] == real and out[False][2][0] == every
     assert torch.equal(out[True][0], out[False][0])
-    n = ctx.B * ctx.P + ids.numel()
     for a, b in zip(out[True][1], out[False][1]):
         assert b.abs().max() > 0
-        torch.testing.assert_close(a, b, rtol=0, atol=4 * n * EPS32 * float(b.abs().max()))
+        torch.testing.assert_close(a, b, rtol=0, atol=4 * every * EPS32 * float(b.abs().max()))
 
 
 def _weighted(h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

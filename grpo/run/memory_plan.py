@@ -212,6 +212,14 @@ def prompt_tokens(cfg: TrainConfig, images: int = 1) -> int:
 # ----------------------------------------------------------------------------- per-token terms
 
 
+def attention_saved_per_token(sh: Shapes, repeated_kv: bool = True) -> int:
+    """The part of ``layer_saved_per_token`` that attention's [rows, heads, length, D] layout
+    keeps at every position, padding included: q after rotation, K and V, the output, the
+    log-sum-exp."""
+    q_heads_dim, b = sh.heads * sh.head_dim, sh.compute_bytes
+    return 2 * b * q_heads_dim + 2 * (q_heads_dim if repeated_kv else sh.kv_dim) * b + 4 * sh.heads
+
+
 def layer_saved_per_token(sh: Shapes, repeated_kv: bool = True) -> int:
     """Bytes autograd saves for backward in ONE decoder layer per token (Qwen2.5-VL's layer,
     NF4 + LoRA linears, with grad, not checkpointed). Op by op, b bytes per element of the
@@ -237,20 +245,11 @@ def layer_saved_per_token(sh: Shapes, repeated_kv: bool = True) -> int:
     parts on real tokens only, so a padding position keeps just ``attention_saved_per_token``;
     the plan counts every position as real, the most a batch of its shape can keep.)"""
     d, I, b = sh.hidden, sh.intermediate, sh.compute_bytes  # noqa: E741 (the docstring's I: intermediate size)
-    q_heads_dim = sh.heads * sh.head_dim
-    kv = 2 * (q_heads_dim if repeated_kv else sh.kv_dim) * b
     norm_copy = 4 * d
     norm2_in = 4 * d if b < 4 else b * d
-    return (norm_copy + b * d + sh.lora_targets * sh.lora_rank * b + b * q_heads_dim + kv + b * q_heads_dim
-            + 4 * sh.heads + b * d + norm2_in + b * d + 4 * b * I)
-
-
-def attention_saved_per_token(sh: Shapes, repeated_kv: bool = True) -> int:
-    """The part of ``layer_saved_per_token`` that attention's [rows, heads, length, D] layout
-    keeps at every position, padding included: q after rotation, K and V, the output, the
-    log-sum-exp."""
-    q_heads_dim, b = sh.heads * sh.head_dim, sh.compute_bytes
-    return 2 * b * q_heads_dim + 2 * (q_heads_dim if repeated_kv else sh.kv_dim) * b + 4 * sh.heads
+    # rotary's q, attention's K, V, output and log-sum-exp: attention_saved_per_token
+    return (norm_copy + b * d + sh.lora_targets * sh.lora_rank * b + attention_saved_per_token(sh, repeated_kv)
+            + b * d + norm2_in + b * d + 4 * b * I)
 
 
 def pass_shape(cfg: TrainConfig, prompts: int, rows: int, P: int, T: int, heads: int) -> tuple[int, int, int, int]:
