@@ -251,6 +251,24 @@ def test_default_dir_is_reused():
     assert (default_model_dir() / "model.safetensors").is_file()
 
 
+def test_a_changed_architecture_gets_its_own_cache_entry(monkeypatch):
+    """The cache is keyed by the architecture as well as the tokenizer's corpus: when the tower
+    was widened, a cache keyed by the corpus alone handed back the old, narrower build."""
+    from grpo.model import tiny
+
+    before = default_model_dir()
+    wider = dict(tiny.TINY_VISION, hidden_size=tiny.TINY_VISION["hidden_size"] * 2)
+    monkeypatch.setattr(tiny, "TINY_VISION", wider)
+    tiny._build_fingerprint.cache_clear()
+    try:
+        root = before.parent
+        name = f"{tiny.TINY_VERSION}-{tiny._build_fingerprint(0)}"
+        assert root / name != before
+    finally:
+        monkeypatch.undo()
+        tiny._build_fingerprint.cache_clear()
+    assert default_model_dir() == before
+
 def test_a_damaged_cache_entry_is_built_again(tmp_path, monkeypatch):
     monkeypatch.setenv("VLGRPO_CACHE", str(tmp_path))
     first = default_model_dir()
