@@ -48,8 +48,8 @@ from grpo.model import shipped
 from grpo_infra.atomic import new_directory, replace_file
 
 # The pretraining schedule (passed to the trainer's CLI; the card records them). Measured:
-# 0.42-0.47 s a caption step and 0.55-0.75 s a reasoning step on one core of this project's 2-core machine:
-# 58.8 minutes in all (the shipped build; its card has the details).
+# with the 2 x 64 vision tower, 58.8 minutes in all on one core of this project's 2-core machine; with
+# today's 4 x 128 tower, 76 minutes (the shipped build's card has its own time and machine).
 PRETRAIN: dict[str, str] = {
     "warmup.phase.perception_steps": "3500",
     "warmup.phase.steps": "2500",
@@ -187,21 +187,33 @@ def export(run_dir: Path, out: Path, wall_s: float, peak_mb: float, test_seed: i
 
     # out is either the old model or the new one, never half of each; a stop leaves no half copy
     with new_directory(out, replace=True) as staging:
-        _write_export(bundle, staging, provenance_of(ckpt, cfg, run_dir, wall_s, peak_mb, metrics, test_seed,
-                                                    test_per_stage, train_commit))
+        provenance = provenance_of(ckpt, cfg, run_dir, wall_s, peak_mb, metrics, test_seed, test_per_stage,
+                                   train_commit, architecture(bundle.model.config, cfg.model.image_size))
+        _write_export(bundle, staging, provenance)
         digests = shipped.read_manifest(staging)
     shipped.verify(out)
     print(f"pretrain: model written to {out} (model.safetensors sha256 {digests['model.safetensors'][:16]}...)")
     return out
 
 
+def architecture(config, image_size: int) -> dict:
+    """The built model's sizes as the card states them, read from its own config (not from
+    grpo/model/tiny.py, which may have changed since)."""
+    t, v = config.text_config, config.vision_config
+    side = image_size // v.patch_size // v.spatial_merge_size
+    return {"text_layers": t.num_hidden_layers, "text_hidden": t.hidden_size,
+            "vision_blocks": v.depth, "vision_hidden": v.hidden_size, "vision_mlp": v.intermediate_size,
+            "image_size": image_size, "visual_tokens": side * side}
+
+
 def provenance_of(ckpt, cfg, run_dir: Path, wall_s: float, peak_mb: float, metrics: dict, test_seed: int,
-                  test_per_stage: int, train_commit: str) -> dict:
+                  test_per_stage: int, train_commit: str, arch: dict) -> dict:
     """What pretrain.json and the card say about the build."""
     import torch
 
     return {
         "command": "python -m grpo.pretrain",
+        "architecture": arch,
         "trainer_argv": _argv(str(run_dir), []),
         "config": json.loads(ckpt.config_json),
         "steps": {"caption": cfg.phase.perception_steps, "worked_reasoning": cfg.phase.steps,
@@ -237,11 +249,12 @@ def model_card(p: dict, digests: dict[str, str]) -> str:
         if g:
             rows.append(f"| {subset} | {g['n']} | {g['exact_match']:.3f} | {g['exact_match_shuffled']:.3f} | "
                         f"{g['blind_gap']:+.3f} [{g['interval'][0]:+.3f}, {g['interval'][1]:+.3f}] |")
-    cfg = p["config"]
+    cfg, a = p["config"], p["architecture"]
     return f"""# tiny Qwen2.5-VL, pretrained for vlgrpo's embedded default
 
-The real `Qwen2_5_VLForConditionalGeneration` class at toy size (text: 4 layers, d = 128;
-vision: 2 blocks, d = 64; 112 px images -> 16 visual tokens; a byte-level BPE trained on the
+The real `Qwen2_5_VLForConditionalGeneration` class at toy size (text: {a['text_layers']} layers,
+d = {a['text_hidden']}; vision: {a['vision_blocks']} blocks, d = {a['vision_hidden']}, MLP {a['vision_mlp']};
+{a['image_size']} px images -> {a['visual_tokens']} visual tokens; a byte-level BPE trained on the
 synthetic curriculum's text, asked for 1,024 tokens, as many as its corpus supports: config.json's
 vocab_size), trained from random weights on this project's
 synthetic visual-numeric curriculum. It reads simple figures (scenes, tables, charts,

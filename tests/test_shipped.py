@@ -9,6 +9,7 @@ the random-reward control draws whole rows of its own batch.
 """
 
 import hashlib
+import json
 import shutil
 import subprocess
 import sys
@@ -39,6 +40,12 @@ def test_the_shipped_model_is_intact_and_pretrained():
     assert sum(f.stat().st_size for f in path.iterdir()) < 16 * 2**20  # the repository's one binary stays small
     bundle = load_bundle("tiny")
     assert bundle.source == "tiny" and Path(bundle.tokenizer.name_or_path).resolve() == path.resolve()
+    # tiny-random, what a rebuild starts from, has the shipped architecture
+    from grpo.model.tiny import TINY_TEXT, TINY_VISION
+
+    config = json.loads((path / "config.json").read_text())
+    assert {k: config["vision_config"][k] for k in TINY_VISION} == TINY_VISION
+    assert {k: config["text_config"][k] for k in TINY_TEXT} == TINY_TEXT
 
 
 @pytest.fixture
@@ -109,6 +116,13 @@ def test_pretrain_exports_a_pretrained_model_and_rebuilds_it_byte_for_byte(tmp_p
     assert outs[0] == outs[1]  # every model file, weights included, byte for byte
     card = (tmp_path / "model0" / "MODEL_CARD.md").read_text()
     assert "python -m grpo.pretrain" in card and "blind gap" in card and outs[0]["model.safetensors"] in card
+    # the card states the sizes of the model it describes, read from that model's config
+    from grpo.model.tiny import TINY_TEXT, TINY_VISION
+
+    assert (f"vision: {TINY_VISION['depth']} blocks, d = {TINY_VISION['hidden_size']}, "
+            f"MLP {TINY_VISION['intermediate_size']};") in " ".join(card.split())
+    assert f"text: {TINY_TEXT['num_hidden_layers']} layers, d = {TINY_TEXT['hidden_size']}" in " ".join(card.split())
+    assert "112 px images -> 16 visual tokens" in " ".join(card.split())
     # an ordinary save_pretrained directory of a pretrained model: loads by path, no random-build stamp
     out = tmp_path / "model0"
     assert not trains_from_scratch(str(out)) and not (out / "vlgrpo_build.json").exists()
@@ -138,6 +152,7 @@ def test_a_base_pretrained_at_another_image_size_is_scored_and_exported_at_it(tm
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "greedy, 56 px, with shuffled images" in proc.stdout
     assert load_bundle(str(out)).pixel_bounds[1] == 56 * 56
+    assert "56 px images -> 4 visual tokens" in " ".join((out / "MODEL_CARD.md").read_text().split())
     assert load_bundle("tiny").pixel_bounds[1] == 112 * 112
 
 
