@@ -16,7 +16,8 @@ taught lives only in the adapter, so without the anchor the adapter's walk erase
 tens of steps (bench/EXPERIMENTS.md sections 11-12). On the shipped tiny base the plan also sets
 both learning rates (``TINY_LR``): the warm-up's 4e-3 (8x the preset's: at 5e-4 a new kind of
 figure is still being learned when the linearly decayed lr is spent, section 17) and B's 1e-4
-(a fifth of the preset's, section 12). They were measured on the tiny base only; a pretrained
+(a fifth of the preset's, section 12). They were measured on the tiny base only (the previous one, with
+a 2 x 64 vision tower; not yet re-measured on today's 4 x 128); a pretrained
 model keeps its preset's lr (the 7B's 1e-5) in every phase. The warm-up, and every phase after
 it, trains LoRA in the vision tower and its merger too (``PLAN_VISION``): a kind of figure the
 base never saw is read better with them (section 13); on the shipped tiny base also on lm_head
@@ -57,16 +58,19 @@ TINY_LR = {"warmup": 4e-3, "B": 1e-4}
 # (which carry its adapters): a new kind of figure is read better with them (section 13)
 PLAN_VISION = {"lora.vision": True, "lora.merger": True}
 # LoRA on the output head too, where the base is the shipped tiny one: its pretraining curriculum writes 88 of its 556
-# tokens, and the output rows of the other 468 stayed nearly parallel (cosine > .9), so no adapter below the head can
-# make one of them likely. A warm-up target with such a token ('t' of "the answer is") is then learned greedily at
-# p ~ .03, and sampled at temperature 1 it is one of ~460 near-equal tokens: RL trains on that noise (section 16). A
-# base pretrained on text writes its whole vocabulary and gets no head adapter.
+# tokens, and the output rows of the other 468 stayed nearly parallel (cosine > .9; in the 2 x 64 tower's base and in
+# today's alike), so no adapter below the head can make one of them likely. A warm-up target with such a token ('t'
+# of "the answer is") is then learned greedily at p ~ .03, and sampled at temperature 1 it is one of ~460 near-equal
+# tokens: RL trains on that noise (section 16). A base pretrained on text writes its whole vocabulary and gets no head
+# adapter.
 HEAD = "lm_head"
 CHOICES = {**AFTER_WARMUP, **PLAN_VISION, "lora.targets": (), "optim.lr": 0.0}  # every setting the plan chooses, typed
 WARMUP_PASSES = 17  # the warm-up's size in passes over the training rows (section 12, lr 5e-4: digits' test EM .44
-# at 5.6, .64 at 10, .78 at 17, .84 at 25 passes; 17 keeps a 2,000-row run within 10 minutes on one core)
+# at 5.6, .64 at 10, .78 at 17, .84 at 25 passes; 17 kept a 2,000-row run within 10 minutes on one core with the
+# previous, smaller vision tower; with today's, 13.4 minutes, the other core busy: README "Your own data")
 PROBE_PROMPTS = 16
-MAX_WARMUP_STEPS = 1000  # ~8 minutes on one core of the 2-core CPU (measured 0.47 s a step of 32 rows, tiny model)
+MAX_WARMUP_STEPS = 1000  # ~12.5 minutes on one core of the 2-core CPU (measured 0.75 s a step of 32 rows, tiny model
+# with the tower's LoRA on, the other core busy; 0.41-0.47 s with the previous, smaller tower)
 
 
 @dataclass
