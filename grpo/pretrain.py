@@ -49,7 +49,7 @@ from grpo_infra.atomic import new_directory, replace_file
 
 # The pretraining schedule (passed to the trainer's CLI; the card records them). Measured:
 # with the 2 x 64 vision tower, 58.8 minutes in all on one core of this project's 2-core machine; with
-# today's 4 x 128 tower, 76 minutes (the shipped build's card has its own time and machine).
+# today's 4 x 128 tower, 76 and 84.5 minutes in two builds (the shipped build's card has its own time and machine).
 PRETRAIN: dict[str, str] = {
     "warmup.phase.perception_steps": "3500",
     "warmup.phase.steps": "2500",
