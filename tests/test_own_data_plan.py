@@ -51,7 +51,7 @@ def test_no_signal_warms_up_first_then_rl_from_it_with_a_kl_to_it(unseen, tmp_pa
     rc, out, err = run_main(run, *FAST, "--phase", "B", "--run.data", str(unseen), "--warmup.phase.steps", "2")
     assert rc == 0, err
     line = next(ln for ln in out.splitlines() if ln.startswith("own data:"))
-    assert re.search(r"the base answered [0-3] of 16 probe prompts correctly at least once in G=8 samples "
+    assert re.search(r"the base answered [0-7] of 16 probe prompts correctly at least once in G=8 samples "
                      r"\(\d+% < 50%\): RL alone would get almost no signal", line), line
     assert "so the warm-up first (SFT on the labels: 2 steps x 4" in line and "with a KL to it (beta 1)" in line
     assert not (run / "A").exists() and (run / "warmup").is_dir()
