@@ -269,6 +269,7 @@ def test_a_changed_architecture_gets_its_own_cache_entry(monkeypatch):
         tiny._build_fingerprint.cache_clear()
     assert default_model_dir() == before
 
+
 def test_a_damaged_cache_entry_is_built_again(tmp_path, monkeypatch):
     monkeypatch.setenv("VLGRPO_CACHE", str(tmp_path))
     first = default_model_dir()
