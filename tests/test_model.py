@@ -257,13 +257,12 @@ def test_a_changed_architecture_gets_its_own_cache_entry(monkeypatch):
     from grpo.model import tiny
 
     before = default_model_dir()
+    assert before.name == tiny._cache_name(0)
     wider = dict(tiny.TINY_VISION, hidden_size=tiny.TINY_VISION["hidden_size"] * 2)
     monkeypatch.setattr(tiny, "TINY_VISION", wider)
     tiny._build_fingerprint.cache_clear()
     try:
-        root = before.parent
-        name = f"{tiny.TINY_VERSION}-{tiny._build_fingerprint(0)}"
-        assert root / name != before
+        assert tiny._cache_name(0) != before.name
     finally:
         monkeypatch.undo()
         tiny._build_fingerprint.cache_clear()

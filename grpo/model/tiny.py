@@ -150,6 +150,11 @@ def _build_fingerprint(seed: int) -> str:
     return h.hexdigest()[:10]
 
 
+def _cache_name(seed: int) -> str:
+    """The cache entry's name: the build's version and fingerprint, and the seed if not 0."""
+    return f"{TINY_VERSION}-{_build_fingerprint(seed)}" + ("" if seed == 0 else f"-seed{seed}")
+
+
 def default_model_dir(seed: int = 0) -> Path:
     """The cached tiny model directory, built on first use.
 
@@ -162,8 +167,7 @@ def default_model_dir(seed: int = 0) -> Path:
     see a half-written model.
     """
     root = Path(os.environ.get("VLGRPO_CACHE", Path.home() / ".cache" / "vlgrpo"))
-    name = f"{TINY_VERSION}-{_build_fingerprint(seed)}" + ("" if seed == 0 else f"-seed{seed}")
-    target = root / name
+    target = root / _cache_name(seed)
     if all((target / f).is_file() for f in BUILD_FILES):
         return target
     if target.exists():  # a damaged entry (a file deleted by hand or by a full disk): build it again
