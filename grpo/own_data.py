@@ -16,17 +16,17 @@ taught lives only in the adapter, so without the anchor the adapter's walk erase
 tens of steps (bench/EXPERIMENTS.md sections 11-12). On the shipped tiny base the plan also sets
 both learning rates (``TINY_LR``): the warm-up's 4e-3 (8x the preset's: at 5e-4 a new kind of
 figure is still being learned when the linearly decayed lr is spent, section 17) and B's 1e-4
-(a fifth of the preset's, section 12). They were measured on the tiny base only (the previous one, with
-a 2 x 64 vision tower; not yet re-measured on today's 4 x 128); a pretrained
-model keeps its preset's lr (the 7B's 1e-5) in every phase. The warm-up, and every phase after
-it, trains LoRA in the vision tower and its merger too (``PLAN_VISION``): a kind of figure the
-base never saw is read better with them (section 13); on the shipped tiny base also on lm_head
-(``HEAD``), whose rows for tokens its pretraining never wrote cannot be told apart otherwise
-(section 16). Options the user set win: an explicit ``--optim.beta``, ``--B.optim.beta``,
-``--optim.lr``, ``--warmup.optim.lr``, ``--B.optim.lr``, ``--lora.vision``, ``--lora.merger``,
-``--lora.targets`` or ``--warmup.phase.steps`` is kept, and ``--sft-first`` (auto | always |
-never) overrides the probe. A warm-up sized in passes is capped at
-``MAX_WARMUP_STEPS`` (one line says so); training rows that all share one gold answer are
+(a fifth of the preset's, section 12). They were chosen on the previous tiny base (a 2 x 64 vision
+tower); on today's (4 x 128) the plan as a whole was measured again on four sets (README "Your own
+data"), not each setting against its alternatives. A pretrained model keeps its preset's lr (the
+7B's 1e-5) in every phase. The warm-up, and every phase after it, trains LoRA in the vision tower
+and its merger too (``PLAN_VISION``): a kind of figure the base never saw is read better with them
+(section 13); on the shipped tiny base also on lm_head (``HEAD``), whose rows for tokens its
+pretraining never wrote cannot be told apart otherwise (section 16). Options the user set win: an
+explicit ``--optim.beta``, ``--B.optim.beta``, ``--optim.lr``, ``--warmup.optim.lr``,
+``--B.optim.lr``, ``--lora.vision``, ``--lora.merger``, ``--lora.targets`` or
+``--warmup.phase.steps`` is kept, and ``--sft-first`` (auto | always | never) overrides the probe.
+A warm-up sized in passes is capped at ``MAX_WARMUP_STEPS`` (one line says so); training rows that all share one gold answer are
 refused in one line, whatever ``--sft-first`` says.
 """
 
@@ -55,7 +55,9 @@ AFTER_WARMUP = {"optim.beta": WARMUP_BETA}
 # - B's after it: a fifth of the preset's 5e-4 (section 12: from a 17-pass warm-up, 5e-4 loses more of it).
 TINY_LR = {"warmup": 4e-3, "B": 1e-4}
 # LoRA in the vision tower's blocks and in the merger, in the warm-up and in every phase after it
-# (which carry its adapters): a new kind of figure is read better with them (section 13)
+# (which carry its adapters): a new kind of figure is read better with them (section 13; on today's base, seed 0,
+# the tower's LoRA off and the merger's on: polygons .341 against .724 after the warm-up, digit sums .369 against
+# .520, digits .927 against .972; a warm-up step 0.42 s against 0.55-0.57 s, both beside another run)
 PLAN_VISION = {"lora.vision": True, "lora.merger": True}
 # LoRA on the output head too, where the base is the shipped tiny one: its pretraining curriculum writes 88 of its 556
 # tokens, and the output rows of the other 468 stayed nearly parallel (cosine > .9; in the 2 x 64 tower's base and in
@@ -67,10 +69,11 @@ HEAD = "lm_head"
 CHOICES = {**AFTER_WARMUP, **PLAN_VISION, "lora.targets": (), "optim.lr": 0.0}  # every setting the plan chooses, typed
 WARMUP_PASSES = 17  # the warm-up's size in passes over the training rows (section 12, lr 5e-4: digits' test EM .44
 # at 5.6, .64 at 10, .78 at 17, .84 at 25 passes; 17 kept a 2,000-row run within 10 minutes on one core with the
-# previous, smaller vision tower; with today's, 13.4 minutes, the other core busy: README "Your own data")
+# previous, smaller vision tower; with today's, 13.4 minutes, and 8.6-10.8 for sets of 1,700-1,800 rows, the other
+# core busy: README "Your own data")
 PROBE_PROMPTS = 16
 MAX_WARMUP_STEPS = 1000  # ~12.5 minutes on one core of the 2-core CPU (measured 0.75 s a step of 32 rows, tiny model
-# with the tower's LoRA on, the other core busy; 0.41-0.47 s with the previous, smaller tower)
+# with the tower's LoRA on, the other core busy; 0.55-0.68 s on other days; 0.41-0.47 s with the previous tower)
 
 
 @dataclass
