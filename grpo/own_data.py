@@ -26,8 +26,8 @@ pretraining never wrote cannot be told apart otherwise (section 16). Options the
 explicit ``--optim.beta``, ``--B.optim.beta``, ``--optim.lr``, ``--warmup.optim.lr``,
 ``--B.optim.lr``, ``--lora.vision``, ``--lora.merger``, ``--lora.targets`` or
 ``--warmup.phase.steps`` is kept, and ``--sft-first`` (auto | always | never) overrides the probe.
-A warm-up sized in passes is capped at ``MAX_WARMUP_STEPS`` (one line says so); training rows that all share one gold answer are
-refused in one line, whatever ``--sft-first`` says.
+A warm-up sized in passes is capped at ``MAX_WARMUP_STEPS`` (one line says so); training rows that
+all share one gold answer are refused in one line, whatever ``--sft-first`` says.
 """
 
 from __future__ import annotations
@@ -69,11 +69,11 @@ HEAD = "lm_head"
 CHOICES = {**AFTER_WARMUP, **PLAN_VISION, "lora.targets": (), "optim.lr": 0.0}  # every setting the plan chooses, typed
 WARMUP_PASSES = 17  # the warm-up's size in passes over the training rows (section 12, lr 5e-4: digits' test EM .44
 # at 5.6, .64 at 10, .78 at 17, .84 at 25 passes; 17 kept a 2,000-row run within 10 minutes on one core with the
-# previous, smaller vision tower; with today's, 13.4 minutes, and 8.6-10.8 for sets of 1,700-1,800 rows, the other
+# previous, smaller vision tower; with today's, 13.4 minutes, and 8.7-10.8 for sets of 1,700-1,800 rows, the other
 # core busy: README "Your own data")
 PROBE_PROMPTS = 16
 MAX_WARMUP_STEPS = 1000  # ~12.5 minutes on one core of the 2-core CPU (measured 0.75 s a step of 32 rows, tiny model
-# with the tower's LoRA on, the other core busy; 0.55-0.68 s on other days; 0.41-0.47 s with the previous tower)
+# with the tower's LoRA on, the other core busy; 0.55-0.68 s under other loads; 0.41-0.47 s with the previous tower)
 
 
 @dataclass
